@@ -1,0 +1,1 @@
+"""jaxpar: GPT training with data, tensor and pipeline parallelism and ZeRO, as one JAX SPMD program."""

@@ -1,0 +1,159 @@
+"""Defaults for every config key, and `validate`: every layout and shape rule in one place.
+
+Config files in `configs/` start from `base_config()` and change what they need. `validate(config, num_devices)`
+runs before anything is compiled or written and raises `ConfigError` naming the numbers and the fix.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+# Logical axis -> mesh axis (None: replicated). Megatron's tensor-parallel pattern: heads and MLP width are split
+# (column-parallel in, row-parallel out), the vocabulary is split (vocab-parallel embedding and logits); the batch is
+# split over data; the stacked layers over stage (the pipeline).
+DEFAULT_RULES = (
+    ("batch", "data"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("mlp", "tensor"),
+    ("kv", None),
+    ("embed", None),
+    ("qkv", None),
+    ("seq", None),
+    ("layers", "stage"),
+)
+
+MESH_AXES = ("data", "stage", "tensor")  # order of the device grid: tensor last = neighbouring devices
+REMAT_POLICIES = ("none", "full", "dots", "attention")
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("gpipe", "circular")
+
+
+class ConfigError(ValueError):
+    """A config or layout that cannot run; the message names the numbers and the fix."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "jaxpar"
+    c.init_from = ""  # reserved: an export directory to fine-tune from
+
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, tensor=1, stage=1))
+    c.rules = DEFAULT_RULES
+
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=0,  # 0: taken from the tokenizer; padded to a multiple of 128 and of mesh.tensor
+        seq_len=256, layers=4, embed=128, heads=4, mlp=0,  # mlp 0: 4 * embed
+        dropout_embed=0.0, dropout_resid=0.0,
+        tie_embeddings=True,
+        remat="none",  # none | full | dots (save matmul outputs) | attention (save attention outputs)
+    ))
+
+    c.train = ml_collections.ConfigDict(dict(
+        steps=1000, global_batch_size=32, microbatches=1, seed=0,
+        param_dtype="float32", compute_dtype="float32",
+    ))
+
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=3e-4, min_lr_ratio=0.1, warmup_steps=100, decay_steps=1000,
+        weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, clip_norm=1.0,
+        zero_stage=0,
+    ))
+
+    c.pipeline = ml_collections.ConfigDict(dict(schedule="gpipe", virtual_stages=1))
+
+    c.data = ml_collections.ConfigDict(dict(
+        corpus="shakespeare",  # "shakespeare" or a glob of text files
+        tokenizer="byte",  # byte | bpe | path to a tokenizer.json
+        bpe_vocab_size=4096,
+        val_fraction=0.05,
+        cache_dir="",  # "": $JAXPAR_CACHE or ~/.cache/jaxpar
+    ))
+
+    c.checkpoint = ml_collections.ConfigDict(dict(every_steps=200, keep=3, async_save=True))
+    c.log = ml_collections.ConfigDict(dict(every_steps=10, profile_steps=(), progress=True))
+    c.eval = ml_collections.ConfigDict(dict(every_steps=100, batches=8))
+    return c
+
+
+def mlp_width(config) -> int:
+    return config.model.mlp or 4 * config.model.embed
+
+
+def padded_vocab(vocab_size: int, tensor: int) -> int:
+    """Smallest multiple of lcm(128, tensor) >= vocab_size (Megatron's `make-vocab-size-divisible-by`)."""
+    import math
+
+    m = 128 * tensor // math.gcd(128, tensor)
+    return -(-vocab_size // m) * m
+
+
+def mesh_shape(config, num_devices: int) -> dict[str, int]:
+    """Resolve `data = -1` into the devices left over; returns {'data', 'tensor', 'stage'} sizes."""
+    t, s, d = int(config.mesh.tensor), int(config.mesh.stage), int(config.mesh.data)
+    for name, v in (("tensor", t), ("stage", s)):
+        if v < 1:
+            raise ConfigError(f"mesh.{name}={v}: must be >= 1.")
+    if d == -1:
+        if num_devices % (t * s):
+            raise ConfigError(
+                f"mesh.tensor={t} x mesh.stage={s} = {t * s} does not divide the {num_devices} devices; "
+                f"pick tensor x stage among the divisors of {num_devices}.")
+        d = num_devices // (t * s)
+    if d < 1 or d * t * s != num_devices:
+        raise ConfigError(
+            f"layout data={d} x tensor={t} x stage={s} = {d * t * s} devices, but {num_devices} are present; "
+            f"set --config.mesh.data=-1 to use the rest, or make the product {num_devices}.")
+    return {"data": d, "tensor": t, "stage": s}
+
+
+def validate(config, num_devices: int) -> dict[str, int]:
+    """Check every rule before anything compiles. Returns the resolved mesh shape.
+
+    Raises:
+      ConfigError: naming the offending numbers and the fix.
+    """
+    shape = mesh_shape(config, num_devices)
+    d, t, s = shape["data"], shape["tensor"], shape["stage"]
+    m, tr, o = config.model, config.train, config.optim
+    B, M = int(tr.global_batch_size), int(tr.microbatches)
+    errs = []
+    if M < 1:
+        errs.append(f"train.microbatches={M} must be >= 1.")
+    elif B % (d * M):
+        errs.append(
+            f"train.global_batch_size={B} is not divisible by mesh.data={d} x train.microbatches={M} = {d * M}; "
+            f"use a batch that is a multiple of {d * M} (e.g. {max(1, B // (d * M)) * d * M}) or change the layout.")
+    if m.embed % m.heads:
+        errs.append(f"model.embed={m.embed} is not divisible by model.heads={m.heads}.")
+    if m.heads % t:
+        errs.append(f"model.heads={m.heads} is not divisible by mesh.tensor={t}; use heads a multiple of {t} "
+                    f"or a tensor size dividing {m.heads}.")
+    if mlp_width(config) % t:
+        errs.append(f"MLP width {mlp_width(config)} is not divisible by mesh.tensor={t}; set model.mlp to a "
+                    f"multiple of {t}.")
+    v = max(1, int(config.pipeline.virtual_stages))
+    if m.layers % (s * v):
+        errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}.")
+    if s > 1 and M < s:
+        errs.append(f"train.microbatches={M} < mesh.stage={s}: the pipeline needs at least one microbatch per "
+                    f"stage; set --config.train.microbatches={s} or more.")
+    if config.pipeline.schedule not in SCHEDULES:
+        errs.append(f"pipeline.schedule={config.pipeline.schedule!r}: pick one of {SCHEDULES}.")
+    if m.remat not in REMAT_POLICIES:
+        errs.append(f"model.remat={m.remat!r}: pick one of {REMAT_POLICIES}.")
+    for k in ("param_dtype", "compute_dtype"):
+        if tr[k] not in DTYPES:
+            errs.append(f"train.{k}={tr[k]!r}: pick one of {DTYPES}.")
+    if o.zero_stage not in (0, 1, 2, 3):
+        errs.append(f"optim.zero_stage={o.zero_stage}: pick 0, 1, 2 or 3.")
+    if o.warmup_steps < 0 or o.decay_steps < o.warmup_steps:
+        errs.append(f"optim.warmup_steps={o.warmup_steps}, optim.decay_steps={o.decay_steps}: need "
+                    f"0 <= warmup_steps <= decay_steps.")
+    for name, val in (("model.seq_len", m.seq_len), ("model.layers", m.layers), ("train.steps", tr.steps),
+                      ("log.every_steps", config.log.every_steps), ("eval.every_steps", config.eval.every_steps),
+                      ("checkpoint.every_steps", config.checkpoint.every_steps)):
+        if val < 1:
+            errs.append(f"{name}={val} must be >= 1.")
+    if errs:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
+    return shape

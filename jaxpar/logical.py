@@ -1,0 +1,59 @@
+"""Logical activation constraints: the only sharding vocabulary the model sees.
+
+The model calls `constrain(x, ("batch", "seq", "embed"))`. Outside `activation_rules(...)` that is the identity; inside,
+the names are mapped through the rules table to a `PartitionSpec` over the ambient mesh (`jax.set_mesh`) and applied
+with `jax.lax.with_sharding_constraint`. Mesh axes listed in `manual` (e.g. `stage` inside the pipeline's shard_map)
+are dropped, since the compiler does not own them there.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+_RULES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_rules", default=None)
+
+
+def spec(names, rules, skip=()) -> P:
+    """Logical names -> `PartitionSpec`; each mesh axis is used at most once (first come), `skip` axes never.
+
+    Raises:
+      KeyError: a logical name missing from the rules table.
+    """
+    table = dict(rules)
+    used, out = set(skip), []
+    for n in names:
+        if n is None:
+            out.append(None)
+            continue
+        if n not in table:
+            raise KeyError(f"logical axis {n!r} has no rule; add ({n!r}, mesh_axis_or_None) to config.rules")
+        ax = table[n]
+        axes = (ax,) if isinstance(ax, str) else tuple(ax or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return P(*out)
+
+
+@contextlib.contextmanager
+def activation_rules(rules, mesh=None, manual=()):
+    """Within this context `constrain` applies `rules` (pairs of logical name, mesh axis) on `mesh` (None: the
+    ambient mesh of `jax.set_mesh` / a shard_map body); `manual` mesh axes are skipped."""
+    token = _RULES.set((tuple(rules), mesh, tuple(manual)))
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+def constrain(x: jax.Array, names) -> jax.Array:
+    """Constrain activation `x` (one logical name per dimension) to its sharding; identity outside a rules context."""
+    ctx = _RULES.get()
+    if ctx is None:
+        return x
+    rules, mesh, manual = ctx
+    p = spec(names, rules, skip=manual)
+    return jax.lax.with_sharding_constraint(x, p if mesh is None else NamedSharding(mesh, p))

@@ -1,0 +1,249 @@
+"""GPT-2-style decoder in Flax NNX, with logical axis names on every parameter and no knowledge of meshes.
+
+Parameters live as a plain nested dict (`params`), the same tree whatever the layout; the block parameters are
+stacked on a leading `layers` axis. `GPT` (NNX modules) defines and initialises them; `Forward` applies them as pure
+functions in three pieces — `embed`, `layers` (any contiguous chunk of the stack, so a pipeline stage can run its
+own), `head_loss` — so the pipeline can place them without knowing what a GPT is.
+
+Shapes: tokens `[batch, seq]` int32; activations `[batch, seq, embed]` in the compute dtype; logits
+`[batch, seq, vocab]` float32 (vocab padded; padded entries masked to -inf before the softmax).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.logical import constrain
+
+LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int  # padded: a multiple of 128 and of the tensor size
+    vocab_real: int  # symbols the tokenizer has; logits at ids >= vocab_real never count
+    seq_len: int
+    layers: int
+    embed: int
+    heads: int
+    mlp: int
+    dropout_embed: float = 0.0
+    dropout_resid: float = 0.0
+    tie_embeddings: bool = True
+    remat: str = "none"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed // self.heads
+
+
+def _param(key, shape, std, names, dtype):
+    init = jnp.zeros(shape, dtype) if std == 0 else std * jax.random.normal(key, shape, dtype)
+    return nnx.Param(init, **{LOGICAL: names})
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: ("embed",)})
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype), **{LOGICAL: ("embed",)})
+
+    def __call__(self, x):
+        """Statistics in float32 (eps 1e-5, as GPT-2); output in x's dtype."""
+        xf = x.astype(jnp.float32)
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.square(xf - mean).mean(-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm transformer block: x + Attn(LN(x)), then x + MLP(LN(x)).
+
+    QKV and MLP-in are column-parallel (output split on `heads` / `mlp`), attention-out and MLP-out row-parallel
+    (input split), Megatron-LM's pattern (Shoeybi et al. 2019, sec. 3). No bias on the key projection: softmax is
+    invariant to a per-query shift, so its exact gradient is zero.
+    """
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        d, h, hd, f = cfg.embed, cfg.heads, cfg.head_dim, cfg.mlp
+        dt = jnp.dtype(cfg.param_dtype)
+        resid_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2 (Radford et al. 2019, sec. 2.3)
+        self.ln1 = LayerNorm(d, dt)
+        self.wqkv = _param(rngs.params(), (d, 3, h, hd), 0.02, ("embed", "qkv", "heads", "kv"), dt)
+        self.bqv = _param(None, (2, h, hd), 0, ("qkv", "heads", "kv"), dt)  # biases of q and v; none for k
+        self.wo = _param(rngs.params(), (h, hd, d), resid_std, ("heads", "kv", "embed"), dt)
+        self.bo = _param(None, (d,), 0, ("embed",), dt)
+        self.ln2 = LayerNorm(d, dt)
+        self.w_in = _param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
+        self.b_in = _param(None, (f,), 0, ("mlp",), dt)
+        self.w_out = _param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
+        self.b_out = _param(None, (d,), 0, ("embed",), dt)
+
+    def __call__(self, x, cfg: GPTConfig, drop=None, cache=None):
+        """x `[batch, seq, embed]` -> same. `drop(x, site)` applies residual dropout; `cache` is for decoding."""
+        cdt = x.dtype
+        h = self.ln1(x)
+        qkv = jnp.einsum("btd,dkhe->btkhe", h, self.wqkv[...].astype(cdt))
+        q = qkv[:, :, 0] + self.bqv[0].astype(cdt)
+        k = qkv[:, :, 1]
+        v = qkv[:, :, 2] + self.bqv[1].astype(cdt)
+        q, k, v = (constrain(a, ("batch", "seq", "heads", "kv")) for a in (q, k, v))
+        if cache is None:
+            a = attention(q, k, v)
+        else:
+            a, cache = cache.attend(q, k, v)
+        a = checkpoint_name(a, "attention")
+        o = jnp.einsum("bthe,hed->btd", a, self.wo[...].astype(cdt)) + self.bo[...].astype(cdt)
+        x = x + (drop(o, 0) if drop else o)
+        x = constrain(x, ("batch", "seq", "embed"))
+        h = self.ln2(x)
+        u = jnp.einsum("btd,df->btf", h, self.w_in[...].astype(cdt)) + self.b_in[...].astype(cdt)
+        u = constrain(jax.nn.gelu(u, approximate=True), ("batch", "seq", "mlp"))
+        o = jnp.einsum("btf,fd->btd", u, self.w_out[...].astype(cdt)) + self.b_out[...].astype(cdt)
+        x = x + (drop(o, 1) if drop else o)
+        return constrain(x, ("batch", "seq", "embed")), cache
+
+
+def attention(q, k, v):
+    """Causal multi-head attention `[batch, seq, heads, head_dim]` x3 -> same; softmax in float32 (upcast)."""
+    dt = q.dtype
+    if jax.default_backend() == "cpu" and dt != jnp.float32:
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
+
+
+class GPT(nnx.Module):
+    """Token + position embeddings, `layers` stacked blocks, final LayerNorm, LM head (tied to `wte` by default)."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.param_dtype)
+        self.wte = _param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt)
+        self.wpe = _param(rngs.params(), (cfg.seq_len, cfg.embed), 0.02, ("seq", "embed"), dt)
+
+        @nnx.split_rngs(splits=cfg.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(r):
+            return Block(cfg, r)
+
+        self.blocks = make_blocks(rngs)
+        self.ln_f = LayerNorm(cfg.embed, dt)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs.params(), (cfg.embed, cfg.vocab_size), 0.02, ("embed", "vocab"), dt)
+
+
+def init_params(cfg: GPTConfig, key: jax.Array) -> dict:
+    """Fresh parameters as a nested dict of arrays `{wte, wpe, blocks: {...[layers, ...]}, ln_f, [lm_head]}`.
+
+    Values depend only on `key` and `cfg` (jit it with any out_shardings: threefry is partitionable)."""
+    return nnx.split(GPT(cfg, nnx.Rngs(params=key)))[1].to_pure_dict()
+
+
+def logical_axes(cfg: GPTConfig) -> dict:
+    """The params tree with, per leaf, a tuple of logical axis names (block leaves start with `layers`)."""
+    model = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0)))
+    state = nnx.state(model)
+    names = jax.tree.map(lambda v: v.get_metadata()[LOGICAL], state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    names = nnx.State(names).to_pure_dict() if not isinstance(names, dict) else names
+    names["blocks"] = jax.tree.map(lambda t: ("layers",) + tuple(t), names["blocks"],
+                                   is_leaf=lambda t: isinstance(t, tuple))
+    return names
+
+
+def no_decay(path: tuple) -> bool:
+    """True for parameters AdamW must not decay: biases, LayerNorm parameters, embeddings."""
+    leaf = path[-1]
+    return leaf in ("wte", "wpe") or leaf.startswith("b") or leaf in ("scale", "bias")
+
+
+_REMAT = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "attention": jax.checkpoint_policies.save_only_these_names("attention"),
+}
+
+
+class Forward:
+    """Pure functions over the params dict; build once per config (holds the block's graph definition)."""
+
+    def __init__(self, cfg: GPTConfig):
+        self.cfg = cfg
+        self.block_def = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(params=0))))
+        self.cdt = jnp.dtype(cfg.compute_dtype)
+
+    def embed(self, params, tokens, rng=None, seq_ids=None, pos0=0):
+        """tokens `[batch, seq]` int32 -> `[batch, seq, embed]` (compute dtype); positions start at `pos0`."""
+        tokens = constrain(tokens, ("batch", "seq"))
+        # one-hot matmul: a vocab-parallel lookup that partitions cleanly over a `vocab`-sharded table
+        onehot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=self.cdt)
+        x = jnp.einsum("btv,vd->btd", onehot, params["wte"].astype(self.cdt))
+        pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)
+        x = x + pos.astype(self.cdt)[None]
+        if rng is not None and self.cfg.dropout_embed > 0:
+            x = dropout(x, self.cfg.dropout_embed, jax.random.fold_in(rng, 0), seq_ids)
+        return constrain(x, ("batch", "seq", "embed"))
+
+    def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0):
+        """Apply the stacked blocks `block_params` (leading axis: layers of this chunk) to x `[batch, seq, embed]`.
+
+        `first_layer` is the global index of the chunk's first layer (it keys dropout, so any split agrees)."""
+        cfg = self.cfg
+        rate = cfg.dropout_resid if rng is not None else 0.0
+
+        def one(x, inp):
+            p, i = inp
+            drop = None
+            if rate > 0:
+                lk = jax.random.fold_in(rng, 1 + i)
+                drop = lambda y, site: dropout(y, rate, jax.random.fold_in(lk, site), seq_ids)
+            y, _ = nnx.merge(self.block_def, p)(x, cfg, drop)
+            return y, None
+
+        if cfg.remat != "none":
+            one = jax.checkpoint(one, policy=_REMAT[cfg.remat], prevent_cse=False)
+        n = jax.tree.leaves(block_params)[0].shape[0]
+        x, _ = jax.lax.scan(one, x, (block_params, first_layer + jnp.arange(n)))
+        return x
+
+    def logits(self, params, x):
+        """x `[batch, seq, embed]` -> float32 logits `[batch, seq, vocab]`, padded ids set to -inf."""
+        cfg = self.cfg
+        h = nnx.merge(nnx.graphdef(LayerNorm(1, jnp.float32)), params["ln_f"])(x)
+        w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
+        z = jnp.einsum("btd,dv->btv", h, w.astype(self.cdt), preferred_element_type=jnp.float32)
+        z = constrain(z, ("batch", "seq", "vocab"))
+        if cfg.vocab_real < cfg.vocab_size:
+            z = jnp.where(jnp.arange(cfg.vocab_size) < cfg.vocab_real, z, -jnp.inf)
+        return z
+
+    def head_loss(self, params, x, targets, mask):
+        """Summed next-token cross-entropy (nats) over tokens where mask is 1, and the number of such tokens.
+
+        targets `[batch, seq]` int32, mask `[batch, seq]` float32 -> (loss_sum, token_count), float32 scalars."""
+        z = self.logits(params, x)
+        lse = jax.nn.logsumexp(z, axis=-1)
+        # the target's logit through a one-hot contraction: partitions over a vocab-sharded z without a gather
+        tz = jnp.where(jax.nn.one_hot(targets, z.shape[-1], dtype=bool), z, 0.0).sum(-1)
+        nll = (lse - tz) * mask
+        return nll.sum(), mask.sum()
+
+    def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None):
+        """The whole model on one (micro)batch: (loss_sum, token_count)."""
+        x = self.embed(params, tokens, rng, seq_ids)
+        x = self.layers(params["blocks"], x, rng, seq_ids)
+        return self.head_loss(params, x, targets, mask)
+
+
+def dropout(x, rate, key, seq_ids):
+    """Inverted dropout whose mask depends only on (key, global sequence id): the same under any layout.
+
+    x `[batch, seq, ...]`, seq_ids `[batch]` int32 (the global index of each sequence in the step's batch)."""
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, seq_ids)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)

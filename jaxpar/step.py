@@ -1,0 +1,152 @@
+"""The jitted train and eval steps: microbatched loss and grads, global-norm clipping, the optax update.
+
+A batch is `{"tokens": int32 [global_batch, seq + 1]}` (inputs are tokens[:, :-1], targets tokens[:, 1:]) with an
+optional `"mask": float32 [global_batch, seq]` of loss weights, sharded on `data`. The loss is the mean next-token
+cross-entropy (nats/token, float32) over all masked-in tokens of the whole global batch, so `train.microbatches`
+accumulated microbatches give exactly the step on the whole batch, also when they hold different numbers of tokens.
+
+The train state is `{"params", "opt_state", "step": int32 [], "rng": uint32 key data}`; it is donated to the step and
+comes back with the same shardings. The step compiles once per run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar import model as gpt
+from jaxpar import sharding as shd
+from jaxpar.config import mlp_width, padded_vocab
+from jaxpar.logical import activation_rules
+from jaxpar.optim import make_optimizer, schedule
+
+
+def model_config(config, vocab_real: int, tensor: int) -> gpt.GPTConfig:
+    m = config.model
+    return gpt.GPTConfig(
+        vocab_size=padded_vocab(vocab_real, tensor), vocab_real=vocab_real, seq_len=m.seq_len, layers=m.layers,
+        embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
+        dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
+        param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype)
+
+
+def split_batch(batch):
+    """-> inputs, targets `[batch, seq]` int32, mask `[batch, seq]` float32."""
+    tokens = batch["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    mask = batch.get("mask")
+    mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    return inputs, targets, mask
+
+
+def to_microbatches(x, m: int):
+    """`[batch, ...]` -> `[m, batch / m, ...]`; microbatch j takes rows j, j + m, ... so each keeps its data shard."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+@dataclasses.dataclass
+class Steps:
+    """Everything compiled for one layout: shardings, and the jitted `init`, `train` and `evaluate`."""
+    cfg: gpt.GPTConfig
+    fwd: gpt.Forward
+    optimizer: optax.GradientTransformation
+    mesh: jax.sharding.Mesh
+    state_shardings: dict
+    batch_sharding: NamedSharding
+    init: callable  # (seed: int) -> state
+    train: callable  # (state, batch) -> (state, metrics)
+    evaluate: callable  # (params, batch) -> (loss_sum, token_count)
+
+    def abstract_state(self):
+        """The state as `jax.ShapeDtypeStruct`s carrying this layout's shardings (an Orbax restore target)."""
+        shapes = jax.eval_shape(lambda: self.init(0))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
+
+def build(config, mesh, vocab_real: int) -> Steps:
+    """Shardings and jitted steps for `config` on `mesh` (call `config.validate` first)."""
+    cfg = model_config(config, vocab_real, mesh.shape["tensor"])
+    fwd = gpt.Forward(cfg)
+    optimizer = make_optimizer(config)
+    rules, zero, M = tuple(config.rules), int(config.optim.zero_stage), int(config.train.microbatches)
+    lr_at = schedule(config)
+
+    names = gpt.logical_axes(cfg)
+    pshapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
+    pspecs = shd.param_specs(names, pshapes, rules, mesh, zero=zero >= 3)
+    gspecs = shd.param_specs(names, pshapes, rules, mesh, zero=zero >= 2)
+    ospecs_params = shd.param_specs(names, pshapes, rules, mesh, zero=zero >= 1)
+    oshapes = jax.eval_shape(optimizer.init, pshapes)
+    ospecs = shd.opt_state_specs(optimizer, oshapes, ospecs_params)
+    specs = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P()}
+    state_sh = shd.named(mesh, specs)
+    grad_sh = shd.named(mesh, gspecs)
+    batch_sh = NamedSharding(mesh, P("data"))
+    repl = NamedSharding(mesh, P())
+
+    def init(seed):
+        key = jax.random.key(seed)
+        params = gpt.init_params(cfg, jax.random.fold_in(key, 0))
+        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
+
+    def loss_and_grads(params, batch, rng):
+        """Mean loss over the global batch and its grads (float32, sharded as `grad_sh`), M microbatches."""
+        inputs, targets, mask = split_batch(batch)
+        seq_ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
+        total = jnp.maximum(mask.sum(), 1.0)
+        mbs = jax.tree.map(lambda a: to_microbatches(a, M), (inputs, targets, mask, seq_ids))
+
+        def body(carry, mb):
+            gacc, lsum = carry
+            x, y, w, ids = mb
+
+            def f(p):
+                s, _ = fwd.loss(p, x, y, w, rng, ids)
+                return s / total, s
+
+            g, s = jax.grad(f, has_aux=True)(params)
+            gacc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), gacc, g)
+            return (jax.lax.with_sharding_constraint(gacc, grad_sh), lsum + s), None
+
+        zeros = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), sh),
+                             params, grad_sh)
+        (grads, lsum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
+        return lsum / total, grads
+
+    def train(state, batch):
+        with activation_rules(rules, mesh):
+            rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+            loss, grads = loss_and_grads(state["params"], batch, rng if cfg_has_dropout(cfg) else None)
+            updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
+        params = jax.tree.map(lambda p, q: p.astype(q.dtype), params, state["params"])
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_at(state["step"])}
+        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}, metrics
+
+    def evaluate(params, batch):
+        with activation_rules(rules, mesh):
+            inputs, targets, mask = split_batch(batch)
+            mbs = jax.tree.map(lambda a: to_microbatches(a, M), (inputs, targets, mask))
+
+            def body(acc, mb):
+                s, n = fwd.loss(params, *mb)
+                return (acc[0] + s, acc[1] + n), None
+
+            (s, n), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), mbs)
+        return s, n
+
+    return Steps(
+        cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
+        init=jax.jit(init, static_argnums=0, out_shardings=state_sh),
+        train=jax.jit(train, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0),
+        evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], batch_sh), out_shardings=(repl, repl)),
+    )
+
+
+def cfg_has_dropout(cfg: gpt.GPTConfig) -> bool:
+    return cfg.dropout_embed > 0 or cfg.dropout_resid > 0
