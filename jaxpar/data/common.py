@@ -1,0 +1,53 @@
+"""Shared pieces of `jaxpar.data`: `DataError`, hashing, atomic JSON writes and the cache file lock."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """Data that cannot be used (missing, empty, corrupt, too short, wrong hash); the message names the fix."""
+
+
+def check_split(split: str) -> str:
+    if split not in ("train", "val"):
+        raise ValueError(f"split={split!r}: use 'train' or 'val'.")
+    return split
+
+
+def sha256_file(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_json(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def write_json(path, obj) -> None:
+    """Write via a temp name and `os.replace`, so readers see the old file or the whole new one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def locked(lock_path: Path):
+    """Exclusive `fcntl.flock` on `lock_path` (created, never deleted) for the `with` body."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

@@ -1,0 +1,130 @@
+"""Tokenizers: `ByteTokenizer` (UTF-8 bytes) and `BPETokenizer` (HuggingFace `tokenizers`), saved as JSON."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Protocol, Sequence
+
+import numpy as np
+
+from jaxpar.data.common import DataError, read_json, write_json
+
+
+class Tokenizer(Protocol):
+    """Text <-> token ids. `vocab_size` bounds every id that `encode` returns."""
+
+    kind: str  # "byte" or "bpe"
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def save(self, directory: str | os.PathLike) -> None: ...
+
+
+class ByteTokenizer:
+    """The UTF-8 bytes of the text: 256 ids, nothing to train or download. Saved as `byte_tokenizer.json`."""
+
+    kind = "byte"
+    vocab_size = 256
+    FILENAME = "byte_tokenizer.json"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Invalid UTF-8 and ids outside [0, 256) (e.g. padded-vocab ids from a model) decode to U+FFFD."""
+        return bytes(int(i) if 0 <= int(i) < 256 else 0xFF for i in ids).decode("utf-8", errors="replace")
+
+    def save(self, directory: str | os.PathLike) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        write_json(Path(directory) / self.FILENAME, {"kind": "byte", "vocab_size": 256, "encoding": "utf-8"})
+
+
+class BPETokenizer:
+    """A HuggingFace `tokenizers.Tokenizer` (byte-level BPE when trained here). Saved as `tokenizer.json`."""
+
+    kind = "bpe"
+    FILENAME = "tokenizer.json"
+
+    def __init__(self, tokenizer):
+        self.hf = tokenizer
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @classmethod
+    def train(cls, texts: Sequence[str], vocab_size: int) -> "BPETokenizer":
+        """Train byte-level BPE on `texts` (deterministic; the vocab may come out smaller on a tiny corpus)."""
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), show_progress=False, special_tokens=[],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(_chunks(texts), trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "BPETokenizer":
+        """Raises DataError if `path` is missing or not a `tokenizers` JSON file."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        if not Path(path).is_file():
+            raise DataError(f"tokenizer file {path} does not exist; give a path to a tokenizer.json, or 'byte'/'bpe'.")
+        try:
+            return cls(HFTokenizer.from_file(str(path)))
+        except Exception as e:  # the Rust side raises a plain Exception
+            raise DataError(f"cannot read tokenizer file {path} ({e}); it must be a HuggingFace tokenizer.json.") from e
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.hf.save(str(Path(directory) / self.FILENAME))
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Read a tokenizer saved by `save(dir)`: a directory, or a `byte_tokenizer.json`/`tokenizer.json` file.
+
+    Raises:
+      DataError: nothing readable at `path`.
+    """
+    p = Path(path)
+    if p.is_dir():
+        if (p / ByteTokenizer.FILENAME).is_file():
+            p = p / ByteTokenizer.FILENAME
+        elif (p / BPETokenizer.FILENAME).is_file():
+            p = p / BPETokenizer.FILENAME
+        else:
+            raise DataError(f"no {ByteTokenizer.FILENAME} or {BPETokenizer.FILENAME} in {p}.")
+    if p.name == ByteTokenizer.FILENAME:
+        spec = read_json(p)
+        if spec.get("kind") != "byte" or spec.get("vocab_size") != 256:
+            raise DataError(f"{p} is not a byte tokenizer spec: {spec}.")
+        return ByteTokenizer()
+    return BPETokenizer.from_file(p)
+
+
+def _chunks(texts: Sequence[str], size: int = 1 << 20) -> Iterator[str]:
+    """Split texts into ~`size`-character pieces at line ends (keeps one encode/train call small)."""
+    for text in texts:
+        start = 0
+        while start < len(text):
+            cut = text.find("\n", start + size) + 1 or len(text)
+            yield text[start:cut]
+            start = cut
+
+
+def encode_all(tok: Tokenizer, texts: Sequence[str], dtype) -> np.ndarray:
+    """The concatenated token ids of `texts`: `dtype` [n_tokens]."""
+    if isinstance(tok, ByteTokenizer):
+        return np.frombuffer("".join(texts).encode("utf-8"), np.uint8).astype(dtype)
+    pieces, out = list(_chunks(texts)), [np.zeros(0, dtype)]
+    for i in range(0, len(pieces), 32):  # ~32 MB of text per parallel batch
+        out += [np.asarray(e.ids, dtype) for e in tok.hf.encode_batch(pieces[i:i + 32], add_special_tokens=False)]
+    return np.concatenate(out)
