@@ -59,7 +59,11 @@ def base_config() -> ml_collections.ConfigDict:
         zero_stage=0,
     ))
 
-    c.pipeline = ml_collections.ConfigDict(dict(schedule="gpipe", virtual_stages=1))
+    c.pipeline = ml_collections.ConfigDict(dict(
+        schedule="gpipe",  # gpipe | circular
+        virtual_stages=1,  # chunks per stage with the circular schedule
+        remat=True,  # recompute each stage's layers in the backward pass (keep only stage inputs per tick)
+    ))
 
     c.data = ml_collections.ConfigDict(dict(
         corpus="shakespeare",  # "shakespeare" or a glob of text files

@@ -18,6 +18,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import model as gpt
+from jaxpar import pipeline
 from jaxpar import sharding as shd
 from jaxpar.config import mlp_width, padded_vocab
 from jaxpar.logical import activation_rules
@@ -47,6 +48,14 @@ def to_microbatches(x, m: int):
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
+def init_state(cfg: gpt.GPTConfig, optimizer, seed: int) -> dict:
+    """A fresh train state; its values depend only on `seed` and `cfg` (not on the layout)."""
+    key = jax.random.key(seed)
+    params = gpt.init_params(cfg, jax.random.fold_in(key, 0))
+    return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
+
+
 @dataclasses.dataclass
 class Steps:
     """Everything compiled for one layout: shardings, and the jitted `init`, `train` and `evaluate`."""
@@ -59,6 +68,8 @@ class Steps:
     init: callable  # (seed: int) -> state
     train: callable  # (state, batch) -> (state, metrics)
     evaluate: callable  # (params, batch) -> (loss_sum, token_count)
+    to_canonical: callable  # state in this layout's layer order -> canonical order (what checkpoints hold)
+    from_canonical: callable  # the inverse
 
     def abstract_state(self):
         """The state as `jax.ShapeDtypeStruct`s carrying this layout's shardings (an Orbax restore target)."""
@@ -88,25 +99,41 @@ def build(config, mesh, vocab_real: int) -> Steps:
     batch_sh = NamedSharding(mesh, P("data"))
     repl = NamedSharding(mesh, P())
 
+    S = mesh.shape["stage"]
+    v = int(config.pipeline.virtual_stages) if S > 1 and config.pipeline.schedule != "gpipe" else 1
+    sched = pipeline.make_schedule(config.pipeline.schedule, S, v, M) if S > 1 else None
+    reorder = lambda fn: (lambda state: _map_blocks(state, fn))
+    to_canon = reorder(lambda a: pipeline.from_stage_major(a, S, v))
+    from_canon = reorder(lambda a: pipeline.to_stage_major(a, S, v))
+
     def init(seed):
-        key = jax.random.key(seed)
-        params = gpt.init_params(cfg, jax.random.fold_in(key, 0))
-        return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
+        return from_canon(init_state(cfg, optimizer, seed))
 
-    def loss_and_grads(params, batch, rng):
-        """Mean loss over the global batch and its grads (float32, sharded as `grad_sh`), M microbatches."""
+    def microbatched(batch):
+        """-> mask `[batch, seq]`, and {x, y, w, ids} with leaves `[M, batch / M, ...]`."""
         inputs, targets, mask = split_batch(batch)
-        seq_ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
-        total = jnp.maximum(mask.sum(), 1.0)
-        mbs = jax.tree.map(lambda a: to_microbatches(a, M), (inputs, targets, mask, seq_ids))
+        ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
+        xs = {"x": inputs, "y": targets, "w": mask, "ids": ids}
+        return mask, jax.tree.map(lambda a: to_microbatches(a, M), xs)
 
+    def pipelined_loss(params, xs, rng):
+        """(loss_sum, count) of all microbatches through the pipeline over `stage`."""
+        Lc = cfg.layers // (S * v)
+        shared = {k: p for k, p in params.items() if k != "blocks"}
+        first = lambda sh, mb: fwd.embed(sh, mb["x"], rng, mb["ids"])
+        stage = lambda chunk, a, cid, mb: fwd.layers(chunk, a, rng, mb["ids"], first_layer=cid * Lc)
+        last = lambda sh, a, mb: fwd.head_loss(sh, a, mb["y"], mb["w"])
+        with activation_rules(rules, None, manual=("stage",)):
+            return pipeline.run(first, stage, last, shared, params["blocks"], xs, sched, mesh,
+                                remat=bool(config.pipeline.remat))
+
+    def accumulated_loss_and_grads(params, xs, total, rng):
+        """Grads summed over M microbatches in a scan, into a float32 buffer sharded as `grad_sh`."""
         def body(carry, mb):
             gacc, lsum = carry
-            x, y, w, ids = mb
 
             def f(p):
-                s, _ = fwd.loss(p, x, y, w, rng, ids)
+                s, _ = fwd.loss(p, mb["x"], mb["y"], mb["w"], rng, mb["ids"])
                 return s / total, s
 
             g, s = jax.grad(f, has_aux=True)(params)
@@ -115,7 +142,19 @@ def build(config, mesh, vocab_real: int) -> Steps:
 
         zeros = jax.tree.map(lambda p, sh: jax.lax.with_sharding_constraint(jnp.zeros(p.shape, jnp.float32), sh),
                              params, grad_sh)
-        (grads, lsum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), mbs)
+        (grads, lsum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), xs)
+        return lsum, grads
+
+    def loss_and_grads(params, batch, rng):
+        """Mean loss (nats/token) over the global batch and its grads (float32, sharded as `grad_sh`)."""
+        mask, xs = microbatched(batch)
+        total = jnp.maximum(mask.sum(), 1.0)
+        if sched is None:
+            lsum, grads = accumulated_loss_and_grads(params, xs, total, rng)
+        else:
+            f = lambda p: (lambda s: (s / total, s))(pipelined_loss(p, xs, rng)[0])
+            grads, lsum = jax.grad(f, has_aux=True)(params)
+            grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g.astype(jnp.float32), grads), grad_sh)
         return lsum / total, grads
 
     def train(state, batch):
@@ -129,23 +168,34 @@ def build(config, mesh, vocab_real: int) -> Steps:
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}, metrics
 
     def evaluate(params, batch):
+        """(loss_sum, token_count) over a batch, microbatched like training."""
         with activation_rules(rules, mesh):
-            inputs, targets, mask = split_batch(batch)
-            mbs = jax.tree.map(lambda a: to_microbatches(a, M), (inputs, targets, mask))
+            _, xs = microbatched(batch)
+            if sched is not None:
+                return pipelined_loss(params, xs, None)
 
             def body(acc, mb):
-                s, n = fwd.loss(params, *mb)
+                s, n = fwd.loss(params, mb["x"], mb["y"], mb["w"])
                 return (acc[0] + s, acc[1] + n), None
 
-            (s, n), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), mbs)
+            (s, n), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), xs)
         return s, n
 
+    identity = lambda state: state
+    jit_state = lambda f: jax.jit(f, in_shardings=(state_sh,), out_shardings=state_sh) if v > 1 else identity
     return Steps(
         cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
         init=jax.jit(init, static_argnums=0, out_shardings=state_sh),
         train=jax.jit(train, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0),
         evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], batch_sh), out_shardings=(repl, repl)),
+        to_canonical=jit_state(to_canon), from_canonical=jit_state(from_canon),
     )
+
+
+def _map_blocks(state, fn):
+    """Apply `fn` to every leaf under a `blocks` key (params and the optimizer state that mirrors them)."""
+    in_blocks = lambda path: any(getattr(k, "key", None) == "blocks" for k in path)
+    return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if in_blocks(path) else a, state)
 
 
 def cfg_has_dropout(cfg: gpt.GPTConfig) -> bool:

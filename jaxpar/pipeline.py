@@ -1,0 +1,159 @@
+"""Pipeline parallelism over the mesh axis `stage`: one `lax.scan` of ticks, `ppermute` between stages.
+
+Knows nothing about GPT. The caller supplies three functions over one microbatch:
+
+    first_fn(shared, mb)            -> activation          (stage 0, first pass: e.g. the embedding)
+    stage_fn(chunk, act, chunk, mb) -> activation          (one stage's layers; chunk = global chunk index)
+    last_fn(shared, act, mb)        -> (loss_sum, count)   (last stage, last pass: e.g. final norm, head, loss)
+
+`mb` is the microbatch's slice of the `xs` pytree (`[M, ...]` leaves). The schedule is data (`Schedule`): which
+microbatch and which of its local chunks each stage runs at each tick. GPipe (Huang et al. 2019) runs
+M + S - 1 ticks; the circular schedule (interleaved virtual stages: Narayanan et al. 2021, sec. 2.2; the
+"circular repeat" of GSPMD pipelining, Xu et al. 2021, sec. 3.3) gives each stage v chunks and loops the microbatches
+v times, v·M + S - 1 ticks, so the bubble fraction falls from (S-1)/(M+S-1) to (S-1)/(v·M+S-1).
+
+Bubbles never touch the loss or the gradients: slots without work are skipped with `lax.cond` (no compute, and no
+0 · NaN in the backward pass), and the first and last functions run only on their own stage and slot, so the
+embedding and the head are computed once per microbatch, not once per stage. Autodiff through the scan gives GPipe's
+backward pass; `remat=True` checkpoints `stage_fn` so a stage keeps only its inputs per tick.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+AXIS = "stage"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A forward tick table: for tick t and stage s, `mb[t, s]` (microbatch), `rep[t, s]` (local chunk, i.e. pass
+    number), `valid[t, s]` (work or bubble). Arrays are int32/bool `[ticks, stages]`."""
+    name: str
+    stages: int
+    virtual: int
+    microbatches: int
+    mb: np.ndarray
+    rep: np.ndarray
+    valid: np.ndarray
+
+    @property
+    def ticks(self) -> int:
+        return self.valid.shape[0]
+
+    def bubble_fraction(self) -> float:
+        """Idle slots / all slots: (S - 1) / (v·M + S - 1) for these schedules."""
+        return 1.0 - float(self.valid.mean())
+
+
+def circular(stages: int, virtual: int, microbatches: int, name: str = "circular") -> Schedule:
+    """Stage s works at tick t on slot k = t - s: microbatch k mod M, pass k div M (valid while k < v·M).
+
+    Microbatch i leaves the last stage after pass r at tick r·M + i + S - 1 and is needed back on stage 0 at
+    tick (r+1)·M + i, so M >= S is required (validated in config).
+
+    Raises:
+      ValueError: M < S with v > 1.
+    """
+    S, v, M = stages, virtual, microbatches
+    if v > 1 and M < S:
+        raise ValueError(f"circular schedule needs microbatches >= stages; got M={M}, S={S}")
+    t = np.arange(v * M + S - 1)[:, None]
+    k = t - np.arange(S)[None, :]
+    valid = (k >= 0) & (k < v * M)
+    kc = np.clip(k, 0, v * M - 1)
+    return Schedule(name, S, v, M, (kc % M).astype(np.int32), (kc // M).astype(np.int32), valid)
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    return circular(stages, 1, microbatches, name="gpipe")
+
+
+def make_schedule(name: str, stages: int, virtual: int, microbatches: int) -> Schedule:
+    if name == "gpipe":
+        return gpipe(stages, microbatches)
+    if name == "circular":
+        return circular(stages, virtual, microbatches)
+    raise ValueError(f"unknown pipeline schedule {name!r}")
+
+
+def to_stage_major(x, stages: int, virtual: int):
+    """Layer axis 0 in canonical order -> the order whose contiguous split over `stages` gives stage s the chunks
+    s, s + S, ..., s + (v-1)·S (what the circular schedule needs). Identity for v = 1."""
+    if virtual == 1:
+        return x
+    L = x.shape[0]
+    c = x.reshape(virtual, stages, L // (virtual * stages), *x.shape[1:])  # [v, S, Lc, ...]: chunk r·S + s
+    return c.swapaxes(0, 1).reshape(x.shape)
+
+
+def from_stage_major(x, stages: int, virtual: int):
+    """Inverse of `to_stage_major`."""
+    if virtual == 1:
+        return x
+    L = x.shape[0]
+    c = x.reshape(stages, virtual, L // (virtual * stages), *x.shape[1:])
+    return c.swapaxes(0, 1).reshape(x.shape)
+
+
+def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, *, remat: bool = True,
+        bubble_fill: float = 0.0):
+    """Run the pipeline; returns (loss_sum, count) summed over all microbatches (float32 scalars).
+
+    Args:
+      shared: params used by first_fn / last_fn (replicated over `stage`).
+      stacked: params of all stages, every leaf `[L, ...]` in stage-major order (`to_stage_major`), sharded on
+        `stage` along axis 0; stage s's chunk r is `leaf[(s·v + r)·Lc : (s·v + r + 1)·Lc]`.
+      xs: per-microbatch inputs, leaves `[M, ...]` (e.g. tokens `[M, micro_batch, seq]`).
+      bubble_fill: value of the activation buffers before any work arrives (tests pass NaN).
+    """
+    S, v, M = schedule.stages, schedule.virtual, schedule.microbatches
+    tables = tuple(jnp.asarray(a) for a in (schedule.mb, schedule.rep, schedule.valid))
+    body = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
+
+    def local(shared, stacked, xs, tables):
+        s = jax.lax.axis_index(AXIS)
+        act_shape = jax.eval_shape(first_fn, shared, jax.tree.map(lambda a: a[0], xs))
+        chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
+        vary = lambda x: jax.lax.pcast(x, (AXIS,), to="varying")  # per-stage values (shard_map's vma types)
+        fill = lambda: vary(jnp.full(act_shape.shape, bubble_fill, act_shape.dtype))
+        zero = lambda: vary(jnp.zeros((), jnp.float32))
+        # shared params become per-stage values once, here: the transpose (a psum of their gradient over `stage`)
+        # then runs once after the loop, not inside a stage's `cond` (where the other stages would never join it)
+        shared = jax.tree.map(vary, shared)
+        take = lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+        def tick(carry, row):
+            recv, loop_buf, loss, count = carry
+            mbs, reps, valids = row
+            i, r, ok = mbs[s], reps[s], valids[s]
+            mb = take(xs, i)
+            # stage 0 starts a microbatch (pass 0) or takes it back from the loop buffer (pass r > 0)
+            if v > 1:
+                x = jnp.where(s == 0, take(loop_buf, i), recv)
+            else:
+                x = recv
+            x = jax.lax.cond(ok & (s == 0) & (r == 0), lambda: first_fn(shared, mb), lambda: x)
+            y = jax.lax.cond(ok, lambda: body(take(chunks, r), x, r * S + s, mb), lambda: x)
+            ls, c = jax.lax.cond(ok & (s == S - 1) & (r == v - 1), lambda: last_fn(shared, y, mb),
+                                 lambda: (zero(), zero()))
+            nxt = jax.lax.ppermute(y, AXIS, [(j, (j + 1) % S) for j in range(S)])
+            if v > 1:  # what stage S-1 just sent round to stage 0 is parked until its next pass
+                j, back = mbs[S - 1], valids[S - 1] & (reps[S - 1] < v - 1)
+                loop_buf = jax.lax.cond(back & (s == 0),
+                                        lambda: jax.lax.dynamic_update_index_in_dim(loop_buf, nxt, j, 0),
+                                        lambda: loop_buf)
+            return (nxt, loop_buf, loss + ls, count + c), None
+
+        buf = vary(jnp.full((M if v > 1 else 1,) + act_shape.shape, bubble_fill, act_shape.dtype))
+        init = (fill(), buf, zero(), zero())
+        (_, _, loss, count), _ = jax.lax.scan(tick, init, tables)
+        return jax.lax.psum(loss, AXIS), jax.lax.psum(count, AXIS)
+
+    f = jax.shard_map(local, mesh=mesh, axis_names={AXIS},
+                      in_specs=(P(), P(AXIS), P(), P()), out_specs=(P(), P()))
+    return f(shared, stacked, xs, tables)

@@ -1,0 +1,51 @@
+"""Reading a finished or running WORKDIR back: its config, tokenizer and latest parameters, on any devices."""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import ml_collections
+
+from jaxpar import data
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.model import Forward
+from jaxpar.optim import make_optimizer
+from jaxpar.step import init_state, model_config
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    """The resolved config train.py wrote to WORKDIR/config.json.
+
+    Raises:
+      FileNotFoundError: WORKDIR has no config.json (not a jaxpar run directory).
+    """
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by train.py.")
+    with open(path) as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def load_params(workdir: str, step: int | None = None, device=None):
+    """-> (Forward, params on one device, tokenizer) from WORKDIR's latest (or given) checkpoint.
+
+    The checkpoint may come from any layout: the params tree on disk is layout-free.
+
+    Raises:
+      FileNotFoundError: no config, tokenizer or complete checkpoint in WORKDIR.
+    """
+    config = read_config(workdir)
+    tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
+    cfg = model_config(config, max(int(config.model.vocab_size), tok.vocab_size), int(config.mesh.tensor))
+    optimizer = make_optimizer(config)
+    ckpt = Checkpointer(workdir, 1, 1, async_save=False)
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no complete checkpoint in {ckpt.directory}.")
+    dev = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    shapes = jax.eval_shape(lambda: init_state(cfg, optimizer, 0))
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), shapes)
+    state, _ = ckpt.restore(step, target)
+    ckpt.close()
+    return Forward(cfg), state["params"], tok

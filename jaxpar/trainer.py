@@ -1,0 +1,151 @@
+"""The training loop: validate -> data -> mesh -> compiled steps -> restore or init -> train, eval, log, save.
+
+Everything that can be wrong with the input (layout, config, data, a checkpoint from another model) is checked
+before the first compile, and before anything is written to WORKDIR.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import jax
+import numpy as np
+
+from jaxpar import data, metrics
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.config import ConfigError, validate
+from jaxpar.mesh import make_mesh
+from jaxpar.step import build
+
+# What a resume must keep identical (else: refuse before touching anything). Layout, zero stage, schedule,
+# microbatches, precision, cadence and steps may change.
+FINGERPRINT_KEYS = ("model.seq_len", "model.layers", "model.embed", "model.heads", "model.mlp",
+                    "model.tie_embeddings", "train.global_batch_size")
+
+
+def fingerprint(config, info, steps) -> dict:
+    fp = {k: _get(config, k) for k in FINGERPRINT_KEYS}
+    fp.update(vocab_real=steps.cfg.vocab_real, mlp_width=steps.cfg.mlp, tokenizer=info.meta.get("tokenizer"),
+              data=os.path.basename(info.dir))
+    return fp
+
+
+def _get(config, dotted):
+    sect, key = dotted.split(".")
+    return config[sect][key]
+
+
+def check_resume(saved: dict, now: dict, allow_batch_change: bool = False) -> None:
+    """Raise ConfigError naming every difference between a checkpoint's fingerprint and this run's."""
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in now
+             if saved.get(k) != now[k] and not (allow_batch_change and k == "train.global_batch_size")]
+    if diffs:
+        raise ConfigError("refusing to resume: the checkpoint was written for another model or data:\n  "
+                          + "\n  ".join(diffs)
+                          + "\nuse a fresh --workdir, or restore the original settings.")
+
+
+def n_params_for_flops(params, tied: bool) -> int:
+    """N of PaLM's 6N: all parameters except position embeddings (the tied embedding counted once)."""
+    return int(sum(np.prod(v.shape) for k, v in params.items() if k != "wpe" for v in jax.tree.leaves(v)))
+
+
+def run(config, workdir: str) -> dict:
+    """Train `config` in `workdir` (resuming from its latest checkpoint). Returns the last logged metrics."""
+    is_main = jax.process_index() == 0
+    shape = validate(config, jax.device_count())
+    info = data.prepare(config)
+    B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
+    vocab = max(int(config.model.vocab_size), info.vocab_size)
+    train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab)
+    val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab)
+    mesh = make_mesh(shape)
+    steps = build(config, mesh, vocab)
+
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    fp = fingerprint(config, info, steps)
+    if os.path.isdir(ckpt_dir):  # refuse a mismatched resume before anything is created or written
+        probe = Checkpointer(workdir, 1, 1, async_save=False)
+        latest = probe.latest_step()
+        if latest is not None:
+            check_resume(probe.read_meta(latest).get("fingerprint", {}), fp)
+        probe.close()
+
+    if is_main:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+        tok_dir = os.path.join(workdir, "tokenizer")
+        if not os.path.isdir(tok_dir):
+            shutil.copytree(info.tokenizer_dir, tok_dir)
+    ckpt = Checkpointer.from_config(workdir, config)
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, _ = ckpt.restore(latest, steps.abstract_state())
+        state = steps.from_canonical(state)
+        start = int(state["step"])
+    else:
+        state, start = steps.init(seed), 0
+
+    rows = data.process_rows(steps.batch_sharding, B)
+    batch_at = lambda src, i: {"tokens": data.to_global(src(i, *rows), steps.batch_sharding, B)}
+    flops_tok = metrics.model_flops_per_token(
+        n_params_for_flops(steps.abstract_state()["params"], steps.cfg.tie_embeddings), steps.cfg.layers,
+        steps.cfg.embed, T)
+    peak = metrics.peak_flops(jax.devices()[0].device_kind)
+    ndev = jax.device_count()
+    writer = metrics.MetricsWriter(workdir, is_main)
+    console = metrics.Console(is_main, int(config.train.steps), start, bool(config.log.progress))
+    profiler = metrics.profile(os.path.join(workdir), tuple(config.log.profile_steps))
+    if is_main:
+        console.print(f"jaxpar: mesh {dict(mesh.shape)} on {ndev} {jax.devices()[0].platform} devices, "
+                      f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "
+                      f"start step {start}, workdir {workdir}")
+
+    def evaluate():
+        tot, n = 0.0, 0.0
+        for i in range(int(config.eval.batches)):
+            s, c = steps.evaluate(state["params"], batch_at(val_data.val_batch, i))
+            tot, n = tot + float(s), n + float(c)
+        return tot / max(n, 1.0)
+
+    last, t0, since = {}, time.perf_counter(), 0
+    total = int(config.train.steps)
+    try:
+        for step in range(start, total):
+            profiler.maybe_start(step)
+            state, m = steps.train(state, batch_at(train_data.rows, step))
+            profiler.maybe_stop(step, block_on=m["loss"])
+            since += 1
+            done = step + 1
+            log_now = done % config.log.every_steps == 0 or done == total
+            eval_now = done % config.eval.every_steps == 0 or done == total
+            if log_now or eval_now:
+                m = {k: float(v) for k, v in jax.device_get(m).items()}
+                if not np.isfinite(m["loss"]):
+                    raise FloatingPointError(f"loss is {m['loss']} at step {done}; the last checkpoint is kept.")
+                dt = time.perf_counter() - t0
+                tps = since * B * T / dt
+                m.update(tokens_per_s=tps, step_time_s=dt / since,
+                         tflops_per_device=metrics.tflops_per_device(tps, flops_tok, ndev),
+                         mfu=metrics.mfu(tps, flops_tok, ndev, peak))
+                m.update(metrics.device_memory_bytes() or {})
+                if eval_now:
+                    m["val_loss"] = evaluate()
+                writer.write(done, m)
+                console.update(done, m)
+                last = dict(m, step=done)
+                t0, since = time.perf_counter(), 0
+            else:
+                console.update(done)
+            if done % config.checkpoint.every_steps == 0 or done == total:
+                ckpt.save(done, steps.to_canonical(state), {"fingerprint": fp, "step": done}, force=True)
+        ckpt.wait()
+    finally:
+        profiler.stop()
+        console.close()
+        writer.close()
+        ckpt.close()
+    return last

@@ -1,0 +1,43 @@
+"""Generate text from a trained run: `python sample.py --workdir DIR --prompt TEXT [--new_tokens N]`.
+
+Loads WORKDIR's config, tokenizer and latest checkpoint onto the devices present (whatever layout trained it).
+"""
+import sys
+
+from absl import app, flags, logging
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+_PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")
+_NEW = flags.DEFINE_integer("new_tokens", 200, "Tokens to generate (prompt + new <= model.seq_len).")
+_TEMP = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
+_TOPK = flags.DEFINE_integer("top_k", 40, "Keep the k most likely tokens; 0 = all.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_NUM = flags.DEFINE_integer("num_samples", 1, "Samples to draw (a batch).")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.generate import generate
+    from jaxpar.runs import load_params
+
+    fwd, params, tok = load_params(_WORKDIR.value)
+    ids = tok.encode(_PROMPT.value)
+    room = fwd.cfg.seq_len - len(ids)
+    if room < 1:
+        sys.exit(f"error: the prompt has {len(ids)} tokens; model.seq_len is {fwd.cfg.seq_len}.")
+    new = min(_NEW.value, room)
+    prompt = jnp.asarray([ids] * _NUM.value, jnp.int32)
+    out = jax.jit(generate, static_argnums=(0, 3, 5, 6))(
+        fwd, params, prompt, new, jax.random.key(_SEED.value), _TEMP.value, _TOPK.value)
+    for row in jax.device_get(out):
+        print(tok.decode(row.tolist()))
+        print("-" * 40)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("workdir")
+    app.run(main)

@@ -1,0 +1,34 @@
+"""Train a GPT: `python train.py --config configs/NAME.py [--workdir DIR] [--config.KEY=VALUE ...]`.
+
+Rerunning the same command resumes from the latest checkpoint in WORKDIR (default: runs/<config file name>).
+"""
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config). "
+                                                "Default: runs/<config file name>.")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    from jaxpar import trainer
+    from jaxpar.config import ConfigError
+    from jaxpar.data import DataError
+
+    config = _CONFIG.value
+    workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
+    try:
+        trainer.run(config, workdir)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main)
