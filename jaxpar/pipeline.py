@@ -100,9 +100,18 @@ def from_stage_major(x, stages: int, virtual: int):
     return c.swapaxes(0, 1).reshape(x.shape)
 
 
+def _varying_axes(x) -> frozenset:
+    """Manual mesh axes along which x differs per device (`.vma` in older JAX, `.manual_axis_type` in 0.10+)."""
+    t = jax.typeof(x)
+    if hasattr(t, "vma"):
+        return t.vma
+    mat = getattr(t, "manual_axis_type", None)
+    return mat.varying if mat is not None else frozenset()
+
+
 def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, *, remat: bool = True,
         bubble_fill: float = 0.0):
-    """Run the pipeline; returns (loss_sum, count) summed over all microbatches (float32 scalars).
+    """Run the pipeline -> (loss_sum, count, per_microbatch_loss_sum `[M]`), float32, summed over microbatches.
 
     Args:
       shared: params used by first_fn / last_fn (replicated over `stage`).
@@ -113,22 +122,34 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
     """
     S, v, M = schedule.stages, schedule.virtual, schedule.microbatches
     tables = tuple(jnp.asarray(a) for a in (schedule.mb, schedule.rep, schedule.valid))
-    body = jax.checkpoint(stage_fn, prevent_cse=False) if remat else stage_fn
+    take = lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
 
     def local(shared, stacked, xs, tables):
         s = jax.lax.axis_index(AXIS)
         act_shape = jax.eval_shape(first_fn, shared, jax.tree.map(lambda a: a[0], xs))
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
-        vary = lambda x: jax.lax.pcast(x, (AXIS,), to="varying")  # per-stage values (shard_map's vma types)
+        def vary(tree):  # per-stage values (shard_map's varying-manual-axes types), whatever the user fns return
+            cast = lambda x: x if AXIS in _varying_axes(x) else jax.lax.pcast(x, (AXIS,), to="varying")
+            return jax.tree.map(cast, tree)
+
         fill = lambda: vary(jnp.full(act_shape.shape, bubble_fill, act_shape.dtype))
         zero = lambda: vary(jnp.zeros((), jnp.float32))
         # shared params become per-stage values once, here: the transpose (a psum of their gradient over `stage`)
         # then runs once after the loop, not inside a stage's `cond` (where the other stages would never join it)
         shared = jax.tree.map(vary, shared)
-        take = lambda tree, i: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
+
+        def work(chunks, r, x, cid, mb, ok):
+            """The stage's layers on its slot, skipped in bubbles."""
+            return jax.lax.cond(ok, lambda: vary(stage_fn(take(chunks, r), x, cid, mb)), lambda: x)
+
+        # Always inside a checkpoint: its inputs are its residuals, so the (loop-invariant) stack of chunks stays one
+        # buffer, where a `cond`'s own residuals would copy the selected chunk at every tick. remat=False saves every
+        # matmul output (no matmul is recomputed; slices of the weights are, which costs no FLOPs).
+        policy = None if remat else jax.checkpoint_policies.dots_saveable
+        work = jax.checkpoint(work, prevent_cse=False, policy=policy)
 
         def tick(carry, row):
-            recv, loop_buf, loss, count = carry
+            recv, loop_buf, loss, count, per_mb = carry
             mbs, reps, valids = row
             i, r, ok = mbs[s], reps[s], valids[s]
             mb = take(xs, i)
@@ -137,9 +158,9 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
                 x = jnp.where(s == 0, take(loop_buf, i), recv)
             else:
                 x = recv
-            x = jax.lax.cond(ok & (s == 0) & (r == 0), lambda: first_fn(shared, mb), lambda: x)
-            y = jax.lax.cond(ok, lambda: body(take(chunks, r), x, r * S + s, mb), lambda: x)
-            ls, c = jax.lax.cond(ok & (s == S - 1) & (r == v - 1), lambda: last_fn(shared, y, mb),
+            x = jax.lax.cond(ok & (s == 0) & (r == 0), lambda: vary(first_fn(shared, mb)), lambda: x)
+            y = work(chunks, r, x, r * S + s, mb, ok)
+            ls, c = jax.lax.cond(ok & (s == S - 1) & (r == v - 1), lambda: vary(last_fn(shared, y, mb)),
                                  lambda: (zero(), zero()))
             nxt = jax.lax.ppermute(y, AXIS, [(j, (j + 1) % S) for j in range(S)])
             if v > 1:  # what stage S-1 just sent round to stage 0 is parked until its next pass
@@ -147,13 +168,14 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
                 loop_buf = jax.lax.cond(back & (s == 0),
                                         lambda: jax.lax.dynamic_update_index_in_dim(loop_buf, nxt, j, 0),
                                         lambda: loop_buf)
-            return (nxt, loop_buf, loss + ls, count + c), None
+            per_mb = per_mb + jnp.where(jnp.arange(M) == i, ls, 0.0)
+            return (nxt, loop_buf, loss + ls, count + c, per_mb), None
 
         buf = vary(jnp.full((M if v > 1 else 1,) + act_shape.shape, bubble_fill, act_shape.dtype))
-        init = (fill(), buf, zero(), zero())
-        (_, _, loss, count), _ = jax.lax.scan(tick, init, tables)
-        return jax.lax.psum(loss, AXIS), jax.lax.psum(count, AXIS)
+        init = (fill(), buf, zero(), zero(), vary(jnp.zeros((M,), jnp.float32)))
+        (_, _, loss, count, per_mb), _ = jax.lax.scan(tick, init, tables)
+        return jax.lax.psum(loss, AXIS), jax.lax.psum(count, AXIS), jax.lax.psum(per_mb, AXIS)
 
     f = jax.shard_map(local, mesh=mesh, axis_names={AXIS},
-                      in_specs=(P(), P(AXIS), P(), P()), out_specs=(P(), P()))
+                      in_specs=(P(), P(AXIS), P(), P()), out_specs=(P(), P(), P()))
     return f(shared, stacked, xs, tables)

@@ -68,6 +68,7 @@ class Steps:
     init: callable  # (seed: int) -> state
     train: callable  # (state, batch) -> (state, metrics)
     evaluate: callable  # (params, batch) -> (loss_sum, token_count)
+    grads: callable  # (params, batch) -> (loss, grads in canonical order); no update
     to_canonical: callable  # state in this layout's layer order -> canonical order (what checkpoints hold)
     from_canonical: callable  # the inverse
 
@@ -102,7 +103,7 @@ def build(config, mesh, vocab_real: int) -> Steps:
     S = mesh.shape["stage"]
     v = int(config.pipeline.virtual_stages) if S > 1 and config.pipeline.schedule != "gpipe" else 1
     sched = pipeline.make_schedule(config.pipeline.schedule, S, v, M) if S > 1 else None
-    reorder = lambda fn: (lambda state: _map_blocks(state, fn))
+    reorder = lambda fn: (lambda state: map_blocks(state, fn))
     to_canon = reorder(lambda a: pipeline.from_stage_major(a, S, v))
     from_canon = reorder(lambda a: pipeline.to_stage_major(a, S, v))
 
@@ -172,7 +173,7 @@ def build(config, mesh, vocab_real: int) -> Steps:
         with activation_rules(rules, mesh):
             _, xs = microbatched(batch)
             if sched is not None:
-                return pipelined_loss(params, xs, None)
+                return pipelined_loss(params, xs, None)[:2]
 
             def body(acc, mb):
                 s, n = fwd.loss(params, mb["x"], mb["y"], mb["w"])
@@ -181,6 +182,12 @@ def build(config, mesh, vocab_real: int) -> Steps:
             (s, n), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), xs)
         return s, n
 
+    def grads(params, batch):
+        """(mean loss, grads in canonical layer order): for tests and tools, no update."""
+        with activation_rules(rules, mesh):
+            loss, g = loss_and_grads(params, batch, None)
+        return loss, map_blocks(g, lambda a: pipeline.from_stage_major(a, S, v))
+
     identity = lambda state: state
     jit_state = lambda f: jax.jit(f, in_shardings=(state_sh,), out_shardings=state_sh) if v > 1 else identity
     return Steps(
@@ -188,11 +195,12 @@ def build(config, mesh, vocab_real: int) -> Steps:
         init=jax.jit(init, static_argnums=0, out_shardings=state_sh),
         train=jax.jit(train, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0),
         evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], batch_sh), out_shardings=(repl, repl)),
+        grads=jax.jit(grads, in_shardings=(state_sh["params"], batch_sh)),
         to_canonical=jit_state(to_canon), from_canonical=jit_state(from_canon),
     )
 
 
-def _map_blocks(state, fn):
+def map_blocks(state, fn):
     """Apply `fn` to every leaf under a `blocks` key (params and the optimizer state that mirrors them)."""
     in_blocks = lambda path: any(getattr(k, "key", None) == "blocks" for k in path)
     return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if in_blocks(path) else a, state)
