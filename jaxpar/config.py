@@ -63,6 +63,7 @@ def base_config() -> ml_collections.ConfigDict:
         schedule="gpipe",  # gpipe | circular
         virtual_stages=1,  # chunks per stage with the circular schedule
         remat=True,  # recompute each stage's layers in the backward pass (keep only stage inputs per tick)
+        skip_bubbles=True,  # skip the compute of bubble slots (False: compute and discard; for measurements)
     ))
 
     c.data = ml_collections.ConfigDict(dict(

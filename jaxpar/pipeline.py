@@ -110,7 +110,7 @@ def _varying_axes(x) -> frozenset:
 
 
 def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, *, remat: bool = True,
-        bubble_fill: float = 0.0):
+        bubble_fill: float = 0.0, skip_bubbles: bool = True):
     """Run the pipeline -> (loss_sum, count, per_microbatch_loss_sum `[M]`), float32, summed over microbatches.
 
     Args:
@@ -119,6 +119,8 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
         `stage` along axis 0; stage s's chunk r is `leaf[(s·v + r)·Lc : (s·v + r + 1)·Lc]`.
       xs: per-microbatch inputs, leaves `[M, ...]` (e.g. tokens `[M, micro_batch, seq]`).
       bubble_fill: value of the activation buffers before any work arrives (tests pass NaN).
+      skip_bubbles: skip the stage's compute in bubble slots (`lax.cond`); False computes every slot on a zeroed
+        input and discards the result (for measuring what skipping saves).
     """
     S, v, M = schedule.stages, schedule.virtual, schedule.microbatches
     tables = tuple(jnp.asarray(a) for a in (schedule.mb, schedule.rep, schedule.valid))
@@ -140,7 +142,10 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
 
         def work(chunks, r, x, cid, mb, ok):
             """The stage's layers on its slot, skipped in bubbles."""
-            return jax.lax.cond(ok, lambda: vary(stage_fn(take(chunks, r), x, cid, mb)), lambda: x)
+            if skip_bubbles:
+                return jax.lax.cond(ok, lambda: vary(stage_fn(take(chunks, r), x, cid, mb)), lambda: x)
+            y = vary(stage_fn(take(chunks, r), jnp.where(ok, x, 0), cid, mb))  # bubble input zeroed: never NaN
+            return jnp.where(ok, y, x)
 
         # Always inside a checkpoint: its inputs are its residuals, so the (loop-invariant) stack of chunks stays one
         # buffer, where a `cond`'s own residuals would copy the selected chunk at every tick. remat=False saves every

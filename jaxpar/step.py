@@ -126,7 +126,8 @@ def build(config, mesh, vocab_real: int) -> Steps:
         last = lambda sh, a, mb: fwd.head_loss(sh, a, mb["y"], mb["w"])
         with activation_rules(rules, None, manual=("stage",)):
             return pipeline.run(first, stage, last, shared, params["blocks"], xs, sched, mesh,
-                                remat=bool(config.pipeline.remat))
+                                remat=bool(config.pipeline.remat),
+                                skip_bubbles=bool(config.pipeline.skip_bubbles))
 
     def accumulated_loss_and_grads(params, xs, total, rng):
         """Grads summed over M microbatches in a scan, into a float32 buffer sharded as `grad_sh`."""

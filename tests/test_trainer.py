@@ -70,7 +70,7 @@ def no_compile(monkeypatch):
 
 @pytest.mark.parametrize("over,match", [
     ({"train.global_batch_size": 12, "train.microbatches": 2}, r"global_batch_size=12 .* mesh.data=8 x train.microbatches=2"),
-    ({"mesh.tensor": 3, "mesh.data": 1}, r"does not divide the 8 devices"),
+    ({"mesh.tensor": 3, "mesh.data": -1}, r"does not divide the 8 devices"),
     ({"mesh.data": 2, "mesh.tensor": 2}, r"data=2 x tensor=2 x stage=1 = 4 devices, but 8"),
     ({"mesh.data": 1, "mesh.tensor": 8, "model.heads": 4}, r"model.heads=4 is not divisible by mesh.tensor=8"),
     ({"mesh.data": 2, "mesh.tensor": 4, "model.mlp": 66}, r"MLP width 66 is not divisible by mesh.tensor=4"),

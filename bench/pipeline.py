@@ -1,0 +1,291 @@
+"""Pipeline bubbles on fake CPU devices: total work, schedule time and memory per (stages, microbatches, schedule).
+
+    python bench/pipeline.py [--quick] [--out_dir bench/results] [--markdown] [--steps 5] [--cores 1]
+
+For S pipeline stages (mesh data x tensor x stage = 1 x 1 x S on the first S of 8 fake CPU devices), M microbatches
+of one sequence each (global batch M) and v chunks per stage (v = 1: `gpipe`, v = 2: `circular`), on a tiny GPT:
+
+  work_ratio      step time(S, M, v) / step time(1, M) (same model, batch and M; S = 1 is plain gradient
+                  accumulation). The fake devices share the host's cores (by default the process is pinned to one
+                  core, `--cores`), so this is the compute the pipeline spends relative to one device: bubbles
+                  computed and thrown away (`skip_bubbles=False`), or skipped (`skip_bubbles=True`), plus the
+                  pipeline's own overhead (with `pipeline.remat` the backward pass recomputes each stage's forward).
+                  Median of `--steps` timed steps after one warm-up step; compilation excluded.
+  schedule_ratio  critical path / ideal, read off the schedule's tick table: each tick runs at most one slot per
+                  stage, so a tick with any work costs one chunk (L / (S·v) layers on one microbatch); the forward
+                  pass walks the table, the backward pass (autodiff of the scan) walks it back. Chunk costs t_f and
+                  t_b are measured on one device (jitted `Forward.layers` and the pullback of its `jax.vjp`); a
+                  backward tick costs t_b, plus t_f when `pipeline.remat` recomputes the forward. Ideal: v·M chunks
+                  each way with no waiting. Next to it: theory_ratio = (v·M + S - 1) / (v·M), and the schedule's
+                  bubble fraction (S - 1) / (v·M + S - 1).
+  peak_bytes      per device, from the compiled train step's memory analysis: argument + output + temp - alias.
+
+Prints one JSON list of rows on stdout (with `--markdown`, a README table instead) and a markdown table on stderr;
+writes pipeline.json, pipeline.md and pipeline.png (work, schedule and memory panels) to `--out_dir`.
+"""
+import os
+import sys
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
+
+from jaxpar import pipeline  # noqa: E402
+from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
+from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.step import build  # noqa: E402
+
+_QUICK = flags.DEFINE_bool("quick", False, "small sweep: S in {1, 2, 4}, M in {S, 4S}, v = 1")
+_STAGES = flags.DEFINE_list("stages", ["1", "2", "4", "8"], "pipeline stages S")
+_MULT = flags.DEFINE_list("mult", ["1", "2", "4", "8"], "microbatches M as multiples of S")
+_VIRTUAL = flags.DEFINE_list("virtual", ["1", "2"], "chunks per stage v (1: gpipe, >1: circular)")
+_STEPS = flags.DEFINE_integer("steps", 5, "timed train steps per configuration (after one warm-up step)")
+_CORES = flags.DEFINE_integer("cores", 1, "pin the process to this many CPU cores before JAX starts (0: no pinning)")
+_LAYERS = flags.DEFINE_integer("layers", 16, "model layers (S·v must divide it)")
+_EMBED = flags.DEFINE_integer("embed", 64, "model width")
+_HEADS = flags.DEFINE_integer("heads", 4, "attention heads")
+_SEQ = flags.DEFINE_integer("seq_len", 32, "sequence length")
+_VOCAB = flags.DEFINE_integer("vocab", 256, "vocabulary size")
+_REMAT = flags.DEFINE_bool("pipeline_remat", True, "config pipeline.remat (recompute stage forwards in backward)")
+_OUT = flags.DEFINE_string("out_dir", "bench/results", "where pipeline.json/.md/.png go ('' : nowhere)")
+_MARKDOWN = flags.DEFINE_bool("markdown", False, "print the markdown table on stdout instead of the JSON")
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def make_config(S, M, v, skip):
+    c = base_config()
+    c.name = "bench_pipeline"
+    c.model.update(vocab_size=_VOCAB.value, seq_len=_SEQ.value, layers=_LAYERS.value, embed=_EMBED.value,
+                   heads=_HEADS.value, mlp=4 * _EMBED.value)
+    c.mesh.update(data=1, tensor=1, stage=S)
+    c.train.update(global_batch_size=M, microbatches=M)
+    c.optim.update(warmup_steps=0, decay_steps=10)
+    c.pipeline.update(schedule="gpipe" if v == 1 else "circular", virtual_stages=v, skip_bubbles=bool(skip),
+                      remat=_REMAT.value)
+    return c
+
+
+def memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
+    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def time_train(config, devices) -> dict:
+    """Compile the train step for `config` on `devices`; -> step time (median), memory, first loss, compile time."""
+    shape = validate(config, len(devices))
+    steps = build(config, make_mesh(shape, devices), _VOCAB.value)
+    B, T = int(config.train.global_batch_size), int(config.model.seq_len)
+    tokens = np.random.default_rng(0).integers(0, _VOCAB.value, (B, T + 1), dtype=np.int32)
+    batch = {"tokens": jax.device_put(tokens, steps.batch_sharding)}
+    state = steps.init(0)
+    t0 = time.perf_counter()
+    compiled = steps.train.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    mem = memory(compiled)
+    state, m = compiled(state, batch)  # warm-up
+    jax.block_until_ready((state, m))
+    loss0 = float(m["loss"])
+    times = []
+    for _ in range(_STEPS.value):
+        t0 = time.perf_counter()
+        state, m = compiled(state, batch)
+        jax.block_until_ready((state, m))
+        times.append(time.perf_counter() - t0)
+    del state, batch
+    return {"step_s": statistics.median(times), "compile_s": compile_s, "loss0": loss0, "mem": mem}
+
+
+def time_call(f, *args, inner=20, outer=7) -> float:
+    """Median over `outer` rounds of the mean time of `inner` back-to-back calls (after a warm-up call)."""
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(outer):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = f(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / inner)
+    return statistics.median(ts)
+
+
+def chunk_costs(fwd, blocks, n_layers, device) -> tuple[float, float]:
+    """(t_f, t_b): forward and backward time of `n_layers` layers on one microbatch `[1, seq, embed]`, one device."""
+    p = jax.device_put(jax.tree.map(lambda a: a[:n_layers], blocks), device)
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (1, _SEQ.value, _EMBED.value), jnp.float32), device)
+    f = lambda p, x: fwd.layers(p, x)
+    forward = jax.jit(f)
+    y, pull = jax.jit(lambda p, x: jax.vjp(f, p, x))(p, x)
+    backward = jax.jit(lambda pull, ct: pull(ct))
+    return time_call(forward, p, x), time_call(backward, pull, jnp.ones_like(y))
+
+
+def schedule_time(sched: pipeline.Schedule, t_f: float, t_b: float) -> tuple[float, float]:
+    """(critical path, ideal) of forward then backward through the tick table; a tick costs one chunk per slot it
+    runs on a stage, i.e. the busiest stage's slots (at most one) times the chunk's cost."""
+    slots = sched.valid.astype(np.int64).max(axis=1)  # [ticks]: slots on the busiest stage (0 or 1)
+    crit = float(slots.sum()) * t_f + float(slots[::-1].sum()) * t_b
+    ideal = sched.virtual * sched.microbatches * (t_f + t_b)
+    return crit, ideal
+
+
+def sweep() -> list[dict]:
+    if _QUICK.value:
+        stages, mults, virtuals = [1, 2, 4], [1, 4], [1]
+    else:
+        stages, mults, virtuals = ([int(s) for s in f.value] for f in (_STAGES, _MULT, _VIRTUAL))
+    devices = jax.devices("cpu")
+    if max(stages) > len(devices):
+        raise SystemExit(f"need {max(stages)} CPU devices, have {len(devices)} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})")
+    combos = [(S, v) for S in stages if S > 1 for v in virtuals if _LAYERS.value % (S * v) == 0]
+    for S in stages:
+        for v in virtuals:
+            if S > 1 and _LAYERS.value % (S * v):
+                log(f"skipping S={S} v={v}: layers={_LAYERS.value} not divisible by S·v={S * v}")
+    base_ms = sorted({S * k for S in stages for k in mults})
+    rows, base = [], {}
+
+    def row(S, M, v, name, skip, r, **extra):
+        mem = r["mem"]
+        return {"S": S, "M": M, "v": v, "schedule": name, "skip": skip, "step_s": r["step_s"], **extra,
+                "peak_bytes": mem.get("peak"), "temp_bytes": mem.get("temp"), "loss0": r["loss0"],
+                "compile_s": r["compile_s"]}
+
+    for M in base_ms:  # S = 1: gradient accumulation over M microbatches on one device
+        r = time_train(make_config(1, M, 1, True), devices[:1])
+        base[M] = r["step_s"]
+        rows.append(row(1, M, 1, "none", None, r, work_ratio=1.0, schedule_ratio=1.0, theory_ratio=1.0,
+                        bubble_fraction=0.0, ticks=M, t_f=None, t_b=None))
+        log(f"S=1 M={M:3d}: step {r['step_s'] * 1e3:8.2f} ms, compile {r['compile_s']:.1f} s")
+
+    probe = build(make_config(1, 1, 1, True), make_mesh({"data": 1, "tensor": 1, "stage": 1}, devices[:1]),
+                  _VOCAB.value)
+    blocks = probe.init(0)["params"]["blocks"]
+    for S, v in combos:
+        Lc = _LAYERS.value // (S * v)
+        t_f, t_b = chunk_costs(probe.fwd, blocks, Lc, devices[0])
+        t_bt = t_b + (t_f if _REMAT.value else 0.0)  # a backward tick re-runs the stage's forward under remat
+        log(f"S={S} v={v}: chunk of {Lc} layers: t_f {t_f * 1e3:.3f} ms, t_b {t_b * 1e3:.3f} ms")
+        for k in mults:
+            M = S * k
+            name = "gpipe" if v == 1 else "circular"
+            sched = pipeline.make_schedule(name, S, v, M)
+            crit, ideal = schedule_time(sched, t_f, t_bt)
+            sched_info = dict(schedule_ratio=crit / ideal, theory_ratio=(v * M + S - 1) / (v * M),
+                              bubble_fraction=sched.bubble_fraction(), ticks=sched.ticks, t_f=t_f, t_b=t_bt)
+            for skip in (True, False):
+                try:
+                    r = time_train(make_config(S, M, v, skip), devices[:S])
+                except ConfigError as e:
+                    log(f"skipping S={S} M={M} v={v}: {e}")
+                    continue
+                rows.append(row(S, M, v, name, skip, r, work_ratio=r["step_s"] / base[M], **sched_info))
+                log(f"S={S} M={M:3d} v={v} skip={skip!s:5}: step {r['step_s'] * 1e3:8.2f} ms, "
+                    f"work {rows[-1]['work_ratio']:.3f}, schedule {sched_info['schedule_ratio']:.3f} "
+                    f"(theory {sched_info['theory_ratio']:.3f}), peak {r['mem'].get('peak', 0) / 2**20:.2f} MiB, "
+                    f"compile {r['compile_s']:.1f} s")
+    return rows
+
+
+def markdown(rows) -> str:
+    out = ["| S | v | M | theory | schedule (tick table) | work, skip | work, no skip | peak MiB |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({(r["S"], r["v"], r["M"]) for r in rows})
+    fmt = lambda x, f="{:.3f}": "–" if x is None else f.format(x)
+    for S, v, M in keys:
+        rs = {r["skip"]: r for r in rows if (r["S"], r["v"], r["M"]) == (S, v, M)}
+        any_r = next(iter(rs.values()))
+        skip_r = rs.get(True, rs.get(None))
+        no_r = rs.get(False)
+        peak = (skip_r or any_r)["peak_bytes"]
+        out.append(f"| {S} | {v} | {M} | {any_r['theory_ratio']:.3f} | {any_r['schedule_ratio']:.3f} | "
+                   f"{fmt(skip_r and skip_r['work_ratio'])} | {fmt(no_r and no_r['work_ratio'])} | "
+                   f"{fmt(peak and peak / 2**20, '{:.2f}')} |")
+    return "\n".join(out)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (aw, asch, am) = plt.subplots(1, 3, figsize=(17, 5))
+    pipes = sorted({(r["S"], r["v"]) for r in rows if r["S"] > 1})
+    colors = {S: c for S, c in zip(sorted({S for S, _ in pipes}), plt.rcParams["axes.prop_cycle"].by_key()["color"])}
+    markers = {1: "o", 2: "s", 3: "^", 4: "D"}
+    for S, v in pipes:
+        c, mk = colors[S], markers.get(v, "o")
+        label = f"S={S}, v={v}"
+        for skip, ls in ((True, "-"), (False, "--")):
+            rs = sorted((r for r in rows if (r["S"], r["v"], r["skip"]) == (S, v, skip)), key=lambda r: r["M"])
+            if not rs:
+                continue
+            ms = [r["M"] for r in rs]
+            aw.plot(ms, [r["work_ratio"] for r in rs], ls, color=c, marker=mk,
+                    label=label + (" skip" if skip else " no skip"))
+            am.plot(ms, [r["peak_bytes"] / 2**20 for r in rs], ls, color=c, marker=mk,
+                    label=label + (" skip" if skip else " no skip"))
+        rs = sorted((r for r in rows if (r["S"], r["v"]) == (S, v) and r["skip"] is not False), key=lambda r: r["M"])
+        ms = [r["M"] for r in rs]
+        asch.plot(ms, [r["schedule_ratio"] for r in rs], "-", color=c, label=label + " tick table")
+        asch.plot(ms, [r["theory_ratio"] for r in rs], mk, color=c, mfc="none", ms=10, label=label + " theory")
+    base = sorted((r for r in rows if r["S"] == 1), key=lambda r: r["M"])
+    if base:
+        am.plot([r["M"] for r in base], [r["peak_bytes"] / 2**20 for r in base], "-", color="k", marker="x",
+                label="S=1 (accumulation)")
+    aw.axhline(1.0, color="k", lw=0.8)
+    asch.axhline(1.0, color="k", lw=0.8)
+    aw.set(title="total work: step time / step time (S=1)\nsolid: bubbles skipped, dashed: bubbles computed",
+           xlabel="microbatches M", ylabel="work ratio")
+    asch.set(title="schedule: critical path / ideal (tick table)\nmarkers: (v·M + S − 1) / (v·M)",
+             xlabel="microbatches M", ylabel="schedule ratio")
+    am.set(title="per-device peak bytes of the train step\n(argument + output + temp − alias)",
+           xlabel="microbatches M", ylabel="MiB")
+    for ax in (aw, asch, am):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    if _CORES.value > 0 and hasattr(os, "sched_setaffinity"):
+        # before the CPU client starts its threads (they inherit the mask): all fake devices share these cores
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:_CORES.value])
+    t0 = time.perf_counter()
+    rows = sweep()
+    table = markdown(rows)
+    log(f"\n{table}\n\n{len(rows)} rows in {time.perf_counter() - t0:.1f} s "
+        f"(cores {sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'})")
+    if _OUT.value:
+        os.makedirs(_OUT.value, exist_ok=True)
+        with open(os.path.join(_OUT.value, "pipeline.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        with open(os.path.join(_OUT.value, "pipeline.md"), "w") as f:
+            f.write(table + "\n")
+        plot(rows, os.path.join(_OUT.value, "pipeline.png"))
+    print(table if _MARKDOWN.value else json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)
