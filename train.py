@@ -9,6 +9,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "ml_collections config file (configs/*.py).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the step for the layout, write WORKDIR/compile_report.json "
+                                                "(memory, FLOPs, collectives) and exit without training.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config). "
                                                 "Default: runs/<config file name>.")
 
@@ -23,7 +25,7 @@ def main(argv):
     config = _CONFIG.value
     workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
     try:
-        trainer.run(config, workdir)
+        (trainer.dry_run if _DRY_RUN.value else trainer.run)(config, workdir)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -42,7 +42,7 @@ from absl import app, flags, logging  # noqa: E402
 from jaxpar import pipeline  # noqa: E402
 from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
-from jaxpar.step import build  # noqa: E402
+from jaxpar.step import build, map_blocks  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "small sweep: S in {1, 2, 4}, M in {S, 4S}, v = 1")
 _STAGES = flags.DEFINE_list("stages", ["1", "2", "4", "8"], "pipeline stages S")
@@ -86,29 +86,33 @@ def memory(compiled) -> dict:
     return out
 
 
-def time_train(config, devices) -> dict:
-    """Compile the train step for `config` on `devices`; -> step time (median), memory, first loss, compile time."""
-    shape = validate(config, len(devices))
-    steps = build(config, make_mesh(shape, devices), _VOCAB.value)
-    B, T = int(config.train.global_batch_size), int(config.model.seq_len)
-    tokens = np.random.default_rng(0).integers(0, _VOCAB.value, (B, T + 1), dtype=np.int32)
-    batch = {"tokens": jax.device_put(tokens, steps.batch_sharding)}
-    state = steps.init(0)
-    t0 = time.perf_counter()
-    compiled = steps.train.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    mem = memory(compiled)
-    state, m = compiled(state, batch)  # warm-up
-    jax.block_until_ready((state, m))
-    loss0 = float(m["loss"])
-    times = []
-    for _ in range(_STEPS.value):
+class Runner:
+    """The compiled train step of one config on its devices, with its (donated, updated) state and a fixed batch."""
+
+    def __init__(self, config, devices, canonical_state):
+        shape = validate(config, len(devices))
+        steps = build(config, make_mesh(shape, devices), _VOCAB.value)
+        S, v = shape["stage"], int(config.pipeline.virtual_stages) if config.pipeline.schedule != "gpipe" else 1
+        B, T = int(config.train.global_batch_size), int(config.model.seq_len)
+        tokens = np.random.default_rng(0).integers(0, _VOCAB.value, (B, T + 1), dtype=np.int32)
+        self.batch = {"tokens": jax.device_put(tokens, steps.batch_sharding)}
+        # the same initial values in every layout, without compiling `init` per layout: host arrays in this layout's
+        # layer order, placed with its shardings
+        local = map_blocks(canonical_state, lambda a: pipeline.to_stage_major(a, S, v if S > 1 else 1))
+        self.state = jax.device_put(local, steps.state_shardings)
         t0 = time.perf_counter()
-        state, m = compiled(state, batch)
-        jax.block_until_ready((state, m))
-        times.append(time.perf_counter() - t0)
-    del state, batch
-    return {"step_s": statistics.median(times), "compile_s": compile_s, "loss0": loss0, "mem": mem}
+        self.compiled = steps.train.lower(self.state, self.batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.mem = memory(self.compiled)
+        self.state, m = self.compiled(self.state, self.batch)  # warm-up
+        jax.block_until_ready((self.state, m))
+        self.loss0 = float(m["loss"])
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self.state, m = self.compiled(self.state, self.batch)
+        jax.block_until_ready((self.state, m))
+        return time.perf_counter() - t0
 
 
 def time_call(f, *args, inner=20, outer=7) -> float:
@@ -151,54 +155,68 @@ def sweep() -> list[dict]:
         stages, mults, virtuals = ([int(s) for s in f.value] for f in (_STAGES, _MULT, _VIRTUAL))
     devices = jax.devices("cpu")
     if max(stages) > len(devices):
-        raise SystemExit(f"need {max(stages)} CPU devices, have {len(devices)} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})")
-    combos = [(S, v) for S in stages if S > 1 for v in virtuals if _LAYERS.value % (S * v) == 0]
-    for S in stages:
+        raise SystemExit(f"need {max(stages)} CPU devices, have {len(devices)}: set XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={max(stages)} (now {os.environ.get('XLA_FLAGS')!r})")
+    combos = []
+    for S in (S for S in stages if S > 1):
         for v in virtuals:
-            if S > 1 and _LAYERS.value % (S * v):
+            if _LAYERS.value % (S * v):
                 log(f"skipping S={S} v={v}: layers={_LAYERS.value} not divisible by S·v={S * v}")
-    base_ms = sorted({S * k for S in stages for k in mults})
-    rows, base = [], {}
-
-    def row(S, M, v, name, skip, r, **extra):
-        mem = r["mem"]
-        return {"S": S, "M": M, "v": v, "schedule": name, "skip": skip, "step_s": r["step_s"], **extra,
-                "peak_bytes": mem.get("peak"), "temp_bytes": mem.get("temp"), "loss0": r["loss0"],
-                "compile_s": r["compile_s"]}
-
-    for M in base_ms:  # S = 1: gradient accumulation over M microbatches on one device
-        r = time_train(make_config(1, M, 1, True), devices[:1])
-        base[M] = r["step_s"]
-        rows.append(row(1, M, 1, "none", None, r, work_ratio=1.0, schedule_ratio=1.0, theory_ratio=1.0,
-                        bubble_fraction=0.0, ticks=M, t_f=None, t_b=None))
-        log(f"S=1 M={M:3d}: step {r['step_s'] * 1e3:8.2f} ms, compile {r['compile_s']:.1f} s")
-
+            else:
+                combos.append((S, v))
+    n = _STEPS.value
     probe = build(make_config(1, 1, 1, True), make_mesh({"data": 1, "tensor": 1, "stage": 1}, devices[:1]),
                   _VOCAB.value)
-    blocks = probe.init(0)["params"]["blocks"]
+    canonical = jax.device_get(probe.init(0))  # every layout starts from these values (S = 1 is canonical order)
+    rows, base = [], {}
+
+    def row(S, M, v, name, skip, r: Runner, step_s, **extra):
+        return {"S": S, "M": M, "v": v, "schedule": name, "skip": skip, "step_s": step_s, **extra,
+                "peak_bytes": r.mem.get("peak"), "temp_bytes": r.mem.get("temp"), "loss0": r.loss0,
+                "compile_s": r.compile_s}
+
+    for M in sorted({S * k for S in stages for k in mults}):  # S = 1: gradient accumulation on one device
+        r = base[M] = Runner(make_config(1, M, 1, True), devices[:1], canonical)
+        step_s = statistics.median(r.step() for _ in range(n))
+        rows.append(row(1, M, 1, "none", None, r, step_s, base_step_s=step_s, work_ratio=1.0, schedule_ratio=1.0,
+                        theory_ratio=1.0, bubble_fraction=0.0, ticks=M, t_f=None, t_b=None))
+        log(f"S=1 M={M:3d}: step {step_s * 1e3:8.2f} ms, peak {r.mem.get('peak', 0) / 2**20:.2f} MiB, "
+            f"compile {r.compile_s:.1f} s")
+
+    blocks = canonical["params"]["blocks"]
     for S, v in combos:
         Lc = _LAYERS.value // (S * v)
         t_f, t_b = chunk_costs(probe.fwd, blocks, Lc, devices[0])
         t_bt = t_b + (t_f if _REMAT.value else 0.0)  # a backward tick re-runs the stage's forward under remat
         log(f"S={S} v={v}: chunk of {Lc} layers: t_f {t_f * 1e3:.3f} ms, t_b {t_b * 1e3:.3f} ms")
+        name = "gpipe" if v == 1 else "circular"
         for k in mults:
             M = S * k
-            name = "gpipe" if v == 1 else "circular"
             sched = pipeline.make_schedule(name, S, v, M)
             crit, ideal = schedule_time(sched, t_f, t_bt)
-            sched_info = dict(schedule_ratio=crit / ideal, theory_ratio=(v * M + S - 1) / (v * M),
-                              bubble_fraction=sched.bubble_fraction(), ticks=sched.ticks, t_f=t_f, t_b=t_bt)
+            info = dict(schedule_ratio=crit / ideal, theory_ratio=(v * M + S - 1) / (v * M),
+                        bubble_fraction=sched.bubble_fraction(), ticks=sched.ticks, t_f=t_f, t_b=t_bt)
             for skip in (True, False):
                 try:
-                    r = time_train(make_config(S, M, v, skip), devices[:S])
+                    r = Runner(make_config(S, M, v, skip), devices[:S], canonical)
                 except ConfigError as e:
                     log(f"skipping S={S} M={M} v={v}: {e}")
                     continue
-                rows.append(row(S, M, v, name, skip, r, work_ratio=r["step_s"] / base[M], **sched_info))
-                log(f"S={S} M={M:3d} v={v} skip={skip!s:5}: step {r['step_s'] * 1e3:8.2f} ms, "
-                    f"work {rows[-1]['work_ratio']:.3f}, schedule {sched_info['schedule_ratio']:.3f} "
-                    f"(theory {sched_info['theory_ratio']:.3f}), peak {r['mem'].get('peak', 0) / 2**20:.2f} MiB, "
-                    f"compile {r['compile_s']:.1f} s")
+                if abs(r.loss0 - base[M].loss0) > 1e-5 * abs(base[M].loss0):
+                    log(f"WARNING S={S} M={M} v={v} skip={skip}: first loss {r.loss0} != {base[M].loss0} (S=1)")
+                # alternate with the S = 1 step on the same batch, so a change in the host's load hits both
+                tp, tb = [], []
+                for _ in range(n):
+                    tp.append(r.step())
+                    tb.append(base[M].step())
+                step_s, base_s = statistics.median(tp), statistics.median(tb)
+                rows.append(row(S, M, v, name, skip, r, step_s, base_step_s=base_s, work_ratio=step_s / base_s,
+                                **info))
+                del r
+                log(f"S={S} M={M:3d} v={v} skip={skip!s:5}: step {step_s * 1e3:8.2f} ms (S=1 {base_s * 1e3:.2f}), "
+                    f"work {step_s / base_s:.3f}, schedule {info['schedule_ratio']:.3f} "
+                    f"(theory {info['theory_ratio']:.3f}), peak {rows[-1]['peak_bytes'] / 2**20:.2f} MiB, "
+                    f"compile {rows[-1]['compile_s']:.1f} s")
     return rows
 
 
@@ -257,8 +275,11 @@ def plot(rows, path):
              xlabel="microbatches M", ylabel="schedule ratio")
     am.set(title="per-device peak bytes of the train step\n(argument + output + temp − alias)",
            xlabel="microbatches M", ylabel="MiB")
+    ms = sorted({r["M"] for r in rows})
     for ax in (aw, asch, am):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -16,5 +16,5 @@ def get_config():
     c.data.update(corpus="shakespeare", tokenizer="byte", val_fraction=0.05)
     c.checkpoint.update(every_steps=250, keep=3)
     c.log.update(every_steps=25)
-    c.eval.update(every_steps=250, batches=8)
+    c.eval.update(every_steps=100, batches=8)
     return c

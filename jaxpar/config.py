@@ -51,6 +51,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict(dict(
         steps=1000, global_batch_size=32, microbatches=1, seed=0,
         param_dtype="float32", compute_dtype="float32",
+        nonfinite="stop",  # stop | skip: what a non-finite loss or gradient does (fp16 overflows: the loss scale)
+        # fp16 dynamic loss scaling, DeepSpeed's defaults (initial 2^16, window 1000, hysteresis 2, min 1)
+        loss_scale_initial=2.0 ** 16, loss_scale_window=1000, loss_scale_hysteresis=2, loss_scale_min=1.0,
+        loss_scale_factor=2.0, loss_scale_patience=10,
     ))
 
     c.optim = ml_collections.ConfigDict(dict(
@@ -149,6 +153,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
     for k in ("param_dtype", "compute_dtype"):
         if tr[k] not in DTYPES:
             errs.append(f"train.{k}={tr[k]!r}: pick one of {DTYPES}.")
+    if tr.nonfinite not in ("stop", "skip"):
+        errs.append(f"train.nonfinite={tr.nonfinite!r}: pick 'stop' or 'skip'.")
     if o.zero_stage not in (0, 1, 2, 3):
         errs.append(f"optim.zero_stage={o.zero_stage}: pick 0, 1, 2 or 3.")
     if o.warmup_steps < 0 or o.decay_steps < o.warmup_steps:

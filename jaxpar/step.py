@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpar import loss_scale
 from jaxpar import model as gpt
 from jaxpar import pipeline
 from jaxpar import sharding as shd
@@ -48,12 +49,18 @@ def to_microbatches(x, m: int):
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
-def init_state(cfg: gpt.GPTConfig, optimizer, seed: int) -> dict:
-    """A fresh train state; its values depend only on `seed` and `cfg` (not on the layout)."""
+def init_state(cfg: gpt.GPTConfig, optimizer, seed: int, ls_cfg=loss_scale.LossScaleConfig()) -> dict:
+    """A fresh train state; its values depend only on `seed` and `cfg` (not on the layout).
+
+    Keys: params, opt_state, step (int32, updates done), rng (uint32 key data), loss_scale (`LossScaleState`, used
+    with float16 compute, kept in every state so checkpoints move between precisions), nonfinite (int32 count of
+    steps with a non-finite loss or grads) and first_nonfinite (int32, the first such step, or -1)."""
     key = jax.random.key(seed)
     params = gpt.init_params(cfg, jax.random.fold_in(key, 0))
-    return {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32),
-            "rng": jax.random.key_data(jax.random.fold_in(key, 1))}
+    i32 = lambda v: jnp.full((), v, jnp.int32)
+    return {"params": params, "opt_state": optimizer.init(params), "step": i32(0),
+            "rng": jax.random.key_data(jax.random.fold_in(key, 1)), "loss_scale": loss_scale.init(ls_cfg),
+            "nonfinite": i32(0), "first_nonfinite": i32(-1)}
 
 
 @dataclasses.dataclass
@@ -64,6 +71,7 @@ class Steps:
     optimizer: optax.GradientTransformation
     mesh: jax.sharding.Mesh
     state_shardings: dict
+    grad_shardings: dict  # where the float32 gradient (accumulation) buffer lives: sharded over data at ZeRO >= 2
     batch_sharding: NamedSharding
     init: callable  # (seed: int) -> state
     train: callable  # (state, batch) -> (state, metrics)
@@ -85,6 +93,9 @@ def build(config, mesh, vocab_real: int) -> Steps:
     fwd = gpt.Forward(cfg)
     optimizer = make_optimizer(config)
     rules, zero, M = tuple(config.rules), int(config.optim.zero_stage), int(config.train.microbatches)
+    fp16 = config.train.compute_dtype == "float16"
+    ls_cfg = loss_scale.from_config(config)
+    stop_on_nonfinite = config.train.nonfinite == "stop"
     lr_at = schedule(config)
 
     names = gpt.logical_axes(cfg)
@@ -94,7 +105,8 @@ def build(config, mesh, vocab_real: int) -> Steps:
     ospecs_params = shd.param_specs(names, pshapes, rules, mesh, zero=zero >= 1)
     oshapes = jax.eval_shape(optimizer.init, pshapes)
     ospecs = shd.opt_state_specs(optimizer, oshapes, ospecs_params)
-    specs = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P()}
+    specs = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P(),
+             "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P()}
     state_sh = shd.named(mesh, specs)
     grad_sh = shd.named(mesh, gspecs)
     batch_sh = NamedSharding(mesh, P("data"))
@@ -108,7 +120,7 @@ def build(config, mesh, vocab_real: int) -> Steps:
     from_canon = reorder(lambda a: pipeline.to_stage_major(a, S, v))
 
     def init(seed):
-        return from_canon(init_state(cfg, optimizer, seed))
+        return from_canon(init_state(cfg, optimizer, seed, ls_cfg))
 
     def microbatched(batch):
         """-> mask `[batch, seq]`, and {x, y, w, ids} with leaves `[M, batch / M, ...]`."""
@@ -129,14 +141,14 @@ def build(config, mesh, vocab_real: int) -> Steps:
                                 remat=bool(config.pipeline.remat),
                                 skip_bubbles=bool(config.pipeline.skip_bubbles))
 
-    def accumulated_loss_and_grads(params, xs, total, rng):
-        """Grads summed over M microbatches in a scan, into a float32 buffer sharded as `grad_sh`."""
+    def accumulated_loss_and_grads(params, xs, norm, rng):
+        """Grads of sum(loss) * norm over M microbatches in a scan, into a float32 buffer sharded as `grad_sh`."""
         def body(carry, mb):
             gacc, lsum = carry
 
             def f(p):
                 s, _ = fwd.loss(p, mb["x"], mb["y"], mb["w"], rng, mb["ids"])
-                return s / total, s
+                return s * norm, s
 
             g, s = jax.grad(f, has_aux=True)(params)
             gacc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), gacc, g)
@@ -147,27 +159,45 @@ def build(config, mesh, vocab_real: int) -> Steps:
         (grads, lsum), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32)), xs)
         return lsum, grads
 
-    def loss_and_grads(params, batch, rng):
-        """Mean loss (nats/token) over the global batch and its grads (float32, sharded as `grad_sh`)."""
+    def loss_and_grads(params, batch, rng, scale=1.0):
+        """Mean loss (nats/token) over the global batch and its grads (float32, sharded as `grad_sh`).
+
+        The backward pass runs on the loss times `scale` (fp16 loss scaling); the grads returned are unscaled."""
         mask, xs = microbatched(batch)
         total = jnp.maximum(mask.sum(), 1.0)
+        norm = scale / total
         if sched is None:
-            lsum, grads = accumulated_loss_and_grads(params, xs, total, rng)
+            lsum, grads = accumulated_loss_and_grads(params, xs, norm, rng)
         else:
-            f = lambda p: (lambda s: (s / total, s))(pipelined_loss(p, xs, rng)[0])
+            f = lambda p: (lambda s: (s * norm, s))(pipelined_loss(p, xs, rng)[0])
             grads, lsum = jax.grad(f, has_aux=True)(params)
             grads = jax.lax.with_sharding_constraint(jax.tree.map(lambda g: g.astype(jnp.float32), grads), grad_sh)
-        return lsum / total, grads
+        return lsum / total, jax.tree.map(lambda g: g / scale, grads)
 
     def train(state, batch):
+        ls = state["loss_scale"]
         with activation_rules(rules, mesh):
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-            loss, grads = loss_and_grads(state["params"], batch, rng if cfg_has_dropout(cfg) else None)
+            loss, grads = loss_and_grads(state["params"], batch, rng if cfg_has_dropout(cfg) else None,
+                                         ls.scale if fp16 else 1.0)
             updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
         params = jax.tree.map(lambda p, q: p.astype(q.dtype), params, state["params"])
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_at(state["step"])}
-        return {"params": params, "opt_state": opt_state, "step": state["step"] + 1, "rng": state["rng"]}, metrics
+        finite = loss_scale.all_finite(grads) & jnp.isfinite(loss)
+        if fp16:  # an overflow is the loss scale's business: skip, and lower the scale (DeepSpeed's rule)
+            ls, apply = loss_scale.update(ls, finite, ls_cfg)
+            bad = jnp.zeros((), bool)
+        else:  # anything non-finite skips the update and is counted; with `stop` every later update is skipped too
+            bad = ~finite
+            apply = finite & ((state["nonfinite"] == 0) if stop_on_nonfinite else True)
+        params, opt_state = loss_scale.select_tree(apply, (params, opt_state), (state["params"], state["opt_state"]))
+        step = state["step"]
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr_at(step),
+                   "loss_scale": ls.scale, "skipped": (~apply).astype(jnp.int32)}
+        new = {"params": params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"], "loss_scale": ls,
+               "nonfinite": state["nonfinite"] + bad.astype(jnp.int32),
+               "first_nonfinite": jnp.where(bad & (state["first_nonfinite"] < 0), step + 1, state["first_nonfinite"])}
+        return new, metrics
 
     def evaluate(params, batch):
         """(loss_sum, token_count) over a batch, microbatched like training."""
@@ -192,7 +222,8 @@ def build(config, mesh, vocab_real: int) -> Steps:
     identity = lambda state: state
     jit_state = lambda f: jax.jit(f, in_shardings=(state_sh,), out_shardings=state_sh) if v > 1 else identity
     return Steps(
-        cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
+        cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh, grad_shardings=grad_sh,
+        batch_sharding=batch_sh,
         init=jax.jit(init, static_argnums=0, out_shardings=state_sh),
         train=jax.jit(train, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0),
         evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], batch_sh), out_shardings=(repl, repl)),

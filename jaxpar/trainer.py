@@ -52,6 +52,60 @@ def n_params_for_flops(params, tied: bool) -> int:
     return int(sum(np.prod(v.shape) for k, v in params.items() if k != "wpe" for v in jax.tree.leaves(v)))
 
 
+def check_health(config, state, done: int) -> dict:
+    """Raise FloatingPointError if training must stop: a non-finite loss/grad under `train.nonfinite = stop` (every
+    update since was skipped, so the state is the last good step's), or fp16 overflows persisting at the minimum
+    loss scale. Called before every log and save, so a NaN never reaches a checkpoint."""
+    from jaxpar import loss_scale
+
+    bad, first, ls = jax.device_get((state["nonfinite"], state["first_nonfinite"], state["loss_scale"]))
+    if bad and config.train.nonfinite == "stop":
+        raise FloatingPointError(
+            f"non-finite loss or gradients at step {int(first)} (checked at step {done}); that update and every "
+            f"later one were skipped, and no checkpoint was written since. Resume from the last checkpoint, or set "
+            f"--config.train.nonfinite=skip to skip such steps and go on.")
+    ls_cfg = loss_scale.from_config(config)
+    if config.train.compute_dtype == "float16" and bool(loss_scale.should_stop(
+            ls, ls_cfg, int(config.train.loss_scale_patience))):
+        raise FloatingPointError(
+            f"float16 overflow in {int(ls.consecutive_min_overflows)} steps in a row at the minimum loss scale "
+            f"{float(ls.scale)} (step {done}); try bfloat16 (--config.train.compute_dtype=bfloat16) or a lower lr.")
+    return {"nonfinite_steps": int(bad), "overflow_steps": int(ls.overflows)}
+
+
+def dry_run(config, workdir: str) -> dict:
+    """Compile the train step for the config's layout without training; write WORKDIR/compile_report.json.
+
+    The report holds per-device bytes (XLA's memory analysis: arguments, outputs, temporaries, peak; and, from the
+    shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
+    collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied)."""
+    from jaxpar import report
+
+    shape = validate(config, jax.device_count())
+    vocab = max(int(config.model.vocab_size), 0) or data.prepare(config).vocab_size
+    steps = build(config, make_mesh(shape), vocab)
+    abstract = steps.abstract_state()
+    B, T = int(config.train.global_batch_size), int(config.model.seq_len)
+    batch = {"tokens": jax.ShapeDtypeStruct((B, T + 1), np.int32, sharding=steps.batch_sharding)}
+    n = n_params_for_flops(abstract["params"], steps.cfg.tie_embeddings)
+    fpt = metrics.model_flops_per_token(n, steps.cfg.layers, steps.cfg.embed, T)
+    rep = report.compile_report(steps.train.lower(abstract, batch), abstract_state=abstract,
+                                flops_per_step=fpt * B * T)
+    grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
+                         abstract["params"], steps.grad_shardings)
+    rep["state_bytes"]["grad_buffer"] = report.state_group_bytes({"g": grads})["g"]
+    rep["layout"] = {**dict(steps.mesh.shape), "zero_stage": int(config.optim.zero_stage),
+                     "microbatches": int(config.train.microbatches), "schedule": config.pipeline.schedule,
+                     "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(abstract["params"]))),
+                     "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype}
+    if jax.process_index() == 0:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "compile_report.json"), "w") as f:
+            json.dump(rep, f, indent=2)
+        print(report.format_table(rep))
+    return rep
+
+
 def run(config, workdir: str) -> dict:
     """Train `config` in `workdir` (resuming from its latest checkpoint). Returns the last logged metrics."""
     is_main = jax.process_index() == 0
@@ -122,10 +176,11 @@ def run(config, workdir: str) -> dict:
             done = step + 1
             log_now = done % config.log.every_steps == 0 or done == total
             eval_now = done % config.eval.every_steps == 0 or done == total
+            save_now = done % config.checkpoint.every_steps == 0 or done == total
+            if log_now or eval_now or save_now:
+                health = check_health(config, state, done)
             if log_now or eval_now:
-                m = {k: float(v) for k, v in jax.device_get(m).items()}
-                if not np.isfinite(m["loss"]):
-                    raise FloatingPointError(f"loss is {m['loss']} at step {done}; the last checkpoint is kept.")
+                m = {k: float(v) for k, v in jax.device_get(m).items()} | health
                 dt = time.perf_counter() - t0
                 tps = since * B * T / dt
                 m.update(tokens_per_s=tps, step_time_s=dt / since,
@@ -140,7 +195,7 @@ def run(config, workdir: str) -> dict:
                 t0, since = time.perf_counter(), 0
             else:
                 console.update(done)
-            if done % config.checkpoint.every_steps == 0 or done == total:
+            if save_now:
                 ckpt.save(done, steps.to_canonical(state), {"fingerprint": fp, "step": done}, force=True)
         ckpt.wait()
     finally:
