@@ -24,7 +24,11 @@ def main(argv):
     from jaxpar.generate import generate
     from jaxpar.runs import load_params
 
-    fwd, params, tok = load_params(_WORKDIR.value)
+    try:
+        fwd, params, tok = load_params(_WORKDIR.value)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     ids = tok.encode(_PROMPT.value)
     room = fwd.cfg.seq_len - len(ids)
     if room < 1:

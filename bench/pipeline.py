@@ -10,7 +10,9 @@ of one sequence each (global batch M) and v chunks per stage (v = 1: `gpipe`, v 
                   core, `--cores`), so this is the compute the pipeline spends relative to one device: bubbles
                   computed and thrown away (`skip_bubbles=False`), or skipped (`skip_bubbles=True`), plus the
                   pipeline's own overhead (with `pipeline.remat` the backward pass recomputes each stage's forward).
-                  Median of `--steps` timed steps after one warm-up step; compilation excluded.
+                  Median of `--steps` timed steps after one warm-up step, alternating with the S = 1 step so that a
+                  change in the host's load hits both; compilation excluded (`work_ratio_min`: the same from the
+                  fastest steps, steadier on a busy host).
   schedule_ratio  critical path / ideal, read off the schedule's tick table: each tick runs at most one slot per
                   stage, so a tick with any work costs one chunk (L / (S·v) layers on one microbatch); the forward
                   pass walks the table, the backward pass (autodiff of the scan) walks it back. Chunk costs t_f and
@@ -177,9 +179,11 @@ def sweep() -> list[dict]:
 
     for M in sorted({S * k for S in stages for k in mults}):  # S = 1: gradient accumulation on one device
         r = base[M] = Runner(make_config(1, M, 1, True), devices[:1], canonical)
-        step_s = statistics.median(r.step() for _ in range(n))
-        rows.append(row(1, M, 1, "none", None, r, step_s, base_step_s=step_s, work_ratio=1.0, schedule_ratio=1.0,
-                        theory_ratio=1.0, bubble_fraction=0.0, ticks=M, t_f=None, t_b=None))
+        ts = [r.step() for _ in range(n)]
+        step_s = statistics.median(ts)
+        rows.append(row(1, M, 1, "none", None, r, step_s, step_min_s=min(ts), base_step_s=step_s, work_ratio=1.0,
+                        work_ratio_min=1.0, schedule_ratio=1.0, theory_ratio=1.0, bubble_fraction=0.0, ticks=M,
+                        t_f=None, t_b=None))
         log(f"S=1 M={M:3d}: step {step_s * 1e3:8.2f} ms, peak {r.mem.get('peak', 0) / 2**20:.2f} MiB, "
             f"compile {r.compile_s:.1f} s")
 
@@ -210,8 +214,8 @@ def sweep() -> list[dict]:
                     tp.append(r.step())
                     tb.append(base[M].step())
                 step_s, base_s = statistics.median(tp), statistics.median(tb)
-                rows.append(row(S, M, v, name, skip, r, step_s, base_step_s=base_s, work_ratio=step_s / base_s,
-                                **info))
+                rows.append(row(S, M, v, name, skip, r, step_s, step_min_s=min(tp), base_step_s=base_s,
+                                work_ratio=step_s / base_s, work_ratio_min=min(tp) / min(tb), **info))
                 del r
                 log(f"S={S} M={M:3d} v={v} skip={skip!s:5}: step {step_s * 1e3:8.2f} ms (S=1 {base_s * 1e3:.2f}), "
                     f"work {step_s / base_s:.3f}, schedule {info['schedule_ratio']:.3f} "

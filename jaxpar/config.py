@@ -133,7 +133,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
             f"train.global_batch_size={B} is not divisible by mesh.data={d} x train.microbatches={M} = {d * M}; "
             f"use a batch that is a multiple of {d * M} (e.g. {max(1, B // (d * M)) * d * M}) or change the layout.")
     if m.embed % m.heads:
-        errs.append(f"model.embed={m.embed} is not divisible by model.heads={m.heads}.")
+        errs.append(f"model.embed={m.embed} is not divisible by model.heads={m.heads}; pick heads dividing "
+                    f"{m.embed} (head size = embed / heads).")
     if m.heads % t:
         errs.append(f"model.heads={m.heads} is not divisible by mesh.tensor={t}; use heads a multiple of {t} "
                     f"or a tensor size dividing {m.heads}.")

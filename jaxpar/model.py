@@ -142,7 +142,7 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> dict:
     """Fresh parameters as a nested dict of arrays `{wte, wpe, blocks: {...[layers, ...]}, ln_f, [lm_head]}`.
 
     Values depend only on `key` and `cfg` (jit it with any out_shardings: threefry is partitionable)."""
-    return nnx.split(GPT(cfg, nnx.Rngs(params=key)))[1].to_pure_dict()
+    return nnx.to_pure_dict(nnx.split(GPT(cfg, nnx.Rngs(params=key)))[1])
 
 
 def logical_axes(cfg: GPTConfig) -> dict:
@@ -150,7 +150,7 @@ def logical_axes(cfg: GPTConfig) -> dict:
     model = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0)))
     state = nnx.state(model)
     names = jax.tree.map(lambda v: v.get_metadata()[LOGICAL], state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    names = nnx.State(names).to_pure_dict() if not isinstance(names, dict) else names
+    names = nnx.to_pure_dict(names) if not isinstance(names, dict) else names
     names["blocks"] = jax.tree.map(lambda t: ("layers",) + tuple(t), names["blocks"],
                                    is_leaf=lambda t: isinstance(t, tuple))
     return names
@@ -189,15 +189,18 @@ class Forward:
             x = dropout(x, self.cfg.dropout_embed, jax.random.fold_in(rng, 0), seq_ids)
         return constrain(x, ("batch", "seq", "embed"))
 
-    def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0):
+    def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None):
         """Apply the stacked blocks `block_params` (leading axis: layers of this chunk) to x `[batch, seq, embed]`.
 
-        `first_layer` is the global index of the chunk's first layer (it keys dropout, so any split agrees)."""
+        `first_layer` is the global index of the chunk's first layer (it keys dropout, so any split agrees).
+        `prepare(layer_params)`, if given, runs on each layer's params inside the scan before use (ZeRO-3 gathers
+        them there, one layer at a time)."""
         cfg = self.cfg
         rate = cfg.dropout_resid if rng is not None else 0.0
 
         def one(x, inp):
             p, i = inp
+            p = prepare(p) if prepare is not None else p
             drop = None
             if rate > 0:
                 lk = jax.random.fold_in(rng, 1 + i)
@@ -233,10 +236,10 @@ class Forward:
         nll = (lse - tz) * mask
         return nll.sum(), mask.sum()
 
-    def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None):
-        """The whole model on one (micro)batch: (loss_sum, token_count)."""
+    def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None):
+        """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`: as in `layers`."""
         x = self.embed(params, tokens, rng, seq_ids)
-        x = self.layers(params["blocks"], x, rng, seq_ids)
+        x = self.layers(params["blocks"], x, rng, seq_ids, prepare=prepare)
         return self.head_loss(params, x, targets, mask)
 
 

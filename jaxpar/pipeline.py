@@ -130,8 +130,12 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
         s = jax.lax.axis_index(AXIS)
         act_shape = jax.eval_shape(first_fn, shared, jax.tree.map(lambda a: a[0], xs))
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
-        def vary(tree):  # per-stage values (shard_map's varying-manual-axes types), whatever the user fns return
-            cast = lambda x: x if AXIS in _varying_axes(x) else jax.lax.pcast(x, (AXIS,), to="varying")
+        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)  # `stage`, and `data` under DataParallel
+
+        def vary(tree):  # values that differ per device along every manual axis (shard_map's vma types)
+            def cast(x):
+                missing = tuple(a for a in manual if a not in _varying_axes(x))
+                return jax.lax.pcast(x, missing, to="varying") if missing else x
             return jax.tree.map(cast, tree)
 
         fill = lambda: vary(jnp.full(act_shape.shape, bubble_fill, act_shape.dtype))

@@ -26,13 +26,16 @@ def _fits(p: P, shape, mesh) -> P:
     return P(*out)
 
 
-def add_data_axis(p: P, shape, mesh) -> P:
-    """ZeRO: also shard over `data` along the first dimension divisible by it (replicated if none is)."""
+def add_data_axis(p: P, shape, mesh, skip=()) -> P:
+    """ZeRO: also shard over `data` along the first dimension divisible by it (replicated if none is), never along
+    the dimensions in `skip` (the `layers` axis, so ZeRO-3 can gather one layer at a time)."""
     d = mesh.shape["data"]
     parts = list(tuple(p) + (None,) * (len(shape) - len(p)))
     if d == 1 or any(a == "data" or (isinstance(a, tuple) and "data" in a) for a in parts):
         return P(*parts)
     for i, (dim, ax) in enumerate(zip(shape, parts)):
+        if i in skip:
+            continue
         axes = () if ax is None else ((ax,) if isinstance(ax, str) else tuple(ax))
         size = d
         for a in axes:
@@ -47,7 +50,8 @@ def param_specs(names_tree, shapes_tree, rules, mesh, zero: bool = False):
     """Per-parameter `PartitionSpec` from logical names; `zero=True` adds the `data` axis (ZeRO sharding)."""
     def one(names, shape):
         p = _fits(spec(names, rules), shape.shape, mesh)
-        return add_data_axis(p, shape.shape, mesh) if zero else p
+        skip = tuple(i for i, n in enumerate(names) if n == "layers")
+        return add_data_axis(p, shape.shape, mesh, skip) if zero else p
 
     return jax.tree.map(one, names_tree, shapes_tree, is_leaf=lambda t: isinstance(t, tuple))
 
