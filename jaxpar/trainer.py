@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import data, metrics
+from jaxpar import data, metrics, monitor
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, validate
 from jaxpar.mesh import make_mesh
@@ -150,9 +150,9 @@ def run(config, workdir: str) -> dict:
         steps.cfg.embed, T)
     peak = metrics.peak_flops(jax.devices()[0].device_kind)
     ndev = jax.device_count()
-    writer = metrics.MetricsWriter(workdir, is_main)
-    console = metrics.Console(is_main, int(config.train.steps), start, bool(config.log.progress))
-    profiler = metrics.profile(os.path.join(workdir), tuple(config.log.profile_steps))
+    writer = monitor.MetricsWriter(workdir, is_main)
+    console = monitor.Console(is_main, int(config.train.steps), start, bool(config.log.progress))
+    profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
     if is_main:
         console.print(f"jaxpar: mesh {dict(mesh.shape)} on {ndev} {jax.devices()[0].platform} devices, "
                       f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpar import metrics as m
+from jaxpar import monitor as mon
 
 # GPT-2 small (124M): L=12, d=768, vocab 50257, T=1024, tied embedding counted once, no position embedding.
 # Per block: 2 LayerNorms (2*2*768) + qkv (768*2304 + 2304) + attn out (768*768 + 768)
@@ -93,7 +94,7 @@ def _read_jsonl(path):
 
 
 def test_metrics_writer_jsonl_and_tb(tmp_path):
-    w = m.MetricsWriter(str(tmp_path), enabled=True)
+    w = mon.MetricsWriter(str(tmp_path), enabled=True)
     w.write(1, {"loss": 0.1 + 0.2, "lr": 3e-4, "mfu": None, "f32": np.float32(0.1), "arr": jnp.float32(2.5),
                 "n": np.int64(7), "bad": float("nan")})
     # written and flushed before close: a crash would not lose it
@@ -121,16 +122,16 @@ def test_metrics_writer_jsonl_and_tb(tmp_path):
 
 
 def test_metrics_writer_appends_on_resume(tmp_path):
-    with m.MetricsWriter(str(tmp_path), enabled=True) as w:
+    with mon.MetricsWriter(str(tmp_path), enabled=True) as w:
         w.write(1, {"loss": 2.0})
-    with m.MetricsWriter(str(tmp_path), enabled=True) as w:
+    with mon.MetricsWriter(str(tmp_path), enabled=True) as w:
         w.write(2, {"loss": 1.0})
     assert [r["step"] for r in _read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
 def test_metrics_writer_disabled_writes_nothing(tmp_path):
     d = tmp_path / "work"
-    w = m.MetricsWriter(str(d), enabled=False)
+    w = mon.MetricsWriter(str(d), enabled=False)
     w.write(1, {"loss": 1.0})
     w.close()
     assert not d.exists()
@@ -138,7 +139,7 @@ def test_metrics_writer_disabled_writes_nothing(tmp_path):
 
 def test_console_plain_lines():
     out = io.StringIO()  # not a tty
-    c = m.Console(enabled=True, total_steps=100, start_step=0, stream=out)
+    c = mon.Console(enabled=True, total_steps=100, start_step=0, stream=out)
     c.update(1)  # not a log step: prints nothing
     c.update(10, {"loss": 3.14159, "val_loss": 3.5, "lr": 3e-4, "grad_norm": 0.5, "tokens_per_s": 12345.6,
                   "tflops_per_device": 42.42, "mfu": None,
@@ -157,7 +158,7 @@ def test_console_plain_lines():
 
 def test_console_disabled_prints_nothing():
     out = io.StringIO()
-    c = m.Console(enabled=False, total_steps=10, start_step=0, stream=out)
+    c = mon.Console(enabled=False, total_steps=10, start_step=0, stream=out)
     c.update(5, {"loss": 1.0})
     c.close()
     assert out.getvalue() == ""
@@ -170,7 +171,7 @@ class _FakeTTY(io.StringIO):
 
 def test_console_tty_progress_bar_runs():
     out = _FakeTTY()
-    c = m.Console(enabled=True, total_steps=10, start_step=2, stream=out)
+    c = mon.Console(enabled=True, total_steps=10, start_step=2, stream=out)
     for step in range(3, 11):
         c.update(step, {"loss": 1.0 / step} if step % 5 == 0 else None)
     c.close()
@@ -182,7 +183,7 @@ def test_profiler_window(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(m.jax.profiler, "start_trace", lambda d: calls.append(("start", d)))
     monkeypatch.setattr(m.jax.profiler, "stop_trace", lambda: calls.append(("stop",)))
-    p = m.profile(str(tmp_path), (3, 5))
+    p = mon.profile(str(tmp_path), (3, 5))
     for step in range(1, 8):
         p.maybe_start(step)
         calls.append(step)
@@ -190,7 +191,7 @@ def test_profiler_window(tmp_path, monkeypatch):
     assert calls == [1, 2, ("start", str(tmp_path / "profile")), 3, 4, 5, ("stop",), 6, 7]
     # empty window: never traces
     calls.clear()
-    q = m.profile(str(tmp_path), ())
+    q = mon.profile(str(tmp_path), ())
     for step in range(1, 4):
         q.maybe_start(step)
         q.maybe_stop(step)
@@ -202,14 +203,14 @@ def test_profiler_context_stops_on_error(tmp_path, monkeypatch):
     monkeypatch.setattr(m.jax.profiler, "start_trace", lambda d: calls.append("start"))
     monkeypatch.setattr(m.jax.profiler, "stop_trace", lambda: calls.append("stop"))
     with pytest.raises(RuntimeError):
-        with m.profile(str(tmp_path), (1, 10)) as p:
+        with mon.profile(str(tmp_path), (1, 10)) as p:
             p.maybe_start(1)
             raise RuntimeError("boom")
     assert calls == ["start", "stop"]
 
 
 def test_profiler_real_trace_cpu(tmp_path):
-    p = m.profile(str(tmp_path), (1,))
+    p = mon.profile(str(tmp_path), (1,))
     assert p.maybe_start(1)
     x = (jnp.ones((64, 64)) @ jnp.ones((64, 64))).sum()
     assert p.maybe_stop(1, block_on=x)

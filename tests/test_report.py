@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import steps_for, tiny_config
-from jaxpar import report
+from jaxpar import hlo, report
 
 VOCAB = 250
 M = 4
@@ -74,17 +74,17 @@ def test_lowered_input_is_compiled():
 
 
 def test_shape_bytes():
-    assert report.shape_bytes("f32[4,128]{1,0}") == 4 * 128 * 4
-    assert report.shape_bytes("(f32[2,2]{1,0}, bf16[3]{0})") == 16 + 6
-    assert report.shape_bytes("(f32[4]{0:T(128)}, /*index=1*/u8[<=10]{0})") == 16 + 10
-    assert report.shape_bytes("f32[]") == 4
-    assert report.shape_bytes("pred[5]") == 5
-    assert report.shape_bytes("s4[3]") == 2
-    assert report.shape_bytes("f8e4m3fn[8,2]") == 16
-    assert report.shape_bytes("(token[], s32[])") == 4
-    assert report.shape_bytes("()") == 0
+    assert hlo.shape_bytes("f32[4,128]{1,0}") == 4 * 128 * 4
+    assert hlo.shape_bytes("(f32[2,2]{1,0}, bf16[3]{0})") == 16 + 6
+    assert hlo.shape_bytes("(f32[4]{0:T(128)}, /*index=1*/u8[<=10]{0})") == 16 + 10
+    assert hlo.shape_bytes("f32[]") == 4
+    assert hlo.shape_bytes("pred[5]") == 5
+    assert hlo.shape_bytes("s4[3]") == 2
+    assert hlo.shape_bytes("f8e4m3fn[8,2]") == 16
+    assert hlo.shape_bytes("(token[], s32[])") == 4
+    assert hlo.shape_bytes("()") == 0
     with pytest.raises(ValueError):
-        report.shape_bytes("q99[2]")
+        hlo.shape_bytes("q99[2]")
 
 
 HLO = """HloModule t, entry_computation_layout={(f32[8]{0})->f32[8]{0}}
@@ -180,7 +180,7 @@ ENTRY %main (arg: f32[8]) -> f32[8] {
 
 
 def test_hand_written_hlo_nested_loops_call_sites_async_and_tuples():
-    r = report.hlo_collectives(HLO)
+    r = hlo.hlo_collectives(HLO)
     got = {c["name"]: (c["kind"], c["bytes"], c["executions"], c["total_bytes"]) for c in r["collectives"]}
     assert got == {
         "ar": ("all-reduce", 8 * 4 + 6 * 2, 15, 15 * 44),  # tuple result; inner loop 3 x outer loop 5
@@ -198,7 +198,7 @@ def test_hand_written_hlo_nested_loops_call_sites_async_and_tuples():
 def test_unknown_trip_count_counts_once_and_is_flagged():
     text = HLO.replace("%n = s32[] constant(3)", "%n = s32[] get-tuple-element(%p), index=0").replace(
         ', backend_config={"known_trip_count":{"n":"3"}}', "")
-    r = report.hlo_collectives(text)
+    r = hlo.hlo_collectives(text)
     ar = next(c for c in r["collectives"] if c["name"] == "ar")
     assert ar["executions"] == 5
     assert ("w", 1, "unknown") in [(lp["name"], lp["trip_count"], lp["source"]) for lp in r["loops"]]
@@ -223,5 +223,5 @@ ENTRY main (a: (s32[], f32[2])) -> (s32[], f32[2]) {
   ROOT w = (s32[], f32[2]{0}) while(a), condition=cond, body=body, backend_config="{\\"known_trip_count\\":{\\"n\\":\\"6\\"}}"
 }
 """
-    r = report.hlo_collectives(text)
+    r = hlo.hlo_collectives(text)
     assert [(c["name"], c["bytes"], c["executions"]) for c in r["collectives"]] == [("ar", 8, 6)]
