@@ -12,7 +12,8 @@ M = 4
 
 @pytest.fixture(scope="module")
 def compiled_step():
-    c = tiny_config(**{"mesh.data": 8, "train.microbatches": M, "train.global_batch_size": 32})
+    c = tiny_config(**{"mesh.data": 8, "train.microbatches": M, "train.global_batch_size": 32,
+                       "optim.zero_stage": 2})
     s = steps_for(c, VOCAB)
     state = s.abstract_state()
     b = {"tokens": jax.ShapeDtypeStruct((32, c.model.seq_len + 1), jnp.int32, sharding=s.batch_sharding)}
@@ -29,17 +30,19 @@ def test_real_step_memory_collectives_and_state_bytes(compiled_step):
     assert mem["peak"] == mem["argument"] + mem["output"] + mem["temp"] - mem["alias"] > 0
     assert rep["flops_per_step"] == 1.5e9
 
-    # data parallel: gradients are all-reduced; every entry is consistent
-    assert "all-reduce" in rep["collectives_by_kind"]
+    # ZeRO-2 data parallel: gradients reduce-scattered, params all-gathered; every entry is consistent
+    assert {"reduce-scatter", "all-gather"} <= set(rep["collectives_by_kind"])
     for c in rep["collectives"]:
         assert c["bytes"] > 0 and c["total_bytes"] == c["bytes"] * c["executions"]
-    # the microbatch scan is a while loop in ENTRY with trip count M; collectives inside it run M times per step
+    # the microbatch scan is a while loop with trip count M; the reduce-scatters inside it run M times per step,
+    # the params' all-gather after the update once
     entry_loops = [lp for lp in rep["loops"] if lp["trip_count"] == M and lp["source"] != "unknown"]
     assert entry_loops
-    assert any(c["kind"] == "all-reduce" and c["executions"] == M for c in rep["collectives"])
-    assert all(c["executions"] % M == 0 for c in rep["collectives"])
-    tot = rep["collectives_by_kind"]["all-reduce"]
-    assert tot["bytes"] == sum(c["total_bytes"] for c in rep["collectives"] if c["kind"] == "all-reduce")
+    assert all(c["executions"] % M == 0 for c in rep["collectives"] if c["kind"] == "reduce-scatter")
+    assert any(c["kind"] == "reduce-scatter" and c["executions"] == M for c in rep["collectives"])
+    assert all(c["executions"] == 1 for c in rep["collectives"] if c["kind"] == "all-gather")
+    tot = rep["collectives_by_kind"]["reduce-scatter"]
+    assert tot["bytes"] == sum(c["total_bytes"] for c in rep["collectives"] if c["kind"] == "reduce-scatter")
 
     # per-device state bytes, independently: the bytes of each device-0 shard of a real state
     real = s.init(0)
