@@ -87,3 +87,15 @@ def test_missing_data_fails_before_compile_and_writes_nothing(tmp_path, no_compi
     with pytest.raises(DataError):
         trainer.run(c, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_writes_compile_report_without_training(corpus, tmp_path):
+    wd = tmp_path / "dry"
+    rep = trainer.dry_run(run_config(corpus, tmp_path, **{"mesh.data": 4, "mesh.tensor": 2,
+                                                           "train.microbatches": 2, "optim.zero_stage": 1}), str(wd))
+    on_disk = json.loads((wd / "compile_report.json").read_text())
+    assert on_disk["layout"] == rep["layout"] and rep["layout"]["zero_stage"] == 1
+    assert set(rep["state_bytes"]) >= {"params", "opt_state", "grad_buffer"}
+    assert rep["memory"]["peak"] > 0 and rep["flops_per_step"] > 0
+    assert "all-reduce" in rep["collectives_by_kind"]
+    assert not (wd / "checkpoints").exists() and not (wd / "metrics.jsonl").exists()
