@@ -13,7 +13,6 @@ import json
 import os
 import tempfile
 
-import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 

@@ -134,9 +134,9 @@ def build(config, mesh, vocab_real: int) -> Steps:
     is_none = lambda x: x is None
     layer_pdim = jax.tree.map(lambda d: None if d is None else d - 1, dp.pdim["blocks"], is_leaf=is_none)
     gather_layer = lambda p: dp.gather(p, layer_pdim)  # ZeRO-3: one layer's params, inside the layer scan
-    gather_shared = lambda p: {**dp.gather({k: v for k, v in p.items() if k != "blocks"},
-                                           {k: d for k, d in dp.pdim.items() if k != "blocks"}),
-                               "blocks": p["blocks"]}
+    shared_pdim = {k: d for k, d in dp.pdim.items() if k != "blocks"}
+    gather_shared = lambda p: {**dp.gather({k: a for k, a in p.items() if k != "blocks"}, shared_pdim),
+                               "blocks": p["blocks"]}  # ZeRO-3: embeddings and final norm, per microbatch
 
     def pipelined_loss(params, xs, rng):
         """(loss_sum, count, per-microbatch sums) of all microbatches through the pipeline over `stage`."""

@@ -45,3 +45,13 @@ def assert_trees_close(a, b, tol=1e-5):
     for (path, x), y in zip(fa, fb):
         e = rel_l2(x, y)
         assert e <= tol, f"{jax.tree_util.keystr(path)}: relative L2 {e:.3g} > {tol}"
+
+
+def run_config(corpus, tmp_path, **over):
+    c = tiny_config(**over)
+    c.data.update(corpus=str(corpus / "*.txt"), tokenizer="byte", cache_dir=str(tmp_path / "cache"))
+    c.train.steps = over.get("train.steps", 6)
+    c.log.update(every_steps=1, progress=False)
+    c.eval.update(every_steps=100, batches=1)
+    c.checkpoint.update(every_steps=3, keep=3, async_save=True)
+    return c

@@ -96,7 +96,6 @@ def test_second_step_call_does_not_recompile():
     c = tiny_config(**{"mesh.data": 4, "mesh.tensor": 2})
     s = steps_for(c, VOCAB)
     state = s.init(0)
-    b = batch(16, 16, VOCAB)
     for i in range(3):
         state, _ = s.train(state, place(s, batch(16, 16, VOCAB, seed=i)))
     assert s.train._cache_size() == 1

@@ -7,8 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import batch, place, steps_for, tiny_config
-from test_trainer import corpus, run_config  # noqa: F401  (fixture)
+from helpers import batch, place, run_config, steps_for, tiny_config
 from jaxpar import trainer
 
 VOCAB = 250
@@ -55,7 +54,7 @@ def metrics(wd):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
-def test_fp16_resume_continues_with_saved_scale_and_counters(corpus, tmp_path):  # noqa: F811
+def test_fp16_resume_continues_with_saved_scale_and_counters(corpus, tmp_path):
     over = {"mesh.data": 4, "mesh.tensor": 2, "train.compute_dtype": "float16", "train.loss_scale_window": 2,
             "train.loss_scale_initial": 2.0 ** 10}
     trainer.run(run_config(corpus, tmp_path, **over), str(tmp_path / "full"))
@@ -69,7 +68,7 @@ def test_fp16_resume_continues_with_saved_scale_and_counters(corpus, tmp_path): 
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_nonfinite_policy(corpus, tmp_path, policy, monkeypatch):  # noqa: F811
+def test_nonfinite_policy(corpus, tmp_path, policy, monkeypatch):
     real_build = trainer.build
 
     def build(*a, **k):  # the 3rd step gets a NaN loss mask: NaN loss and grads through the real step

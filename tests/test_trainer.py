@@ -2,34 +2,13 @@
 import json
 import os
 
-import jax
-import numpy as np
 import pytest
 
-from helpers import tiny_config
+from helpers import run_config
 from jaxpar import step as step_mod
 from jaxpar import trainer
 from jaxpar.config import ConfigError
 from jaxpar.data import DataError
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
-    (d / "a.txt").write_text(" ".join(rng.choice(words, 6000)) + "\n")
-    return d
-
-
-def run_config(corpus, tmp_path, **over):
-    c = tiny_config(**over)
-    c.data.update(corpus=str(corpus / "*.txt"), tokenizer="byte", cache_dir=str(tmp_path / "cache"))
-    c.train.steps = over.get("train.steps", 6)
-    c.log.update(every_steps=1, progress=False)
-    c.eval.update(every_steps=100, batches=1)
-    c.checkpoint.update(every_steps=3, keep=3, async_save=True)
-    return c
 
 
 def losses(workdir):
