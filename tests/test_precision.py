@@ -34,19 +34,26 @@ def test_fp16_overflow_skips_update_and_lowers_scale_per_hysteresis():
     assert int(state["loss_scale"].overflows) == 3 and float(state["loss_scale"].scale) == 2.0 ** 38
 
 
+def five_steps(dtype):
+    c = tiny_config(**{"mesh.data": 4, "mesh.tensor": 2, "train.compute_dtype": dtype, "optim.lr": 3e-3})
+    s = steps_for(c, VOCAB)
+    state = s.init(0)
+    b = place(s, batch(16, 16, VOCAB))
+    for _ in range(5):
+        state, m = s.train(state, b)
+    assert int(m["skipped"]) == 0
+    return float(m["loss"])
+
+
+@pytest.fixture(scope="module")
+def fp32_loss():
+    return five_steps("float32")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_low_precision_trains_close_to_fp32(dtype):
-    losses = {}
-    for dt in ("float32", dtype):
-        c = tiny_config(**{"mesh.data": 4, "mesh.tensor": 2, "train.compute_dtype": dt, "optim.lr": 3e-3})
-        s = steps_for(c, VOCAB)
-        state = s.init(0)
-        b = place(s, batch(16, 16, VOCAB))
-        for _ in range(5):
-            state, m = s.train(state, b)
-        losses[dt] = float(m["loss"])
-        assert int(m["skipped"]) == 0
-    assert losses[dtype] < 5.5 and abs(losses[dtype] - losses["float32"]) < 0.05
+def test_low_precision_trains_close_to_fp32(fp32_loss, dtype):
+    loss = five_steps(dtype)
+    assert loss < 5.5 and abs(loss - fp32_loss) < 0.05
 
 
 def metrics(wd):
