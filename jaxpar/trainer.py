@@ -136,8 +136,9 @@ def run(config, workdir: str) -> dict:
             shutil.copytree(info.tokenizer_dir, tok_dir)
     ckpt = Checkpointer.from_config(workdir, config)
     latest = ckpt.latest_step()
+    abstract = steps.abstract_state()
     if latest is not None:
-        state, _ = ckpt.restore(latest, steps.abstract_state())
+        state, _ = ckpt.restore(latest, abstract)
         state = steps.from_canonical(state)
         start = int(state["step"])
     else:
@@ -146,7 +147,7 @@ def run(config, workdir: str) -> dict:
     rows = data.process_rows(steps.batch_sharding, B)
     batch_at = lambda src, i: {"tokens": data.to_global(src(i, *rows), steps.batch_sharding, B)}
     flops_tok = metrics.model_flops_per_token(
-        n_params_for_flops(steps.abstract_state()["params"], steps.cfg.tie_embeddings), steps.cfg.layers,
+        n_params_for_flops(abstract["params"], steps.cfg.tie_embeddings), steps.cfg.layers,
         steps.cfg.embed, T)
     peak = metrics.peak_flops(jax.devices()[0].device_kind)
     ndev = jax.device_count()
