@@ -29,6 +29,9 @@ def main(argv):
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except trainer.Preempted as e:
+        print(f"jaxpar: {e}", file=sys.stderr)
+        sys.exit(trainer.PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,44 @@ from jaxpar.config import ConfigError, validate
 from jaxpar.mesh import make_mesh
 from jaxpar.step import build
 
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "try again"; the SLURM template requeues on it
+
+
+class Preempted(Exception):
+    """Raised after SIGTERM once a complete checkpoint of step `step` is on disk; train.py exits with
+    PREEMPTED_EXIT_CODE."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted (SIGTERM): checkpoint of step {step} saved; rerun the same command to resume.")
+        self.step = step
+
+
+class PreemptionWatch:
+    """Notes SIGTERM (what SLURM sends before it kills a job, `#SBATCH --signal`) and, at each step boundary, says
+    whether to stop there. With several processes every one stops at the same step: the flag is all-gathered, so a
+    signal seen by any process stops all of them at the next boundary."""
+
+    def __init__(self):
+        import signal
+
+        self.requested = False
+        self._signal = signal
+        self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum, frame):
+        self.requested = True
+
+    def reached(self) -> bool:
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.requested))))
+
+    def close(self):
+        self._signal.signal(self._signal.SIGTERM, self._previous)
+
+
 # What a resume must keep identical (else: refuse before touching anything). Layout, zero stage, schedule,
 # microbatches, precision, cadence and steps may change.
 FINGERPRINT_KEYS = ("model.seq_len", "model.layers", "model.embed", "model.heads", "model.mlp",
@@ -168,6 +206,7 @@ def run(config, workdir: str) -> dict:
 
     last, t0, since = {}, time.perf_counter(), 0
     total = int(config.train.steps)
+    preemption = PreemptionWatch()
     try:
         for step in range(start, total):
             profiler.maybe_start(step)
@@ -177,7 +216,8 @@ def run(config, workdir: str) -> dict:
             done = step + 1
             log_now = done % config.log.every_steps == 0 or done == total
             eval_now = done % config.eval.every_steps == 0 or done == total
-            save_now = done % config.checkpoint.every_steps == 0 or done == total
+            stop_now = preemption.reached()
+            save_now = done % config.checkpoint.every_steps == 0 or done == total or stop_now
             if log_now or eval_now or save_now:
                 health = check_health(config, state, done)
             if log_now or eval_now:
@@ -198,8 +238,12 @@ def run(config, workdir: str) -> dict:
                 console.update(done)
             if save_now:
                 ckpt.save(done, steps.to_canonical(state), {"fingerprint": fp, "step": done}, force=True)
+            if stop_now:
+                ckpt.wait()
+                raise Preempted(done)
         ckpt.wait()
     finally:
+        preemption.close()
         profiler.stop()
         console.close()
         writer.close()

@@ -1,0 +1,53 @@
+"""SIGTERM to a training process: it saves a complete checkpoint at the next step boundary, exits with the
+documented code, and the same command resumes there."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from jaxpar.trainer import PREEMPTED_EXIT_CODE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def command(corpus, tmp_path, steps):
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs/shakespeare.py"),
+            "--workdir", str(tmp_path / "run"), f"--config.data.corpus={corpus}/*.txt",
+            f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.model.layers=2", "--config.model.embed=32",
+            "--config.model.mlp=64", "--config.model.seq_len=16", "--config.train.global_batch_size=8",
+            f"--config.train.steps={steps}", "--config.checkpoint.every_steps=100000", "--config.log.every_steps=1",
+            "--config.eval.every_steps=100000", "--config.eval.batches=1", "--config.log.progress=False"]
+
+
+def logged_steps(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if line.strip()]
+
+
+def test_sigterm_saves_at_step_boundary_and_exits_with_code(corpus, tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(command(corpus, tmp_path, 100000), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while len(logged_steps(metrics)) < 3:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "training never logged 3 steps"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, out
+    saved = [int(d) for d in os.listdir(tmp_path / "run" / "checkpoints") if d.isdigit()]
+    assert len(saved) == 1 and saved[0] >= 3, saved
+    k = saved[0]
+    assert f"checkpoint of step {k} saved" in out
+    assert max(logged_steps(metrics)) == k  # it stopped at the boundary where it saved
+    # the same command, asked for two more steps, resumes at k
+    res = subprocess.run(command(corpus, tmp_path, k + 2), env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"start step {k}" in res.stdout
+    assert logged_steps(metrics)[-2:] == [k + 1, k + 2]
