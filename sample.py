@@ -1,12 +1,14 @@
 """Generate text from a trained run: `python sample.py --workdir DIR --prompt TEXT [--new_tokens N]`.
 
-Loads WORKDIR's config, tokenizer and latest checkpoint onto the devices present (whatever layout trained it).
+DIR is a run directory (its config, tokenizer and latest checkpoint are loaded, whatever layout trained it) or an
+export written by `python -m jaxpar.export` (it holds model_config.json).
 """
+import os
 import sys
 
 from absl import app, flags, logging
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py, or an export.")
 _PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")
 _NEW = flags.DEFINE_integer("new_tokens", 200, "Tokens to generate (prompt + new <= model.seq_len).")
 _TEMP = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
@@ -21,12 +23,14 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
+    from jaxpar.export import CONFIG_FILE, load_export
     from jaxpar.generate import generate
     from jaxpar.runs import load_params
 
+    load = load_export if os.path.isfile(os.path.join(_WORKDIR.value, CONFIG_FILE)) else load_params
     try:
-        fwd, params, tok = load_params(_WORKDIR.value)
-    except FileNotFoundError as e:
+        fwd, params, tok = load(_WORKDIR.value)
+    except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     ids = tok.encode(_PROMPT.value)

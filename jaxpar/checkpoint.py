@@ -57,12 +57,13 @@ class Checkpointer:
         complete (a failed save deletes nothing).
       async_save: write in a background thread; `save` returns once the arrays are copied to host memory, so the
         caller may donate or delete them right after.
+      read_only: for readers (sampling, export, the trainer's resume check): creates, cleans and deletes nothing.
 
     Raises:
       ValueError: `every_steps < 1` or `keep < 1`.
     """
 
-    def __init__(self, workdir: str, every_steps: int, keep: int, async_save: bool = True):
+    def __init__(self, workdir: str, every_steps: int, keep: int, async_save: bool = True, read_only: bool = False):
         if int(every_steps) < 1:
             raise ValueError(f"checkpoint every_steps={every_steps}: must be >= 1.")
         if int(keep) < 1:
@@ -74,8 +75,11 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self.async_save,
             preservation_policy=ocp.checkpoint_managers.LatestN(n=self.keep),
-            cleanup_tmp_directories=True,  # leftovers of a crashed save are removed when a run starts
-            create=True,
+            # leftovers of a crashed save are removed when a run starts; a reader (sample, export, the resume check)
+            # never removes anything: the temporary folder may be a live run's save in progress
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
         )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for item, arg_types in ((_STATE, (ocp.args.StandardSave, ocp.args.StandardRestore)),

@@ -111,6 +111,27 @@ def check_health(config, state, done: int) -> dict:
     return {"nonfinite_steps": int(bad), "overflow_steps": int(ls.overflows)}
 
 
+def init_from_export(directory: str, steps, state) -> dict:
+    """`state` with its params replaced by those of an export (`python -m jaxpar.export`), placed in this layout.
+
+    Raises:
+      ConfigError: the export's model differs from this config's (shape or vocabulary).
+    """
+    from jaxpar.export import load_export
+
+    fwd, params, _ = load_export(directory)
+    if fwd.cfg != steps.cfg:
+        diffs = [f"{f}: export {getattr(fwd.cfg, f)!r} vs config {getattr(steps.cfg, f)!r}"
+                 for f in ("vocab_size", "vocab_real", "seq_len", "layers", "embed", "heads", "mlp", "tie_embeddings")
+                 if getattr(fwd.cfg, f) != getattr(steps.cfg, f)]
+        if diffs:
+            raise ConfigError(f"--config.init_from={directory} holds another model:\n  " + "\n  ".join(diffs))
+    canon = steps.to_canonical(state)
+    canon["params"] = jax.device_put(
+        jax.tree.map(lambda p, q: p.astype(q.dtype), params, canon["params"]), steps.state_shardings["params"])
+    return steps.from_canonical(canon)
+
+
 def dry_run(config, workdir: str) -> dict:
     """Compile the train step for the config's layout without training; write WORKDIR/compile_report.json.
 
@@ -159,7 +180,7 @@ def run(config, workdir: str) -> dict:
     ckpt_dir = os.path.join(workdir, "checkpoints")
     fp = fingerprint(config, info, steps)
     if os.path.isdir(ckpt_dir):  # refuse a mismatched resume before anything is created or written
-        probe = Checkpointer(workdir, 1, 1, async_save=False)
+        probe = Checkpointer(workdir, 1, 1, async_save=False, read_only=True)
         latest = probe.latest_step()
         if latest is not None:
             check_resume(probe.read_meta(latest).get("fingerprint", {}), fp)
@@ -181,6 +202,8 @@ def run(config, workdir: str) -> dict:
         start = int(state["step"])
     else:
         state, start = steps.init(seed), 0
+        if config.init_from:  # fine-tuning: params from an export, fresh optimizer state, step 0
+            state = init_from_export(config.init_from, steps, state)
 
     rows = data.process_rows(steps.batch_sharding, B)
     batch_at = lambda src, i: {"tokens": data.to_global(src(i, *rows), steps.batch_sharding, B)}

@@ -261,3 +261,17 @@ def test_failed_save_raises_and_keeps_old(tmp_path, monkeypatch, surface):
     assert ck.save(8, _small_state(8), {"step": 8})
     ck.close()
     assert _step_dirs(ck) == [4, 8]
+
+
+def test_read_only_reader_leaves_a_save_in_progress_alone(tmp_path):
+    with Checkpointer(str(tmp_path), every_steps=1, keep=3, async_save=False) as ck:
+        ck.save(1, {"x": jnp.arange(4.0)}, {"step": 1})
+    in_progress = tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-123"
+    in_progress.mkdir()
+    reader = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False, read_only=True)
+    assert reader.latest_step() == 1
+    reader.close()
+    assert in_progress.is_dir()
+    assert not (tmp_path / "nothing").exists()
+    Checkpointer(str(tmp_path / "nothing"), 1, 1, async_save=False, read_only=True).close()
+    assert not (tmp_path / "nothing" / "checkpoints").exists()

@@ -1,0 +1,280 @@
+"""Export a run's parameters as safetensors + JSON, and load such an export back.
+
+    python -m jaxpar.export --workdir DIR --out OUT [--step N] [--force]
+
+writes, from WORKDIR's latest (or given) checkpoint, whatever layout trained it:
+
+  OUT/model.safetensors   every parameter under a flat dotted key (`wte`, `blocks.wqkv`, `ln_f.scale`, ...), the
+                          canonical layout-free tree the checkpoints hold (block leaves stacked on a leading
+                          `layers` axis in model order), each array in its param dtype (float32, bfloat16, float16).
+  OUT/model_config.json   every field of `GPTConfig`, plus `format` ("jaxpar-gpt-v1"), `step`, `tokenizer_kind`
+                          and `tokenizer_vocab_size`.
+  OUT/tokenizer/          a copy of WORKDIR/tokenizer.
+
+Nothing in an export is pickled or executable: `load_export` reads only the safetensors file (a JSON header and raw
+little-endian arrays) and JSON, and checks every key, shape and dtype against the model the config describes.
+
+Errors (missing workdir or checkpoint, an OUT that exists and is not empty without `--force`) exit with code 2 and
+a one-line message, writing nothing. `--force` replaces the three entries above in OUT and leaves other files alone.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import jax
+import numpy as np
+
+FORMAT = "jaxpar-gpt-v1"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "model_config.json"
+TOKENIZER_DIR = "tokenizer"
+_SEP = "."
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}  # param dtypes -> safetensors dtype tags
+
+
+# ------------------------------------------------------------------------------------------ flat <-> nested
+
+def _items(tree: dict, prefix: str = ""):
+    """(dotted key, leaf) of a nested dict of leaves, depth-first in sorted key order."""
+    for k in sorted(tree):
+        if not isinstance(k, str) or not k or _SEP in k:
+            raise ValueError(f"param key {prefix}{k!r}: keys must be non-empty strings without {_SEP!r}.")
+        v = tree[k]
+        if isinstance(v, dict):
+            yield from _items(v, f"{prefix}{k}{_SEP}")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def flatten(params: dict) -> dict[str, np.ndarray]:
+    """A nested params dict -> `{"blocks.wqkv": array, ...}` of host numpy arrays, shape and dtype unchanged.
+
+    Leaves may be jax arrays (on any devices or sharding; they are gathered to the host) or numpy arrays.
+
+    Raises:
+      ValueError: a key is not a non-empty string, or contains ".".
+    """
+    flat = dict(_items(params))
+    return {k: np.asarray(v, order="C") for k, v in jax.device_get(flat).items()}
+
+
+def unflatten(flat: dict) -> dict:
+    """The inverse of `flatten`: `{"a.b": x}` -> `{"a": {"b": x}}`; leaves are kept as given (no copy or cast).
+
+    Raises:
+      ValueError: an empty key or key part, or a key that is both a leaf and a prefix of another (`a` and `a.b`).
+    """
+    out: dict = {}
+    for key in sorted(flat):
+        parts = key.split(_SEP) if isinstance(key, str) else [""]
+        if not all(parts):
+            raise ValueError(f"flat key {key!r}: empty name part.")
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"flat key {key!r}: {_SEP.join(parts[:i + 1])!r} is also a leaf.")
+        if parts[-1] in node:
+            raise ValueError(f"flat key {key!r} is also a prefix of other keys.")
+        node[parts[-1]] = flat[key]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+def export(workdir: str, out: str, step: int | None = None, force: bool = False) -> dict:
+    """Write WORKDIR's latest (or `step`'s) checkpoint params as an export in OUT (layout above).
+
+    The params are restored onto the host CPU (no accelerator memory is used). Either everything is written or
+    nothing is: the files are built in a temporary sibling of OUT, then moved in.
+
+    Returns:
+      the dict written to OUT/model_config.json.
+
+    Raises:
+      FileNotFoundError: WORKDIR, its config.json, tokenizer or a complete checkpoint (for `step`) is missing.
+      FileExistsError: OUT exists and is not an empty directory, and `force` is False (or OUT is a file).
+      ValueError: the checkpoint does not match config.json's model; the tokenizer is unreadable.
+    """
+    from jaxpar.runs import load_run  # the training stack (optax, orbax) only for exporting, not for loading
+
+    workdir, out = os.path.abspath(os.fspath(workdir)), os.path.abspath(os.fspath(out))
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(f"--workdir {workdir} does not exist or is not a directory.")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"--out {out} exists and is not a directory.")
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise FileExistsError(f"--out {out} exists and is not empty; pass --force to replace an export in it.")
+    run = load_run(workdir, step, device=_host_device())
+    flat = flatten(run.params)
+    meta = {"format": FORMAT, **dataclasses.asdict(run.fwd.cfg), "step": int(run.step),
+            "tokenizer_kind": run.tokenizer.kind, "tokenizer_vocab_size": int(run.tokenizer.vocab_size)}
+
+    from safetensors.numpy import save_file
+
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    try:
+        save_file(flat, os.path.join(tmp, WEIGHTS_FILE), metadata={"jaxpar_format": FORMAT, "step": str(run.step)})
+        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+            f.write("\n")
+        shutil.copytree(os.path.join(workdir, TOKENIZER_DIR), os.path.join(tmp, TOKENIZER_DIR))
+        if not os.path.isdir(out):
+            os.rename(tmp, out)
+        else:  # empty, or --force: replace our entries only
+            for name in (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_DIR):
+                dst = os.path.join(out, name)
+                if os.path.isdir(dst) and not os.path.islink(dst):
+                    shutil.rmtree(dst)
+                elif os.path.lexists(dst):
+                    os.remove(dst)
+                os.rename(os.path.join(tmp, name), dst)
+            os.rmdir(tmp)
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def _host_device():
+    """The host CPU device (so exporting needs no accelerator memory), or the default one if JAX has no CPU backend."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
+
+
+# ------------------------------------------------------------------------------------------------- load
+
+_FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _gpt_config(meta: dict, where: str):
+    """GPTConfig from model_config.json's fields, type-checked; ValueError naming the first bad field."""
+    from jaxpar.config import DTYPES
+    from jaxpar.model import GPTConfig
+
+    kw = {}
+    for f in dataclasses.fields(GPTConfig):
+        if f.name not in meta:
+            if f.default is dataclasses.MISSING:
+                raise ValueError(f"{where}: missing field {f.name!r}.")
+            continue
+        v, types = meta[f.name], _FIELD_TYPES[str(f.type)]
+        if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
+            raise ValueError(f"{where}: field {f.name!r} is {v!r}; expected {str(f.type)}.")
+        kw[f.name] = v
+    cfg = GPTConfig(**kw)
+    for name in ("vocab_size", "vocab_real", "seq_len", "layers", "embed", "heads", "mlp"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)}; expected >= 1.")
+    if cfg.embed % cfg.heads:
+        raise ValueError(f"{where}: embed={cfg.embed} is not divisible by heads={cfg.heads}.")
+    if cfg.vocab_real > cfg.vocab_size:
+        raise ValueError(f"{where}: vocab_real={cfg.vocab_real} > vocab_size={cfg.vocab_size}.")
+    for name in ("param_dtype", "compute_dtype"):
+        if getattr(cfg, name) not in DTYPES:
+            raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)!r}; expected one of {DTYPES}.")
+    return cfg
+
+
+def load_export(directory: str, device=None):
+    """-> (Forward, params, tokenizer) from an export written by `export` / `python -m jaxpar.export`.
+
+    Reads only DIRECTORY/model_config.json, DIRECTORY/model.safetensors and the tokenizer's JSON: no pickle, no
+    code from disk. Every array is checked before any is read: each key the model expects (from `jax.eval_shape`
+    of `init_params`) must be present with the expected shape and dtype, and no other key may be.
+
+    Args:
+      directory: the export directory.
+      device: where the params go (default `jax.devices()[0]`).
+
+    Returns:
+      `Forward(cfg)`; params, the canonical nested dict `{wte, wpe, blocks: {...}, ln_f, [lm_head]}` of jax arrays
+      on `device` in the param dtype (block leaves `[layers, ...]`); the tokenizer.
+
+    Raises:
+      FileNotFoundError: DIRECTORY, its model_config.json, model.safetensors or tokenizer/ is missing.
+      ValueError: a wrong or missing format tag, a bad config field, an unreadable safetensors file or tokenizer,
+        a missing, unexpected, wrong-shape or wrong-dtype array; the message names the first mismatch.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from jaxpar.data import load_tokenizer
+    from jaxpar.model import Forward, init_params
+
+    directory = os.fspath(directory)
+    cpath, wpath, tdir = (os.path.join(directory, n) for n in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_DIR))
+    for p, isit in ((cpath, os.path.isfile), (wpath, os.path.isfile), (tdir, os.path.isdir)):
+        if not isit(p):
+            raise FileNotFoundError(f"{p} not found: {directory} is not an export written by jaxpar.export.")
+    try:
+        with open(cpath) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cpath} is not JSON: {e}.") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{cpath}: format is {got!r}; expected {FORMAT!r}.")
+    cfg = _gpt_config(meta, cpath)
+    tok = load_tokenizer(tdir)  # DataError (a ValueError) if unreadable
+    if tok.vocab_size > cfg.vocab_real:
+        raise ValueError(f"{tdir}: the tokenizer has {tok.vocab_size} ids but the model only vocab_real="
+                         f"{cfg.vocab_real}.")
+
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    expected = dict(_items(shapes))
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    try:
+        with safe_open(wpath, framework="numpy") as f:
+            present = set(f.keys())
+            for k, s in expected.items():
+                want = f"{_ST_DTYPES[str(s.dtype)]}{list(s.shape)}"
+                if k not in present:
+                    raise ValueError(f"{wpath}: missing array {k!r} (expected {want}).")
+                sl = f.get_slice(k)
+                got = f"{sl.get_dtype()}{list(sl.get_shape())}"
+                if got != want:
+                    raise ValueError(f"{wpath}: array {k!r} is {got}; expected {want}.")
+            extra = sorted(present - expected.keys())
+            if extra:
+                raise ValueError(f"{wpath}: unexpected array {extra[0]!r} (the model has no such parameter).")
+            flat = {k: jax.device_put(f.get_tensor(k), sharding) for k in expected}
+    except SafetensorError as e:
+        raise ValueError(f"{wpath} is not a readable safetensors file: {e}.") from e
+    return Forward(cfg), unflatten(flat), tok
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m jaxpar.export ...`; returns the exit code: 0 done, 2 bad input (one line on stderr)."""
+    ap = argparse.ArgumentParser(prog="python -m jaxpar.export",
+                                 description="Export a run's checkpoint params as safetensors + JSON.")
+    ap.add_argument("--workdir", required=True, help="run directory written by train.py")
+    ap.add_argument("--out", required=True, help="export directory to write (must not exist or be empty)")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
+    ap.add_argument("--force", action="store_true", help="replace an export already in --out")
+    args = ap.parse_args(argv)
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    try:
+        meta = export(args.workdir, args.out, args.step, args.force)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(f"exported step {meta['step']} of {args.workdir} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
