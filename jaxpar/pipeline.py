@@ -130,7 +130,7 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
         s = jax.lax.axis_index(AXIS)
         act_shape = jax.eval_shape(first_fn, shared, jax.tree.map(lambda a: a[0], xs))
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
-        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)  # `stage`, and `data` under DataParallel
+        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)  # `stage`, and any of an enclosing shard_map
 
         def vary(tree):  # values that differ per device along every manual axis (shard_map's vma types)
             def cast(x):
@@ -157,6 +157,14 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
         policy = None if remat else jax.checkpoint_policies.dots_saveable
         work = jax.checkpoint(work, prevent_cse=False, policy=policy)
 
+        # The embedding and the head are recomputed in the backward pass (their one-hot and logits buffers,
+        # [micro_batch, seq, vocab], would otherwise be kept for every tick); checkpointed around their `cond`s for
+        # the same reason as `work`.
+        first = jax.checkpoint(lambda shared, mb, x, pred: jax.lax.cond(
+            pred, lambda: vary(first_fn(shared, mb)), lambda: x), prevent_cse=False)
+        last = jax.checkpoint(lambda shared, y, mb, pred: jax.lax.cond(
+            pred, lambda: vary(last_fn(shared, y, mb)), lambda: (zero(), zero())), prevent_cse=False)
+
         def tick(carry, row):
             recv, loop_buf, loss, count, per_mb = carry
             mbs, reps, valids = row
@@ -167,10 +175,9 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
                 x = jnp.where(s == 0, take(loop_buf, i), recv)
             else:
                 x = recv
-            x = jax.lax.cond(ok & (s == 0) & (r == 0), lambda: vary(first_fn(shared, mb)), lambda: x)
+            x = first(shared, mb, x, ok & (s == 0) & (r == 0))
             y = work(chunks, r, x, r * S + s, mb, ok)
-            ls, c = jax.lax.cond(ok & (s == S - 1) & (r == v - 1), lambda: vary(last_fn(shared, y, mb)),
-                                 lambda: (zero(), zero()))
+            ls, c = last(shared, y, mb, ok & (s == S - 1) & (r == v - 1))
             nxt = jax.lax.ppermute(y, AXIS, [(j, (j + 1) % S) for j in range(S)])
             if v > 1:  # what stage S-1 just sent round to stage 0 is parked until its next pass
                 j, back = mbs[S - 1], valids[S - 1] & (reps[S - 1] < v - 1)
