@@ -44,6 +44,7 @@ from absl import app, flags, logging  # noqa: E402
 from jaxpar import pipeline  # noqa: E402
 from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.report import memory_bytes  # noqa: E402
 from jaxpar.step import build, map_blocks  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "small sweep: S in {1, 2, 4}, M in {S, 4S}, v = 1")
@@ -79,15 +80,6 @@ def make_config(S, M, v, skip):
     return c
 
 
-def memory(compiled) -> dict:
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias")}
-    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
-
-
 class Runner:
     """The compiled train step of one config on its devices, with its (donated, updated) state and a fixed batch."""
 
@@ -105,7 +97,7 @@ class Runner:
         t0 = time.perf_counter()
         self.compiled = steps.train.lower(self.state, self.batch).compile()
         self.compile_s = time.perf_counter() - t0
-        self.mem = memory(self.compiled)
+        self.mem = memory_bytes(self.compiled)
         self.state, m = self.compiled(self.state, self.batch)  # warm-up
         jax.block_until_ready((self.state, m))
         self.loss0 = float(m["loss"])

@@ -18,21 +18,13 @@ from ml_collections import config_flags
 from jaxpar import metrics
 from jaxpar.config import validate
 from jaxpar.mesh import make_mesh
+from jaxpar.report import memory_bytes
 from jaxpar.step import build
 from jaxpar.trainer import n_params_for_flops
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps (after one warm-up step)")
 _VOCAB = flags.DEFINE_integer("vocab", 256, "vocabulary size when config.model.vocab_size is 0")
-
-
-def memory(compiled) -> dict:
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias", "generated_code")}
-    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
 
 
 def main(argv):
@@ -66,7 +58,7 @@ def main(argv):
         "microbatches": int(config.train.microbatches), "compile_s": compile_s, "step_s": dt, "tokens_per_s": tps,
         "model_flops_per_token": fpt, "tflops_per_device": metrics.tflops_per_device(tps, fpt, ndev),
         "mfu": metrics.mfu(tps, fpt, ndev, metrics.peak_flops(jax.devices()[0].device_kind)),
-        "bytes_per_device": memory(compiled),
+        "bytes_per_device": memory_bytes(compiled),
     }, indent=2))
 
 

@@ -110,6 +110,7 @@ def build(config, mesh, vocab_real: int) -> Steps:
              "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P()}
     state_sh = shd.named(mesh, specs)
     grad_sh = shd.named(mesh, gspecs)
+    unsharded = shd.named(mesh, shd.param_specs(names, pshapes, rules, mesh, zero=False))  # no ZeRO over data
     batch_sh = NamedSharding(mesh, P("data"))
     repl = NamedSharding(mesh, P())
 
@@ -185,7 +186,6 @@ def build(config, mesh, vocab_real: int) -> Steps:
             # The params enter and the grads leave the tick loop unsharded over `data` (ZeRO-3 gathers the stage's
             # params once, before the loop; ZeRO-2 scatters after it): a `data` collective that the compiler would
             # place inside a stage's `cond` is one the devices of other stages never join.
-            unsharded = shd.named(mesh, shd.param_specs(names, pshapes, rules, mesh, zero=False))
             fence = lambda t: jax.lax.with_sharding_constraint(t, unsharded)
             f = lambda p: (lambda s: (s * extras["norm"], s))(pipelined_loss(fence(p), xs, rng)[0])
             grads, lsum = jax.grad(f, has_aux=True)(params)

@@ -75,10 +75,9 @@ def _get(config, dotted):
     return config[sect][key]
 
 
-def check_resume(saved: dict, now: dict, allow_batch_change: bool = False) -> None:
+def check_resume(saved: dict, now: dict) -> None:
     """Raise ConfigError naming every difference between a checkpoint's fingerprint and this run's."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in now
-             if saved.get(k) != now[k] and not (allow_batch_change and k == "train.global_batch_size")]
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in now if saved.get(k) != now[k]]
     if diffs:
         raise ConfigError("refusing to resume: the checkpoint was written for another model or data:\n  "
                           + "\n  ".join(diffs)
