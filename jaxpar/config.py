@@ -25,7 +25,7 @@ DEFAULT_RULES = (
 MESH_AXES = ("data", "stage", "tensor")  # order of the device grid: tensor last = neighbouring devices
 REMAT_POLICIES = ("none", "full", "dots", "attention")
 DTYPES = ("float32", "bfloat16", "float16")
-SCHEDULES = ("gpipe", "circular")
+SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
 
 
 class ConfigError(ValueError):
@@ -52,6 +52,9 @@ def base_config() -> ml_collections.ConfigDict:
         steps=1000, global_batch_size=32, microbatches=1, seed=0,
         param_dtype="float32", compute_dtype="float32",
         nonfinite="stop",  # stop | skip: what a non-finite loss or gradient does (fp16 overflows: the loss scale)
+        # resume a checkpoint written with another global_batch_size (the data order continues from the samples it
+        # consumed; the LR schedule stays a function of the step); default: refuse
+        allow_batch_change=False,
         # fp16 dynamic loss scaling, DeepSpeed's defaults (initial 2^16, window 1000, hysteresis 2, min 1)
         loss_scale_initial=2.0 ** 16, loss_scale_window=1000, loss_scale_hysteresis=2, loss_scale_min=1.0,
         loss_scale_factor=2.0, loss_scale_patience=10,
@@ -64,7 +67,7 @@ def base_config() -> ml_collections.ConfigDict:
     ))
 
     c.pipeline = ml_collections.ConfigDict(dict(
-        schedule="gpipe",  # gpipe | circular
+        schedule="gpipe",  # gpipe | circular | 1f1b | zb_h1
         virtual_stages=1,  # chunks per stage with the circular schedule
         remat=True,  # recompute each stage's layers in the backward pass (keep only stage inputs per tick)
         skip_bubbles=True,  # skip the compute of bubble slots (False: compute and discard; for measurements)
@@ -81,6 +84,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=200, keep=3, async_save=True))
     c.log = ml_collections.ConfigDict(dict(every_steps=10, profile_steps=(), progress=True))
     c.eval = ml_collections.ConfigDict(dict(every_steps=100, batches=8))
+    # multi-process: a process silent for heartbeat_timeout_s makes the others exit with a message; no step
+    # boundary within step_timeout_s (0 = off; the first, compiling step is not timed) stops every process
+    c.dist = ml_collections.ConfigDict(dict(heartbeat_timeout_s=60.0, step_timeout_s=0.0, init_timeout_s=300.0))
     return c
 
 
@@ -147,6 +153,12 @@ def validate(config, num_devices: int) -> dict[str, int]:
     if s > 1 and M < s:
         errs.append(f"train.microbatches={M} < mesh.stage={s}: the pipeline needs at least one microbatch per "
                     f"stage; set --config.train.microbatches={s} or more.")
+    if config.pipeline.schedule in ("1f1b", "zb_h1") and s > 1 and v > 1:
+        errs.append(f"pipeline.virtual_stages={v} with pipeline.schedule={config.pipeline.schedule!r}: interleaved "
+                    f"1F1B is not implemented; set --config.pipeline.virtual_stages=1 or use the 'circular' schedule.")
+    if config.pipeline.schedule == "zb_h1" and not config.pipeline.remat:
+        errs.append("pipeline.remat=False (keep the vjp residuals) is implemented for 1f1b only; zb_h1 recomputes "
+                    "its stage forward: set --config.pipeline.remat=True.")
     if config.pipeline.schedule not in SCHEDULES:
         errs.append(f"pipeline.schedule={config.pipeline.schedule!r}: pick one of {SCHEDULES}.")
     if m.remat not in REMAT_POLICIES:
@@ -166,6 +178,10 @@ def validate(config, num_devices: int) -> dict[str, int]:
                       ("checkpoint.every_steps", config.checkpoint.every_steps)):
         if val < 1:
             errs.append(f"{name}={val} must be >= 1.")
+    dist = config.dist
+    if dist.heartbeat_timeout_s <= 0 or dist.init_timeout_s <= 0 or dist.step_timeout_s < 0:
+        errs.append(f"dist.heartbeat_timeout_s={dist.heartbeat_timeout_s}, dist.init_timeout_s={dist.init_timeout_s} "
+                    f"must be > 0 and dist.step_timeout_s={dist.step_timeout_s} >= 0 (0: no step watchdog).")
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
     return shape

@@ -196,23 +196,26 @@ class Forward:
         `prepare(layer_params)`, if given, runs on each layer's params inside the scan before use (ZeRO-3 gathers
         them there, one layer at a time)."""
         cfg = self.cfg
-        rate = cfg.dropout_resid if rng is not None else 0.0
 
         def one(x, inp):
             p, i = inp
-            p = prepare(p) if prepare is not None else p
-            drop = None
-            if rate > 0:
-                lk = jax.random.fold_in(rng, 1 + i)
-                drop = lambda y, site: dropout(y, rate, jax.random.fold_in(lk, site), seq_ids)
-            y, _ = nnx.merge(self.block_def, p)(x, cfg, drop)
-            return y, None
+            return self.block(prepare(p) if prepare is not None else p, x, rng, seq_ids, i), None
 
         if cfg.remat != "none":
             one = jax.checkpoint(one, policy=_REMAT[cfg.remat], prevent_cse=False)
         n = jax.tree.leaves(block_params)[0].shape[0]
         x, _ = jax.lax.scan(one, x, (block_params, first_layer + jnp.arange(n)))
         return x
+
+    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0):
+        """One transformer block (params without the `layers` axis) on x `[batch, seq, embed]`; `layer` is its
+        global index (int or traced int32), which keys its dropout."""
+        cfg = self.cfg
+        drop = None
+        if rng is not None and cfg.dropout_resid > 0:
+            lk = jax.random.fold_in(rng, 1 + layer)
+            drop = lambda y, site: dropout(y, cfg.dropout_resid, jax.random.fold_in(lk, site), seq_ids)
+        return nnx.merge(self.block_def, layer_params)(x, cfg, drop)[0]
 
     def logits(self, params, x):
         """x `[batch, seq, embed]` -> float32 logits `[batch, seq, vocab]`, padded ids set to -inf."""

@@ -109,6 +109,19 @@ def _varying_axes(x) -> frozenset:
     return mat.varying if mat is not None else frozenset()
 
 
+def vary(tree):
+    """Mark every leaf as differing per device along every manual mesh axis (shard_map's varying-axes types).
+
+    A differentiated value that is invariant along a manual axis gets a `psum` over that axis in its transpose; cast
+    up front, the gradient stays per device, to be reduced once where the caller says."""
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+
+    def cast(x):
+        missing = tuple(a for a in manual if a not in _varying_axes(x))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(cast, tree)
+
+
 def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, *, remat: bool = True,
         bubble_fill: float = 0.0, skip_bubbles: bool = True):
     """Run the pipeline -> (loss_sum, count, per_microbatch_loss_sum `[M]`), float32, summed over microbatches.
@@ -130,13 +143,6 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
         s = jax.lax.axis_index(AXIS)
         act_shape = jax.eval_shape(first_fn, shared, jax.tree.map(lambda a: a[0], xs))
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
-        manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)  # `stage`, and any of an enclosing shard_map
-
-        def vary(tree):  # values that differ per device along every manual axis (shard_map's vma types)
-            def cast(x):
-                missing = tuple(a for a in manual if a not in _varying_axes(x))
-                return jax.lax.pcast(x, missing, to="varying") if missing else x
-            return jax.tree.map(cast, tree)
 
         fill = lambda: vary(jnp.full(act_shape.shape, bubble_fill, act_shape.dtype))
         zero = lambda: vary(jnp.zeros((), jnp.float32))

@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import loss_scale
 from jaxpar import model as gpt
-from jaxpar import pipeline
+from jaxpar import pipeline, pipeline_1f1b, schedules
 from jaxpar import sharding as shd
 from jaxpar.config import mlp_width, padded_vocab
 from jaxpar.logical import activation_rules
@@ -115,8 +115,11 @@ def build(config, mesh, vocab_real: int) -> Steps:
     repl = NamedSharding(mesh, P())
 
     S = mesh.shape["stage"]
-    v = int(config.pipeline.virtual_stages) if S > 1 and config.pipeline.schedule != "gpipe" else 1
-    sched = pipeline.make_schedule(config.pipeline.schedule, S, v, M) if S > 1 else None
+    name = config.pipeline.schedule
+    v = int(config.pipeline.virtual_stages) if S > 1 and name == "circular" else 1
+    # 1F1B / ZB-H1 run the backward inside their loop; the forward-only evaluation runs GPipe's loop
+    loop_sched = schedules.make(name, S, M) if S > 1 and name in schedules.NAMES else None
+    sched = (pipeline.gpipe(S, M) if loop_sched else pipeline.make_schedule(name, S, v, M)) if S > 1 else None
     reorder = lambda fn: (lambda state: map_blocks(state, fn))
     to_canon = reorder(lambda a: pipeline.from_stage_major(a, S, v))
     from_canon = reorder(lambda a: pipeline.to_stage_major(a, S, v))
@@ -150,6 +153,18 @@ def build(config, mesh, vocab_real: int) -> Steps:
             return pipeline.run(first, stage, last, shared, params["blocks"], xs, sched, mesh,
                                 remat=bool(config.pipeline.remat),
                                 skip_bubbles=bool(config.pipeline.skip_bubbles))
+
+    def pipelined_grads(params, xs, rng, seed):
+        """(loss_sum, grads of seed · loss_sum) with the backward inside the pipeline's loop (1F1B, ZB-H1)."""
+        shared = {k: p for k, p in params.items() if k != "blocks"}
+        first = lambda sh, mb: fwd.embed(sh, mb["x"], rng, mb["ids"])
+        layer = lambda p, a, index, mb: fwd.block(p, a, rng, mb["ids"], index)
+        last = lambda sh, a, mb: fwd.head_loss(sh, a, mb["y"], mb["w"])
+        with activation_rules(rules, None, manual=("stage", "data")):
+            lsum, _, _, dshared, dblocks = pipeline_1f1b.run(
+                first, layer, last, shared, params["blocks"], xs, loop_sched, mesh, seed,
+                remat=bool(config.pipeline.remat))
+        return lsum, {**dshared, "blocks": dblocks}
 
     def accumulated_loss_and_grads(params, xs, norm, rng):
         """Per data shard: grads of sum(loss) * norm over M microbatches in a scan, reduced as ZeRO says."""
@@ -187,8 +202,11 @@ def build(config, mesh, vocab_real: int) -> Steps:
             # params once, before the loop; ZeRO-2 scatters after it): a `data` collective that the compiler would
             # place inside a stage's `cond` is one the devices of other stages never join.
             fence = lambda t: jax.lax.with_sharding_constraint(t, unsharded)
-            f = lambda p: (lambda s: (s * extras["norm"], s))(pipelined_loss(fence(p), xs, rng)[0])
-            grads, lsum = jax.grad(f, has_aux=True)(params)
+            if loop_sched is not None:
+                lsum, grads = pipelined_grads(fence(params), xs, rng, jnp.asarray(extras["norm"], jnp.float32))
+            else:
+                f = lambda p: (lambda s: (s * extras["norm"], s))(pipelined_loss(fence(p), xs, rng)[0])
+                grads, lsum = jax.grad(f, has_aux=True)(params)
             grads = fence(jax.tree.map(lambda a: a.astype(jnp.float32), grads))
         else:
             def per_shard(p, xs, ex):
