@@ -1,8 +1,9 @@
 """The device mesh `(data, stage, tensor)`: tensor on neighbouring devices (the fastest links), data outermost.
 
-`make_mesh(shape)` takes the resolved sizes from `config.validate`. With several processes (hosts) the mesh is a
-hybrid one: `tensor` (and, when it fits, `stage`) stays inside a host, `data` spans hosts, so tensor-parallel traffic
-never crosses the network.
+`make_mesh(shape)` takes the resolved sizes from `config.validate`. Devices are ordered by (node, process, id) and
+reshaped to (data, stage, tensor), tensor fastest: a tensor group (and a stage x tensor block, when a node holds
+one) lies within a node and `data` spans nodes, so tensor-parallel traffic never crosses the network. The node of
+each process comes from `jaxpar.distributed`; without it each process counts as its own node.
 """
 from __future__ import annotations
 
@@ -18,23 +19,43 @@ def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
 
     Raises:
       ValueError: the product of the sizes differs from the number of devices.
+      ConfigError: the devices cannot keep `tensor` within a node (see `node_order`).
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = tuple(int(shape[a]) for a in AXES)
     if int(np.prod(sizes)) != len(devices):
         raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}")
-    nproc = len({d.process_index for d in devices})
-    if nproc > 1:
-        from jax.experimental import mesh_utils
-
-        per_host = len(devices) // nproc
-        t = sizes[2]
-        s_in = sizes[1] if per_host % (t * sizes[1]) == 0 else 1
-        inner = (per_host // (t * s_in), s_in, t)
-        outer = (sizes[0] // inner[0], sizes[1] // s_in, 1)
-        grid = mesh_utils.create_hybrid_device_mesh(inner, outer, devices, process_is_granule=True)
-    else:
-        # sorted by id: on GPU servers neighbouring ids share the fastest links (NVLink / NVSwitch)
-        devices = sorted(devices, key=lambda d: d.id)
-        grid = np.asarray(devices, dtype=object).reshape(sizes)
+    grid = np.asarray(node_order(devices, sizes[2], _nodes()), dtype=object).reshape(sizes)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def _nodes():
+    from jaxpar import distributed
+
+    return distributed.process_nodes()
+
+
+def node_order(devices, tensor: int, nodes: dict[int, str] | None = None) -> list:
+    """`devices` sorted by (node, process, id): on one GPU server neighbouring ids share the fastest links
+    (NVLink / NVSwitch); `nodes` maps process index -> node name (None: each process is its own node).
+
+    Raises:
+      ConfigError: nodes hold different numbers of devices, or `tensor` does not divide a node's devices (its
+        traffic would cross the network).
+    """
+    from jaxpar.config import ConfigError
+
+    node_of = (lambda p: nodes.get(p, p)) if nodes else (lambda p: p)
+    first = {}
+    for d in sorted(devices, key=lambda d: d.process_index):
+        first.setdefault(node_of(d.process_index), len(first))
+    ordered = sorted(devices, key=lambda d: (first[node_of(d.process_index)], d.process_index, d.id))
+    counts = {n: sum(first[node_of(d.process_index)] == n for d in devices) for n in first.values()}
+    per_node = min(counts.values())
+    if len(set(counts.values())) > 1:
+        raise ConfigError(f"nodes hold different numbers of devices ({sorted(counts.values())}); give every node "
+                          f"the same number of processes and devices.")
+    if len(counts) > 1 and per_node % tensor:
+        raise ConfigError(f"mesh.tensor={tensor} does not divide the {per_node} devices of a node, so tensor-parallel "
+                          f"traffic would cross the network; use a tensor size dividing {per_node}.")
+    return ordered

@@ -1,0 +1,181 @@
+"""Failure, never a hang: the peer watch (a dead process) and the step watchdog (a stuck one).
+
+With several processes a dead peer leaves the others blocked in their next collective, and JAX's own heartbeat
+ends them from C++ (an abort without a Python message). Here, instead:
+
+- **peer watch** (`start_peers`, from `distributed.initialize`): every process bumps a counter in the coordination
+  service's key-value store each `interval` (timeout / 10, within 0.2-1 s) and watches its ring neighbour's
+  (process i watches i + 1 mod N, so a whole dead node is seen by the process before it). No change for
+  `timeout` seconds, or no answer from the coordination service for as long: the watcher exits with a message.
+- **step watchdog** (`arm_steps`, `beat`): no step boundary within `step_timeout` seconds -> exit with a message
+  naming the step. The first step (compilation) is not timed.
+- **abort**: whoever fails posts (code, message) under one key before exiting; every other process reads it within
+  an interval and exits with the same code and the message, so no process waits on a dead collective. Process 0
+  hosts the coordination service, so it lingers `2 * interval + 0.5` s before exiting, to let the others read it.
+
+Exit codes: `PEER_LOST_EXIT_CODE` (3) a peer died or the coordinator vanished; `STALLED_EXIT_CODE` (4) no step within
+`dist.step_timeout_s`; otherwise the code the failing process posted (1: an exception, 2: a config/data error).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+
+PEER_LOST_EXIT_CODE = 3
+STALLED_EXIT_CODE = 4
+_ABORT = "jaxpar/abort"
+
+
+class _Watch:
+    def __init__(self):
+        self.client, self.pid, self.n, self.timeout, self.coordinator = None, 0, 1, 0.0, None
+        self.interval = 1.0
+        self.step_timeout, self.step, self.beat_at = 0.0, None, None
+        self.peer_value, self.peer_seen, self.peer_done, self.rpc_ok = None, 0.0, False, 0.0
+        self.posted = None  # the abort another process posted: {"process", "code", "message"}
+        self.stop = threading.Event()
+        self.exiting = threading.Lock()
+        self.checker = None
+
+
+_W = _Watch()
+
+
+def _say(text: str) -> None:
+    sys.stdout.flush()
+    sys.stderr.write(f"jaxpar: process {_W.pid}: {text}\n")
+    sys.stderr.flush()
+
+
+def _try_get(key: str):
+    try:
+        return _W.client.key_value_try_get(key)
+    except Exception as e:  # XlaRuntimeError; NOT_FOUND is an answer, anything else is not
+        if "NOT_FOUND" in str(e):
+            return None
+        raise
+
+
+def _pulse() -> None:
+    k, neighbour = 0, (_W.pid + 1) % _W.n
+    while not _W.stop.wait(_W.interval):
+        k += 1
+        try:
+            _W.client.key_value_set(f"jaxpar/pulse/{_W.pid}", str(k), allow_overwrite=True)
+            value, posted = _try_get(f"jaxpar/pulse/{neighbour}"), _try_get(_ABORT)
+        except Exception:
+            continue  # no answer: `rpc_ok` gets old and the checker reports it
+        now = time.monotonic()
+        _W.rpc_ok = now
+        if value == "done":
+            _W.peer_done = True
+        elif value != _W.peer_value:
+            _W.peer_value, _W.peer_seen = value, now
+        if posted:
+            _W.posted = json.loads(posted)
+
+
+def _check() -> None:
+    while not _W.stop.wait(_W.interval):
+        now = time.monotonic()
+        p = _W.posted
+        if p and p["process"] != _W.pid and not _W.exiting.locked():
+            _say(f"stopping: process {p['process']} failed: {p['message']}")
+            _exit(int(p["code"]), linger=True)
+        if _W.client is not None:
+            if not _W.peer_done and now - _W.peer_seen > _W.timeout:
+                fail(f"process {(_W.pid + 1) % _W.n} sent no heartbeat for {_W.timeout:g} s: it died, hangs outside "
+                     f"Python, or its host is unreachable (dist.heartbeat_timeout_s).", PEER_LOST_EXIT_CODE)
+            if now - _W.rpc_ok > _W.timeout:
+                fail(f"no answer from the coordination service at {_W.coordinator} (hosted by process 0) for "
+                     f"{_W.timeout:g} s: process 0 or its host is gone (dist.heartbeat_timeout_s).",
+                     PEER_LOST_EXIT_CODE)
+        beat_at = _W.beat_at
+        if _W.step_timeout > 0 and beat_at is not None and now - beat_at > _W.step_timeout:
+            fail(f"no training step finished within {_W.step_timeout:g} s (dist.step_timeout_s): step {_W.step + 1} "
+                 f"has not finished {now - beat_at:.0f} s after step {_W.step} did; it is stuck in this process or "
+                 f"waits for a stuck one.", STALLED_EXIT_CODE)
+
+
+def _ensure_checker() -> None:
+    if _W.checker is None:
+        _W.checker = threading.Thread(target=_check, name="jaxpar-watchdog", daemon=True)
+        _W.checker.start()
+
+
+def start_peers(client, process_id: int, num_processes: int, timeout_s: float, coordinator: str) -> None:
+    """Start the peer watch: `client` is JAX's coordination client (key-value store); `timeout_s` > 0 seconds."""
+    _W.client, _W.pid, _W.n, _W.timeout, _W.coordinator = client, process_id, num_processes, timeout_s, coordinator
+    _W.interval = min(1.0, max(0.2, timeout_s / 10))
+    _W.peer_seen = _W.rpc_ok = time.monotonic()
+    threading.Thread(target=_pulse, name="jaxpar-pulse", daemon=True).start()
+    _ensure_checker()
+    atexit.register(stop)  # runs before JAX's own exit hook (atexit is last-in, first-out): quiet during shutdown
+
+
+def peers_running() -> bool:
+    return _W.client is not None and not _W.stop.is_set()
+
+
+def arm_steps(timeout_s: float) -> None:
+    """Time every step after the next `beat` (seconds; 0 = off)."""
+    _W.step_timeout, _W.beat_at = float(timeout_s), None
+    if timeout_s > 0:
+        _ensure_checker()
+
+
+def beat(done: int) -> None:
+    """A step boundary: `done` steps are finished; the next must finish within the armed timeout."""
+    _W.step, _W.beat_at = int(done), time.monotonic()
+
+
+def disarm() -> None:
+    _W.step_timeout, _W.beat_at = 0.0, None
+
+
+def fail(message: str, code: int) -> None:
+    """Print `message`, make every process exit with `code` (see the module doc), exit. Never returns."""
+    if _W.exiting.acquire(blocking=False):
+        _W.exiting.release()
+        _say(f"error: {message}")
+    abort(message, code)
+
+
+def abort(message: str, code: int) -> None:
+    """Post (code, message) for the other processes, then exit this one with `code`. Never returns."""
+    _W.exiting.acquire()  # the first caller exits; any later one waits for that
+    if _W.client is not None and not _W.stop.is_set():
+        record = json.dumps({"process": _W.pid, "code": int(code), "message": message})
+        t = threading.Thread(target=_post, args=(record,), daemon=True)
+        t.start()
+        t.join(2.0)  # the coordinator may be gone: do not wait on it
+    _exit(code, linger=True)
+
+
+def _post(value: str, key: str = _ABORT, overwrite: bool = False) -> None:
+    try:  # the abort key: the first failure wins, later ones find it taken
+        _W.client.key_value_set(key, value, allow_overwrite=overwrite)
+    except Exception:
+        pass
+
+
+def _exit(code: int, linger: bool = False) -> None:
+    if linger and _W.pid == 0 and _W.client is not None and not _W.stop.is_set():
+        time.sleep(2 * _W.interval + 0.5)  # keep the coordination service up while the others read the abort
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def stop() -> None:
+    """Stop watching (normal end of the process): tell the watcher of this process that it is done."""
+    if _W.client is None or _W.stop.is_set():
+        return
+    _W.stop.set()
+    t = threading.Thread(target=_post, args=("done", f"jaxpar/pulse/{_W.pid}", True), daemon=True)
+    t.start()
+    t.join(2.0)

@@ -1,0 +1,144 @@
+"""Several processes as several hosts run them: `python -m jaxpar.launch` starts 2 processes x 4 CPU devices (gloo
+collectives; each process its own node, so `data` spans processes), against 1 process x 8 devices, on
+(data, tensor, stage) = (2, 2, 2). The two reference runs are shared by the first two tests (module fixture)."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from helpers import assert_trees_close
+from jaxpar import launch
+from jaxpar.watchdog import PEER_LOST_EXIT_CODE, STALLED_EXIT_CODE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+LAUNCH = [sys.executable, "-m", "jaxpar.launch", "--num_processes", "2", "--devices_per_process", "4", "--"]
+
+
+def train_args(corpus, cache, workdir, steps, *extra):
+    return [os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs/shakespeare.py"),
+            "--workdir", str(workdir), f"--config.data.corpus={corpus}/*.txt", f"--config.data.cache_dir={cache}",
+            "--config.model.layers=2", "--config.model.embed=32", "--config.model.mlp=64", "--config.model.seq_len=16",
+            "--config.train.global_batch_size=8", "--config.train.microbatches=2", "--config.mesh.data=2",
+            "--config.mesh.tensor=2", "--config.mesh.stage=2", f"--config.train.steps={steps}",
+            "--config.checkpoint.every_steps=4", "--config.log.every_steps=1", "--config.eval.every_steps=100000",
+            "--config.eval.batches=1", "--config.log.progress=False", *extra]
+
+
+def run(args, processes):
+    cmd = [sys.executable, *args] if processes == 1 else LAUNCH + args
+    res = subprocess.run(cmd, env=ONE, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+def losses(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def assert_losses_equal(a, b, steps):
+    for k in steps:
+        assert abs(a[k] - b[k]) <= 1e-6 * abs(b[k]), (k, a[k], b[k])
+
+
+def saved_state(workdir, step):
+    """The whole train state of checkpoint `step` (params, optimizer state, step, rng) on one device."""
+    from jaxpar import data, runs
+    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.optim import make_optimizer
+    from jaxpar.step import init_state, model_config
+
+    config = runs.read_config(workdir)
+    vocab = max(int(config.model.vocab_size), data.load_tokenizer(os.path.join(workdir, "tokenizer")).vocab_size)
+    cfg = model_config(config, vocab, int(config.mesh.tensor))
+    dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shapes = jax.eval_shape(lambda: init_state(cfg, make_optimizer(config), 0))
+    with Checkpointer(workdir, 1, 1, async_save=False, read_only=True) as ckpt:
+        state, _ = ckpt.restore(step, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
+                                                   shapes))
+    return state
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """1 x 8 devices: steps 1-6, checkpoints 4 and 6; 2 x 4 devices: steps 1-4, checkpoint 4 (its own data cache)."""
+    d = tmp_path_factory.mktemp("multihost")
+    args = lambda name, steps, cache="cache1": train_args(corpus, d / cache, d / name, steps)  # noqa: E731
+    one_out = run(args("one", 6), 1)
+    two_out = run(args("two", 4, "cache2"), 2)
+    return d, args, one_out, two_out
+
+
+def test_two_processes_train_like_one(reference):
+    d, _, _, out = reference
+    assert_losses_equal(losses(d / "two"), losses(d / "one"), range(1, 5))
+    assert_trees_close(saved_state(d / "two", 4), saved_state(d / "one", 4))
+    # logs, metrics and TensorBoard come from process 0 only
+    assert re.search(r"^\[rank 0\] jaxpar: mesh", out, re.M)
+    assert not re.search(r"^\[rank 1\] (jaxpar: mesh|step)", out, re.M)
+    assert sorted(losses(d / "two")) == [1, 2, 3, 4] and len(os.listdir(d / "two" / "tb")) == 1
+
+
+def test_checkpoint_resumes_across_process_counts(reference):
+    d, args, _, _ = reference
+    shutil.copytree(d / "two", d / "two_to_one")  # written by 2 processes, resumed by 1
+    assert "start step 4" in run(args("two_to_one", 6), 1)
+    shutil.copytree(d / "one", d / "one_to_two")  # written by 1 process (its step 4), resumed by 2
+    shutil.rmtree(d / "one_to_two" / "checkpoints" / "6")
+    assert "start step 4" in run(args("one_to_two", 6), 2)
+    for name in ("two_to_one", "one_to_two"):  # both continue the uninterrupted 1-process run
+        assert_losses_equal(losses(d / name), losses(d / "one"), (5, 6))
+
+
+def start_two(corpus, tmp_path, *extra):
+    """2 processes training (endlessly) in tmp_path/run; each one's output in tmp_path/rank<i>.log."""
+    logs = [open(tmp_path / f"rank{i}.log", "w") for i in range(2)]
+    args = train_args(corpus, tmp_path / "cache", tmp_path / "run", 100000, *extra)
+    procs = launch.spawn(args, 2, 4, stdout=lambda r: logs[r])
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):  # step 2 done
+        assert all(p.poll() is None for p in procs), (tmp_path / "rank0.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "no step 2 within 240 s"
+        time.sleep(0.1)
+    return procs
+
+
+def test_dead_process_stops_the_others_with_a_message(corpus, tmp_path):
+    timeout = 4
+    procs = start_two(corpus, tmp_path, f"--config.dist.heartbeat_timeout_s={timeout}")
+    procs[1].kill()
+    t0 = time.monotonic()
+    rc = procs[0].wait(timeout=120)
+    elapsed = time.monotonic() - t0
+    out = (tmp_path / "rank0.log").read_text()
+    assert rc == PEER_LOST_EXIT_CODE, out[-3000:]
+    assert f"process 1 sent no heartbeat for {timeout} s" in out
+    # detection after the timeout (+ one 0.4 s poll), then process 0 keeps the coordinator up 1.3 s for the others;
+    # JAX's own backstop (a C++ abort, no message) would come at 2 x 4 + 10 = 18 s
+    assert elapsed < timeout + 5, elapsed
+
+
+def test_stalled_process_trips_the_step_watchdog(corpus, tmp_path):
+    procs = start_two(corpus, tmp_path, "--config.dist.step_timeout_s=5", "--config.dist.heartbeat_timeout_s=60")
+    procs[1].send_signal(signal.SIGSTOP)  # alive (its connections stay open) but stuck
+    t0 = time.monotonic()
+    try:
+        rc = procs[0].wait(timeout=120)
+    finally:
+        procs[1].kill()
+    elapsed = time.monotonic() - t0
+    out = (tmp_path / "rank0.log").read_text()
+    assert rc == STALLED_EXIT_CODE, out[-3000:]
+    last = max(losses(tmp_path / "run"))
+    assert f"no training step finished within 5 s (dist.step_timeout_s): step {last + 1} has not finished" in out
+    # 5 s without a step, + one 1 s poll, + 2.5 s that process 0 keeps the coordinator up; measured 8.2 s
+    assert elapsed < 5 + 1 + 2.5 + 3.5, elapsed
