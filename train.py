@@ -1,6 +1,8 @@
 """Train a GPT: `python train.py --config configs/NAME.py [--workdir DIR] [--config.KEY=VALUE ...]`.
 
 Rerunning the same command resumes from the latest checkpoint in WORKDIR (default: runs/<config file name>).
+Several processes (hosts): under `srun` nothing to add; elsewhere --coordinator, --num_processes, --process_id (or
+JAXPAR_* variables, see jaxpar/distributed.py); on one machine: `python -m jaxpar.launch --num_processes N -- train.py`.
 """
 import os
 import sys
@@ -13,25 +15,39 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Compile the step for the layout,
                                                 "(memory, FLOPs, collectives) and exit without training.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, config). "
                                                 "Default: runs/<config file name>.")
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "host:port of process 0 (multi-process runs outside SLURM).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Number of processes (multi-process runs).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 .. num_processes - 1.")
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    from jaxpar import trainer
+    from jaxpar import distributed
     from jaxpar.config import ConfigError
-    from jaxpar.data import DataError
 
     config = _CONFIG.value
+    try:  # before anything touches a device
+        distributed.initialize(distributed.resolve(os.environ, _COORDINATOR.value, _NUM_PROCESSES.value,
+                                                   _PROCESS_ID.value),
+                               config.dist.heartbeat_timeout_s, config.dist.init_timeout_s)
+    except distributed.DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    from jaxpar import trainer
+    from jaxpar.data import DataError
+
     workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
     try:
         (trainer.dry_run if _DRY_RUN.value else trainer.run)(config, workdir)
     except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        distributed.stop_all(2, f"error: {e}")
     except trainer.Preempted as e:
         print(f"jaxpar: {e}", file=sys.stderr)
         sys.exit(trainer.PREEMPTED_EXIT_CODE)
+    except Exception as e:  # several processes: traceback, then the others exit with its message (never a hang)
+        distributed.fail_all(e)
+        raise
 
 
 if __name__ == "__main__":

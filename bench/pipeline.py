@@ -3,7 +3,8 @@
     python bench/pipeline.py [--quick] [--out_dir bench/results] [--markdown] [--steps 5] [--cores 1]
 
 For S pipeline stages (mesh data x tensor x stage = 1 x 1 x S on the first S of 8 fake CPU devices), M microbatches
-of one sequence each (global batch M) and v chunks per stage (v = 1: `gpipe`, v = 2: `circular`), on a tiny GPT:
+of one sequence each (global batch M) and each schedule of `--schedules` (`gpipe`; `circular` with v = 2 chunks per
+stage; `1f1b` and `zb_h1`, whose backward runs inside the loop), on a tiny GPT:
 
   work_ratio      step time(S, M, v) / step time(1, M) (same model, batch and M; S = 1 is plain gradient
                   accumulation). The fake devices share the host's cores (by default the process is pinned to one
@@ -19,7 +20,9 @@ of one sequence each (global batch M) and v chunks per stage (v = 1: `gpipe`, v 
                   t_b are measured on one device (jitted `Forward.layers` and the pullback of its `jax.vjp`); a
                   backward tick costs t_b, plus t_f when `pipeline.remat` recomputes the forward. Ideal: v·M chunks
                   each way with no waiting. Next to it: theory_ratio = (v·M + S - 1) / (v·M), and the schedule's
-                  bubble fraction (S - 1) / (v·M + S - 1).
+                  bubble fraction (S - 1) / (v·M + S - 1). For 1f1b and zb_h1: the `LoopSchedule.time` of the
+                  tick table with equal F, B and W costs over the ideal 3M, next to theory_ratio = (M + S - 1) / M
+                  (1F1B) and (M + (S - 1)/3) / M (ZB-H1, Qi et al. 2023, sec. 3).
   peak_bytes      per device, from the compiled train step's memory analysis: argument + output + temp - alias.
 
 Prints one JSON list of rows on stdout (with `--markdown`, a README table instead) and a markdown table on stderr;
@@ -41,16 +44,17 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxpar import pipeline  # noqa: E402
+from jaxpar import pipeline, schedules  # noqa: E402
 from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
 from jaxpar.step import build, map_blocks  # noqa: E402
 
-_QUICK = flags.DEFINE_bool("quick", False, "small sweep: S in {1, 2, 4}, M in {S, 4S}, v = 1")
+_QUICK = flags.DEFINE_bool("quick", False, "small sweep: S in {1, 2, 4}, M in {S, 4S}, gpipe and 1f1b")
 _STAGES = flags.DEFINE_list("stages", ["1", "2", "4", "8"], "pipeline stages S")
 _MULT = flags.DEFINE_list("mult", ["1", "2", "4", "8"], "microbatches M as multiples of S")
-_VIRTUAL = flags.DEFINE_list("virtual", ["1", "2"], "chunks per stage v (1: gpipe, >1: circular)")
+_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "circular", "1f1b", "zb_h1"],
+                                "pipeline schedules (circular runs v = 2 chunks per stage)")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed train steps per configuration (after one warm-up step)")
 _CORES = flags.DEFINE_integer("cores", 1, "pin the process to this many CPU cores before JAX starts (0: no pinning)")
 _LAYERS = flags.DEFINE_integer("layers", 16, "model layers (S·v must divide it)")
@@ -67,7 +71,8 @@ def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
 
-def make_config(S, M, v, skip):
+def make_config(S, M, name, skip):
+    v = 2 if name == "circular" else 1
     c = base_config()
     c.name = "bench_pipeline"
     c.model.update(vocab_size=_VOCAB.value, seq_len=_SEQ.value, layers=_LAYERS.value, embed=_EMBED.value,
@@ -75,7 +80,7 @@ def make_config(S, M, v, skip):
     c.mesh.update(data=1, tensor=1, stage=S)
     c.train.update(global_batch_size=M, microbatches=M)
     c.optim.update(warmup_steps=0, decay_steps=10)
-    c.pipeline.update(schedule="gpipe" if v == 1 else "circular", virtual_stages=v, skip_bubbles=bool(skip),
+    c.pipeline.update(schedule=name if S > 1 else "gpipe", virtual_stages=v, skip_bubbles=bool(skip),
                       remat=_REMAT.value)
     return c
 
@@ -86,7 +91,7 @@ class Runner:
     def __init__(self, config, devices, canonical_state):
         shape = validate(config, len(devices))
         steps = build(config, make_mesh(shape, devices), _VOCAB.value)
-        S, v = shape["stage"], int(config.pipeline.virtual_stages) if config.pipeline.schedule != "gpipe" else 1
+        S, v = shape["stage"], int(config.pipeline.virtual_stages) if config.pipeline.schedule == "circular" else 1
         B, T = int(config.train.global_batch_size), int(config.model.seq_len)
         tokens = np.random.default_rng(0).integers(0, _VOCAB.value, (B, T + 1), dtype=np.int32)
         self.batch = {"tokens": jax.device_put(tokens, steps.batch_sharding)}
@@ -144,22 +149,23 @@ def schedule_time(sched: pipeline.Schedule, t_f: float, t_b: float) -> tuple[flo
 
 def sweep() -> list[dict]:
     if _QUICK.value:
-        stages, mults, virtuals = [1, 2, 4], [1, 4], [1]
+        stages, mults, names = [1, 2, 4], [1, 4], ["gpipe", "1f1b"]
     else:
-        stages, mults, virtuals = ([int(s) for s in f.value] for f in (_STAGES, _MULT, _VIRTUAL))
+        stages, mults, names = [int(s) for s in _STAGES.value], [int(k) for k in _MULT.value], _SCHEDULES.value
     devices = jax.devices("cpu")
     if max(stages) > len(devices):
         raise SystemExit(f"need {max(stages)} CPU devices, have {len(devices)}: set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={max(stages)} (now {os.environ.get('XLA_FLAGS')!r})")
     combos = []
     for S in (S for S in stages if S > 1):
-        for v in virtuals:
+        for name in names:
+            v = 2 if name == "circular" else 1
             if _LAYERS.value % (S * v):
-                log(f"skipping S={S} v={v}: layers={_LAYERS.value} not divisible by S·v={S * v}")
+                log(f"skipping S={S} {name}: layers={_LAYERS.value} not divisible by S·v={S * v}")
             else:
-                combos.append((S, v))
+                combos.append((S, name))
     n = _STEPS.value
-    probe = build(make_config(1, 1, 1, True), make_mesh({"data": 1, "tensor": 1, "stage": 1}, devices[:1]),
+    probe = build(make_config(1, 1, "gpipe", True), make_mesh({"data": 1, "tensor": 1, "stage": 1}, devices[:1]),
                   _VOCAB.value)
     canonical = jax.device_get(probe.init(0))  # every layout starts from these values (S = 1 is canonical order)
     rows, base = [], {}
@@ -170,7 +176,7 @@ def sweep() -> list[dict]:
                 "compile_s": r.compile_s}
 
     for M in sorted({S * k for S in stages for k in mults}):  # S = 1: gradient accumulation on one device
-        r = base[M] = Runner(make_config(1, M, 1, True), devices[:1], canonical)
+        r = base[M] = Runner(make_config(1, M, "gpipe", True), devices[:1], canonical)
         ts = [r.step() for _ in range(n)]
         step_s = statistics.median(ts)
         rows.append(row(1, M, 1, "none", None, r, step_s, step_min_s=min(ts), base_step_s=step_s, work_ratio=1.0,
@@ -180,26 +186,32 @@ def sweep() -> list[dict]:
             f"compile {r.compile_s:.1f} s")
 
     blocks = canonical["params"]["blocks"]
-    for S, v in combos:
+    for S, name in combos:
+        v = 2 if name == "circular" else 1
         Lc = _LAYERS.value // (S * v)
         t_f, t_b = chunk_costs(probe.fwd, blocks, Lc, devices[0])
         t_bt = t_b + (t_f if _REMAT.value else 0.0)  # a backward tick re-runs the stage's forward under remat
         log(f"S={S} v={v}: chunk of {Lc} layers: t_f {t_f * 1e3:.3f} ms, t_b {t_b * 1e3:.3f} ms")
-        name = "gpipe" if v == 1 else "circular"
         for k in mults:
             M = S * k
-            sched = pipeline.make_schedule(name, S, v, M)
-            crit, ideal = schedule_time(sched, t_f, t_bt)
-            info = dict(schedule_ratio=crit / ideal, theory_ratio=(v * M + S - 1) / (v * M),
-                        bubble_fraction=sched.bubble_fraction(), ticks=sched.ticks, t_f=t_f, t_b=t_bt)
-            for skip in (True, False):
+            if name in schedules.NAMES:
+                sched = schedules.make(name, S, M)
+                theory = (M + S - 1) / M if name == "1f1b" else (M + (S - 1) / 3) / M
+                info = dict(schedule_ratio=sched.time() / (3 * M), theory_ratio=theory,
+                            bubble_fraction=1 - 3 * M / sched.time(), ticks=sched.ticks, t_f=t_f, t_b=t_bt)
+            else:
+                sched = pipeline.make_schedule(name, S, v, M)
+                crit, ideal = schedule_time(sched, t_f, t_bt)
+                info = dict(schedule_ratio=crit / ideal, theory_ratio=(v * M + S - 1) / (v * M),
+                            bubble_fraction=sched.bubble_fraction(), ticks=sched.ticks, t_f=t_f, t_b=t_bt)
+            for skip in ((True,) if name in schedules.NAMES else (True, False)):
                 try:
-                    r = Runner(make_config(S, M, v, skip), devices[:S], canonical)
+                    r = Runner(make_config(S, M, name, skip), devices[:S], canonical)
                 except ConfigError as e:
-                    log(f"skipping S={S} M={M} v={v}: {e}")
+                    log(f"skipping S={S} M={M} {name}: {e}")
                     continue
                 if abs(r.loss0 - base[M].loss0) > 1e-5 * abs(base[M].loss0):
-                    log(f"WARNING S={S} M={M} v={v} skip={skip}: first loss {r.loss0} != {base[M].loss0} (S=1)")
+                    log(f"WARNING S={S} M={M} {name} skip={skip}: first loss {r.loss0} != {base[M].loss0} (S=1)")
                 # alternate with the S = 1 step on the same batch, so a change in the host's load hits both
                 tp, tb = [], []
                 for _ in range(n):
@@ -209,7 +221,7 @@ def sweep() -> list[dict]:
                 rows.append(row(S, M, v, name, skip, r, step_s, step_min_s=min(tp), base_step_s=base_s,
                                 work_ratio=step_s / base_s, work_ratio_min=min(tp) / min(tb), **info))
                 del r
-                log(f"S={S} M={M:3d} v={v} skip={skip!s:5}: step {step_s * 1e3:8.2f} ms (S=1 {base_s * 1e3:.2f}), "
+                log(f"S={S} M={M:3d} {name:8s} skip={skip!s:5}: step {step_s * 1e3:8.2f} ms (S=1 {base_s * 1e3:.2f}), "
                     f"work {step_s / base_s:.3f}, schedule {info['schedule_ratio']:.3f} "
                     f"(theory {info['theory_ratio']:.3f}), peak {rows[-1]['peak_bytes'] / 2**20:.2f} MiB, "
                     f"compile {rows[-1]['compile_s']:.1f} s")
@@ -217,20 +229,23 @@ def sweep() -> list[dict]:
 
 
 def markdown(rows) -> str:
-    out = ["| S | v | M | theory | schedule (tick table) | work, skip | work, no skip | peak MiB |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    keys = sorted({(r["S"], r["v"], r["M"]) for r in rows})
+    out = ["| S | schedule | M | theory | schedule (tick table) | work, skip | work, no skip | peak MiB |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    keys = sorted({(r["S"], r["schedule"], r["M"]) for r in rows}, key=lambda k: (k[0], ORDER.index(k[1]), k[2]))
     fmt = lambda x, f="{:.3f}": "–" if x is None else f.format(x)
-    for S, v, M in keys:
-        rs = {r["skip"]: r for r in rows if (r["S"], r["v"], r["M"]) == (S, v, M)}
+    for S, name, M in keys:
+        rs = {r["skip"]: r for r in rows if (r["S"], r["schedule"], r["M"]) == (S, name, M)}
         any_r = next(iter(rs.values()))
         skip_r = rs.get(True, rs.get(None))
         no_r = rs.get(False)
         peak = (skip_r or any_r)["peak_bytes"]
-        out.append(f"| {S} | {v} | {M} | {any_r['theory_ratio']:.3f} | {any_r['schedule_ratio']:.3f} | "
+        out.append(f"| {S} | {name} | {M} | {any_r['theory_ratio']:.3f} | {any_r['schedule_ratio']:.3f} | "
                    f"{fmt(skip_r and skip_r['work_ratio'])} | {fmt(no_r and no_r['work_ratio'])} | "
                    f"{fmt(peak and peak / 2**20, '{:.2f}')} |")
     return "\n".join(out)
+
+
+ORDER = ["none", "gpipe", "circular", "1f1b", "zb_h1"]
 
 
 def plot(rows, path):
@@ -239,35 +254,27 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (aw, asch, am) = plt.subplots(1, 3, figsize=(17, 5))
-    pipes = sorted({(r["S"], r["v"]) for r in rows if r["S"] > 1})
-    colors = {S: c for S, c in zip(sorted({S for S, _ in pipes}), plt.rcParams["axes.prop_cycle"].by_key()["color"])}
-    markers = {1: "o", 2: "s", 3: "^", 4: "D"}
-    for S, v in pipes:
-        c, mk = colors[S], markers.get(v, "o")
-        label = f"S={S}, v={v}"
-        for skip, ls in ((True, "-"), (False, "--")):
-            rs = sorted((r for r in rows if (r["S"], r["v"], r["skip"]) == (S, v, skip)), key=lambda r: r["M"])
-            if not rs:
-                continue
-            ms = [r["M"] for r in rs]
-            aw.plot(ms, [r["work_ratio"] for r in rs], ls, color=c, marker=mk,
-                    label=label + (" skip" if skip else " no skip"))
-            am.plot(ms, [r["peak_bytes"] / 2**20 for r in rs], ls, color=c, marker=mk,
-                    label=label + (" skip" if skip else " no skip"))
-        rs = sorted((r for r in rows if (r["S"], r["v"]) == (S, v) and r["skip"] is not False), key=lambda r: r["M"])
+    fig, (aw, asch, am) = plt.subplots(1, 3, figsize=(17, 5.5))
+    colors = dict(zip(ORDER[1:], plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    markers = dict(zip(sorted({r["S"] for r in rows if r["S"] > 1}), "osD^v"))
+    for S, name in sorted({(r["S"], r["schedule"]) for r in rows if r["S"] > 1}):
+        c, mk, label = colors[name], markers[S], f"{name} S={S}"
+        rs = sorted((r for r in rows if (r["S"], r["schedule"]) == (S, name) and r["skip"] is not False),
+                    key=lambda r: r["M"])
         ms = [r["M"] for r in rs]
-        asch.plot(ms, [r["schedule_ratio"] for r in rs], "-", color=c, label=label + " tick table")
-        asch.plot(ms, [r["theory_ratio"] for r in rs], mk, color=c, mfc="none", ms=10, label=label + " theory")
+        aw.plot(ms, [r["work_ratio"] for r in rs], "-", color=c, marker=mk, label=label)
+        am.plot(ms, [r["peak_bytes"] / 2**20 for r in rs], "-", color=c, marker=mk, label=label)
+        asch.plot(ms, [r["schedule_ratio"] for r in rs], "-", color=c, marker=mk, label=label + " tick table")
+        asch.plot(ms, [r["theory_ratio"] for r in rs], mk, color="k", mfc="none", ms=11)
     base = sorted((r for r in rows if r["S"] == 1), key=lambda r: r["M"])
     if base:
         am.plot([r["M"] for r in base], [r["peak_bytes"] / 2**20 for r in base], "-", color="k", marker="x",
                 label="S=1 (accumulation)")
     aw.axhline(1.0, color="k", lw=0.8)
     asch.axhline(1.0, color="k", lw=0.8)
-    aw.set(title="total work: step time / step time (S=1)\nsolid: bubbles skipped, dashed: bubbles computed",
-           xlabel="microbatches M", ylabel="work ratio")
-    asch.set(title="schedule: critical path / ideal (tick table)\nmarkers: (v·M + S − 1) / (v·M)",
+    aw.set(title="total work: step time / step time (S=1), bubbles skipped", xlabel="microbatches M",
+           ylabel="work ratio")
+    asch.set(title="schedule: critical path / ideal (tick table)\nopen black markers: theory",
              xlabel="microbatches M", ylabel="schedule ratio")
     am.set(title="per-device peak bytes of the train step\n(argument + output + temp − alias)",
            xlabel="microbatches M", ylabel="MiB")
@@ -277,7 +284,7 @@ def plot(rows, path):
         ax.set_xticks(ms, [str(m) for m in ms])
         ax.minorticks_off()
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

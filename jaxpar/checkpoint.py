@@ -10,6 +10,9 @@ A `Checkpointer` wraps an Orbax `CheckpointManager` rooted at `WORKDIR/checkpoin
 Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it once every shard and the
 `commit_success.txt` marker are in place (object stores: in place, marker last). A step counts as complete only when
 its directory exists under its final name and holds that marker; anything else (a crash mid-save) is ignored.
+Dropping an old step (`keep`) is atomic too: Orbax renames it into `checkpoints/deleting/`, and the Checkpointer
+removes that folder in the background (and its leftovers when a run starts), so a crash mid-deletion never leaves a
+half-deleted step that still looks complete.
 
 Nothing on disk is ever executed: arrays are read by tensorstore, trees and meta from JSON; no pickle.
 
@@ -21,6 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import threading
+import time
 from typing import Any
 
 import jax
@@ -32,6 +38,7 @@ log = logging.getLogger(__name__)
 _STATE = "state"
 _META = "meta"
 _SUBDIR = "checkpoints"
+_TRASH = "deleting"  # where Orbax moves the steps it drops (one atomic rename each) before they are removed
 
 
 class CheckpointSaveError(RuntimeError):
@@ -80,6 +87,7 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
             create=not read_only,
             read_only=read_only,
+            todelete_subdir=None if read_only else _TRASH,  # delete = rename away, then remove (see _empty_trash)
         )
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for item, arg_types in ((_STATE, (ocp.args.StandardSave, ocp.args.StandardRestore)),
@@ -89,6 +97,12 @@ class Checkpointer:
         self._mngr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self._pending: int | None = None  # step of the last save whose outcome has not been checked yet
         self._closed = False
+        self._read_only = bool(read_only)
+        self._cleaners: list[threading.Thread] = []
+        if not read_only and jax.process_index() == 0:  # steps a crashed run was deleting
+            for name in os.listdir(self.directory):
+                if name == _TRASH or name.startswith(_TRASH + "."):
+                    _remove_tree(os.path.join(self.directory, name))
 
     @classmethod
     def from_config(cls, workdir: str, config) -> "Checkpointer":
@@ -155,6 +169,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
             self._failed(e)
         self._pending = None
+        self._empty_trash()
 
     def close(self) -> None:
         """Wait for the pending save, then release Orbax's threads. Idempotent.
@@ -172,6 +187,8 @@ class Checkpointer:
                 self._mngr.close()
             except Exception:  # noqa: BLE001 - its error, if any, was raised by wait() above
                 log.exception("closing the checkpoint manager")
+            for t in self._cleaners:
+                t.join()
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -268,6 +285,22 @@ class Checkpointer:
             raise ValueError(f"restore of step {step} from {self.directory}: abstract_state does not match the "
                              f"checkpoint:\n  " + "\n  ".join(shown))
 
+    def _empty_trash(self) -> None:
+        """Remove the steps Orbax has dropped into the trash folder, in a background thread.
+
+        Called only when no save is in flight (so Orbax is not moving a step into the folder): the folder is first
+        renamed to a unique name, so the next save's deletions start a fresh one. Process 0 only (Orbax's primary
+        host does the deleting)."""
+        trash = os.path.join(self.directory, _TRASH)
+        if self._read_only or jax.process_index() != 0 or not os.path.isdir(trash):
+            return
+        doomed = f"{trash}.{time.time_ns()}"
+        os.rename(trash, doomed)
+        self._cleaners = [t for t in self._cleaners if t.is_alive()]
+        cleaner = threading.Thread(target=_remove_tree, args=(doomed,), name="jaxpar-checkpoint-trash", daemon=True)
+        cleaner.start()
+        self._cleaners.append(cleaner)
+
     def _failed(self, e: BaseException):
         step, self._pending = self._pending, None
         # The manager already forgot the failed step; re-read the disk so that retention counts what is there.
@@ -276,6 +309,14 @@ class Checkpointer:
         except Exception:  # noqa: BLE001
             log.exception("re-reading %s after a failed save", self.directory)
         raise CheckpointSaveError(step, e) from e
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a dropped step folder; a failure is logged (it is garbage outside every step), never raised."""
+    try:
+        shutil.rmtree(path)
+    except Exception:  # noqa: BLE001
+        log.exception("removing %s", path)
 
 
 def _leaf_name(path) -> str:

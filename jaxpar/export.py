@@ -186,6 +186,27 @@ def _gpt_config(meta: dict, where: str):
     return cfg
 
 
+def read_export_config(directory: str):
+    """The `GPTConfig` of an export, from DIRECTORY/model_config.json alone (no array is read).
+
+    Raises:
+      FileNotFoundError: DIRECTORY/model_config.json is missing.
+      ValueError: not JSON, a wrong or missing format tag, or a bad config field.
+    """
+    cpath = os.path.join(os.fspath(directory), CONFIG_FILE)
+    if not os.path.isfile(cpath):
+        raise FileNotFoundError(f"{cpath} not found: {directory} is not an export written by jaxpar.export.")
+    try:
+        with open(cpath) as f:
+            meta = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{cpath} is not JSON: {e}.") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{cpath}: format is {got!r}; expected {FORMAT!r}.")
+    return _gpt_config(meta, cpath)
+
+
 def load_export(directory: str, device=None):
     """-> (Forward, params, tokenizer) from an export written by `export` / `python -m jaxpar.export`.
 
@@ -216,15 +237,7 @@ def load_export(directory: str, device=None):
     for p, isit in ((cpath, os.path.isfile), (wpath, os.path.isfile), (tdir, os.path.isdir)):
         if not isit(p):
             raise FileNotFoundError(f"{p} not found: {directory} is not an export written by jaxpar.export.")
-    try:
-        with open(cpath) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cpath} is not JSON: {e}.") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{cpath}: format is {got!r}; expected {FORMAT!r}.")
-    cfg = _gpt_config(meta, cpath)
+    cfg = read_export_config(directory)
     tok = load_tokenizer(tdir)  # DataError (a ValueError) if unreadable
     if tok.vocab_size > cfg.vocab_real:
         raise ValueError(f"{tdir}: the tokenizer has {tok.vocab_size} ids but the model only vocab_real="

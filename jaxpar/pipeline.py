@@ -16,6 +16,10 @@ Bubbles never touch the loss or the gradients: slots without work are skipped wi
 0 · NaN in the backward pass), and the first and last functions run only on their own stage and slot, so the
 embedding and the head are computed once per microbatch, not once per stage. Autodiff through the scan gives GPipe's
 backward pass; `remat=True` checkpoints `stage_fn` so a stage keeps only its inputs per tick.
+
+The loop runs under `shard_map` manual over `stage` and `data` (each device on its own rows, `tensor` left to the
+compiler): the params are cast to per-device values once before the loop, so the transpose of that cast, a `psum`
+over `stage` (shared params) and `data` (all params), is the data-parallel gradient reduction, once per step.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 AXIS = "stage"
+DATA = "data"  # manual too: each device runs its rows; the gradient is reduced over `data` once, after the loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,11 +147,12 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
     def local(shared, stacked, xs, tables):
         s = jax.lax.axis_index(AXIS)
         act_shape = jax.eval_shape(first_fn, shared, jax.tree.map(lambda a: a[0], xs))
-        chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
+        chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), vary(stacked))  # [v, Lc, ...]
 
         fill = lambda: vary(jnp.full(act_shape.shape, bubble_fill, act_shape.dtype))
         zero = lambda: vary(jnp.zeros((), jnp.float32))
-        # shared params become per-stage values once, here: the transpose (a psum of their gradient over `stage`)
+        # params become per-device values once, here: the transpose (a psum of their gradient over `stage` and
+        # `data`, the data-parallel reduction, once per step)
         # then runs once after the loop, not inside a stage's `cond` (where the other stages would never join it)
         shared = jax.tree.map(vary, shared)
 
@@ -196,8 +202,9 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
         buf = vary(jnp.full((M if v > 1 else 1,) + act_shape.shape, bubble_fill, act_shape.dtype))
         init = (fill(), buf, zero(), zero(), vary(jnp.zeros((M,), jnp.float32)))
         (_, _, loss, count, per_mb), _ = jax.lax.scan(tick, init, tables)
-        return jax.lax.psum(loss, AXIS), jax.lax.psum(count, AXIS), jax.lax.psum(per_mb, AXIS)
+        both = (AXIS, DATA)
+        return jax.lax.psum(loss, both), jax.lax.psum(count, both), jax.lax.psum(per_mb, both)
 
-    f = jax.shard_map(local, mesh=mesh, axis_names={AXIS},
-                      in_specs=(P(), P(AXIS), P(), P()), out_specs=(P(), P(), P()))
+    f = jax.shard_map(local, mesh=mesh, axis_names={AXIS, DATA},
+                      in_specs=(P(), P(AXIS), P(None, DATA), P()), out_specs=(P(), P(), P()))
     return f(shared, stacked, xs, tables)

@@ -28,10 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.pipeline import AXIS, vary
+from jaxpar.pipeline import AXIS, DATA, vary
 from jaxpar.schedules import LANES, LoopSchedule
-
-DATA = "data"
 
 
 def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: LoopSchedule, mesh, seed, *,

@@ -149,7 +149,7 @@ def build(config, mesh, vocab_real: int) -> Steps:
         first = lambda sh, mb: fwd.embed(sh, mb["x"], rng, mb["ids"])
         stage = lambda chunk, a, cid, mb: fwd.layers(chunk, a, rng, mb["ids"], first_layer=cid * Lc)
         last = lambda sh, a, mb: fwd.head_loss(sh, a, mb["y"], mb["w"])
-        with activation_rules(rules, None, manual=("stage",)):
+        with activation_rules(rules, None, manual=("stage", "data")):
             return pipeline.run(first, stage, last, shared, params["blocks"], xs, sched, mesh,
                                 remat=bool(config.pipeline.remat),
                                 skip_bubbles=bool(config.pipeline.skip_bubbles))
@@ -196,9 +196,8 @@ def build(config, mesh, vocab_real: int) -> Steps:
         extras = {"norm": scale / total, "rng": None if rng is None else jax.random.key_data(rng)}
 
         if sched is not None:
-            # the pipeline's data-parallel reduction is left to the compiler for now (nesting its shard_map inside
-            # DataParallel's is refused by this JAX's lowering); see README, "Known limits"
-            # The params enter and the grads leave the tick loop unsharded over `data` (ZeRO-3 gathers the stage's
+            # The pipeline's shard_map is manual over `stage` and `data`: the data-parallel gradient reduction is
+            # one psum per step, after the tick loop. The params enter and the grads leave the tick loop unsharded over `data` (ZeRO-3 gathers the stage's
             # params once, before the loop; ZeRO-2 scatters after it): a `data` collective that the compiler would
             # place inside a stage's `cond` is one the devices of other stages never join.
             fence = lambda t: jax.lax.with_sharding_constraint(t, unsharded)
@@ -246,8 +245,8 @@ def build(config, mesh, vocab_real: int) -> Steps:
         """(loss_sum, token_count) over a batch, microbatched like training."""
         with activation_rules(rules, mesh):
             _, xs = microbatched(batch)
-            if sched is not None:
-                return pipelined_loss(params, xs, None)[:2]
+            if sched is not None:  # params unsharded over `data` before the tick loop, as in training (ZeRO-3)
+                return pipelined_loss(jax.lax.with_sharding_constraint(params, unsharded), xs, None)[:2]
 
             def body(acc, mb):
                 s, n = fwd.loss(params, mb["x"], mb["y"], mb["w"])

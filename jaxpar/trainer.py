@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import data, metrics, monitor
+from jaxpar import data, distributed, metrics, monitor, watchdog
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, validate
 from jaxpar.mesh import make_mesh
@@ -58,7 +58,7 @@ class PreemptionWatch:
 
 
 # What a resume must keep identical (else: refuse before touching anything). Layout, zero stage, schedule,
-# microbatches, precision, cadence and steps may change.
+# microbatches, precision, cadence and steps may change; the global batch size too with train.allow_batch_change.
 FINGERPRINT_KEYS = ("model.seq_len", "model.layers", "model.embed", "model.heads", "model.mlp",
                     "model.tie_embeddings", "train.global_batch_size")
 
@@ -75,13 +75,27 @@ def _get(config, dotted):
     return config[sect][key]
 
 
-def check_resume(saved: dict, now: dict) -> None:
-    """Raise ConfigError naming every difference between a checkpoint's fingerprint and this run's."""
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+def check_resume(saved: dict, now: dict, allow_batch_change: bool = False) -> None:
+    """Raise ConfigError naming every difference between a checkpoint's fingerprint and this run's.
+
+    `allow_batch_change` (`train.allow_batch_change`) accepts a different `train.global_batch_size`."""
+    batch = "train.global_batch_size"
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in now
+             if saved.get(k) != now[k] and not (allow_batch_change and k == batch)]
     if diffs:
+        hint = ("\nto continue the data order with the new batch size, pass --config.train.allow_batch_change=True."
+                if any(d.startswith(batch + ":") for d in diffs) else "")
         raise ConfigError("refusing to resume: the checkpoint was written for another model or data:\n  "
                           + "\n  ".join(diffs)
-                          + "\nuse a fresh --workdir, or restore the original settings.")
+                          + "\nuse a fresh --workdir, or restore the original settings." + hint)
+
+
+def samples_consumed(meta: dict, step: int, batch: int) -> int:
+    """Positions of the training order consumed before `step`, from the meta of checkpoint `step`: its `samples`,
+    or (checkpoints written before it was recorded) `step` x the global batch size of its fingerprint (else `batch`)."""
+    if "samples" in meta:
+        return int(meta["samples"])
+    return int(step) * int(meta.get("fingerprint", {}).get("train.global_batch_size", batch))
 
 
 def n_params_for_flops(params, tied: bool) -> int:
@@ -110,6 +124,26 @@ def check_health(config, state, done: int) -> dict:
     return {"nonfinite_steps": int(bad), "overflow_steps": int(ls.overflows)}
 
 
+def check_export(directory: str, cfg) -> None:
+    """Check that the export in `directory` holds the model `cfg` (a `GPTConfig`) describes, reading only its
+    model_config.json; the trainer calls it before anything is written.
+
+    Raises:
+      ConfigError: the export is missing or unreadable, or its model differs from `cfg` (shape or vocabulary).
+    """
+    from jaxpar.export import read_export_config
+
+    try:
+        got = read_export_config(directory)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"--config.init_from={directory}: {e}") from e
+    diffs = [f"{f}: export {getattr(got, f)!r} vs config {getattr(cfg, f)!r}"
+             for f in ("vocab_size", "vocab_real", "seq_len", "layers", "embed", "heads", "mlp", "tie_embeddings")
+             if getattr(got, f) != getattr(cfg, f)]
+    if diffs:
+        raise ConfigError(f"--config.init_from={directory} holds another model:\n  " + "\n  ".join(diffs))
+
+
 def init_from_export(directory: str, steps, state) -> dict:
     """`state` with its params replaced by those of an export (`python -m jaxpar.export`), placed in this layout.
 
@@ -118,13 +152,8 @@ def init_from_export(directory: str, steps, state) -> dict:
     """
     from jaxpar.export import load_export
 
-    fwd, params, _ = load_export(directory)
-    if fwd.cfg != steps.cfg:
-        diffs = [f"{f}: export {getattr(fwd.cfg, f)!r} vs config {getattr(steps.cfg, f)!r}"
-                 for f in ("vocab_size", "vocab_real", "seq_len", "layers", "embed", "heads", "mlp", "tie_embeddings")
-                 if getattr(fwd.cfg, f) != getattr(steps.cfg, f)]
-        if diffs:
-            raise ConfigError(f"--config.init_from={directory} holds another model:\n  " + "\n  ".join(diffs))
+    check_export(directory, steps.cfg)
+    _, params, _ = load_export(directory)
     canon = steps.to_canonical(state)
     canon["params"] = jax.device_put(
         jax.tree.map(lambda p, q: p.astype(q.dtype), params, canon["params"]), steps.state_shardings["params"])
@@ -140,7 +169,8 @@ def dry_run(config, workdir: str) -> dict:
     from jaxpar import report
 
     shape = validate(config, jax.device_count())
-    vocab = max(int(config.model.vocab_size), 0) or data.prepare(config).vocab_size
+    vocab = max(int(config.model.vocab_size), 0) or distributed.process_0_first(
+        lambda: data.prepare(config), "jaxpar/prepare").vocab_size
     steps = build(config, make_mesh(shape), vocab)
     abstract = steps.abstract_state()
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
@@ -164,26 +194,34 @@ def dry_run(config, workdir: str) -> dict:
     return rep
 
 
-def run(config, workdir: str) -> dict:
-    """Train `config` in `workdir` (resuming from its latest checkpoint). Returns the last logged metrics."""
+def run(config, workdir: str, devices=None) -> dict:
+    """Train `config` in `workdir` (resuming from its latest checkpoint). Returns the last logged metrics.
+
+    `devices`: the devices to lay the mesh over (default: all, `jax.devices()`); a subset (e.g. one device of a
+    process that has eight) is meant for tests and single-process runs."""
     is_main = jax.process_index() == 0
-    shape = validate(config, jax.device_count())
-    info = data.prepare(config)
+    devices = list(jax.devices() if devices is None else devices)
+    shape = validate(config, len(devices))
+    info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
     vocab = max(int(config.model.vocab_size), info.vocab_size)
     train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab)
     val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab)
-    mesh = make_mesh(shape)
+    mesh = make_mesh(shape, devices)
     steps = build(config, mesh, vocab)
 
     ckpt_dir = os.path.join(workdir, "checkpoints")
     fp = fingerprint(config, info, steps)
+    latest = None
     if os.path.isdir(ckpt_dir):  # refuse a mismatched resume before anything is created or written
         probe = Checkpointer(workdir, 1, 1, async_save=False, read_only=True)
         latest = probe.latest_step()
         if latest is not None:
-            check_resume(probe.read_meta(latest).get("fingerprint", {}), fp)
+            check_resume(probe.read_meta(latest).get("fingerprint", {}), fp, bool(config.train.allow_batch_change))
         probe.close()
+    if config.init_from and latest is None:  # likewise a fine-tuning start from an export of another model
+        check_export(config.init_from, steps.cfg)
+    distributed.barrier("jaxpar/resume_check")  # every process looked (isdir) before process 0 creates the folder
 
     if is_main:
         os.makedirs(workdir, exist_ok=True)
@@ -196,9 +234,10 @@ def run(config, workdir: str) -> dict:
     latest = ckpt.latest_step()
     abstract = steps.abstract_state()
     if latest is not None:
-        state, _ = ckpt.restore(latest, abstract)
+        state, meta = ckpt.restore(latest, abstract)
         state = steps.from_canonical(state)
         start = int(state["step"])
+        train_data.resume_at(start, samples_consumed(meta, start, B))  # continue the order, whatever the batch size
     else:
         state, start = steps.init(seed), 0
         if config.init_from:  # fine-tuning: params from an export, fresh optimizer state, step 0
@@ -209,13 +248,13 @@ def run(config, workdir: str) -> dict:
     flops_tok = metrics.model_flops_per_token(
         n_params_for_flops(abstract["params"], steps.cfg.tie_embeddings), steps.cfg.layers,
         steps.cfg.embed, T)
-    peak = metrics.peak_flops(jax.devices()[0].device_kind)
-    ndev = jax.device_count()
+    peak = metrics.peak_flops(devices[0].device_kind)
+    ndev = len(devices)
     writer = monitor.MetricsWriter(workdir, is_main)
     console = monitor.Console(is_main, int(config.train.steps), start, bool(config.log.progress))
     profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
     if is_main:
-        console.print(f"jaxpar: mesh {dict(mesh.shape)} on {ndev} {jax.devices()[0].platform} devices, "
+        console.print(f"jaxpar: mesh {dict(mesh.shape)} on {ndev} {devices[0].platform} devices, "
                       f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "
                       f"start step {start}, workdir {workdir}")
 
@@ -229,6 +268,7 @@ def run(config, workdir: str) -> dict:
     last, t0, since = {}, time.perf_counter(), 0
     total = int(config.train.steps)
     preemption = PreemptionWatch()
+    watchdog.arm_steps(float(config.dist.step_timeout_s))  # from the end of the first step (compiled) on
     try:
         for step in range(start, total):
             profiler.maybe_start(step)
@@ -259,12 +299,15 @@ def run(config, workdir: str) -> dict:
             else:
                 console.update(done)
             if save_now:
-                ckpt.save(done, steps.to_canonical(state), {"fingerprint": fp, "step": done}, force=True)
+                ckpt.save(done, steps.to_canonical(state),
+                          {"fingerprint": fp, "step": done, "samples": train_data.samples_before(done)}, force=True)
             if stop_now:
                 ckpt.wait()
                 raise Preempted(done)
+            watchdog.beat(done)
         ckpt.wait()
     finally:
+        watchdog.disarm()
         preemption.close()
         profiler.stop()
         console.close()

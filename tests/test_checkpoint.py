@@ -275,3 +275,36 @@ def test_read_only_reader_leaves_a_save_in_progress_alone(tmp_path):
     assert not (tmp_path / "nothing").exists()
     Checkpointer(str(tmp_path / "nothing"), 1, 1, async_save=False, read_only=True).close()
     assert not (tmp_path / "nothing" / "checkpoints").exists()
+
+
+class _Killed(Exception):
+    """Stands in for SIGKILL: the deletion stops in the middle (bench/chaos.py sends real SIGKILLs)."""
+
+
+def test_a_kill_while_an_old_checkpoint_is_deleted_never_leaves_it_listed(tmp_path, monkeypatch):
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # removes part of the tree (the arrays, not the commit marker), dies
+        if os.path.isdir(os.path.join(path, "state")):
+            real_rmtree(os.path.join(path, "state"))
+        raise _Killed
+
+    ck = Checkpointer(str(tmp_path), every_steps=2, keep=1, async_save=False)
+    ck.save(2, _small_state(2), {"step": 2})
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    try:
+        ck.save(4, _small_state(4), {"step": 4})  # drops step 2 (keep=1)
+        ck.wait()
+    except (_Killed, CheckpointSaveError):
+        pass
+    # Whenever the deletion stopped, step 2 is either complete or not listed: never listed half-deleted.
+    assert ck.all_steps() == [4]
+    assert ck.latest_step() == 4
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    ck2 = Checkpointer(str(tmp_path), every_steps=2, keep=1, async_save=False)  # a restart removes the leftovers
+    assert sorted(os.listdir(ck2.directory)) == ["4"]
+    dev = NamedSharding(_mesh((1, 1, 1)), P())
+    restored, meta = ck2.restore(4, _abstract(_small_state(), lambda x: dev))
+    _assert_bitwise_equal(restored, jax.tree.map(np.asarray, _small_state(4)))
+    ck2.close()
+    ck._closed = True  # the "killed" checkpointer is abandoned, as a killed process's would be

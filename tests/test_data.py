@@ -173,6 +173,22 @@ def test_position_is_pure_function_of_step(byte_info):
     assert not np.array_equal(other_seed.rows(9), later[0])
 
 
+def test_resume_at_continues_the_order_with_another_batch_size(byte_info):
+    big = data.Batches(byte_info, "train", seq_len=16, global_batch=8, seed=3)
+    small = data.Batches(byte_info, "train", seq_len=16, global_batch=3, seed=3)
+    assert small.samples_before(5) == 15  # default origin: step * global_batch
+    small.resume_at(4, big.samples_before(4))  # a checkpoint of step 4 written with batch 8
+    seen = np.concatenate([big.indices(s) for s in range(4)] + [small.indices(s) for s in range(4, 9)])
+    whole = data.Batches(byte_info, "train", seq_len=16, global_batch=seen.size, seed=3).indices(0)
+    np.testing.assert_array_equal(seen, whole)  # nothing repeated, nothing skipped
+    np.testing.assert_array_equal(small.rows(6, 1, 2), big.dataset[32 + 2 * 3 + 1][None])
+    assert small.samples_before(9) == 32 + 5 * 3 and small.epoch(9) == 47 / small.num_samples
+    with pytest.raises(ValueError, match="step >= 4"):
+        small.rows(3)
+    with pytest.raises(ValueError):
+        small.resume_at(-1, 0)
+
+
 def test_every_sample_once_per_epoch_and_reshuffled(byte_info):
     L, B = 16, 8
     b = data.Batches(byte_info, "train", seq_len=L, global_batch=B, seed=0)

@@ -236,9 +236,15 @@ def test_init_from_places_the_export_in_another_layout(tensor_run, corpus, tmp_p
     assert int(state["step"]) == 0
 
 
-def test_init_from_refuses_another_model(tensor_run, corpus, tmp_path):
+def test_init_from_refuses_another_model_before_writing_anything(tensor_run, corpus, tmp_path):
     _, out = tensor_run
     c = run_config(corpus, tmp_path, **{"mesh.data": 8, "model.embed": 64, "train.steps": 1})
     c.init_from = str(out)
-    with pytest.raises(trainer.ConfigError, match="embed"):
+    with pytest.raises(trainer.ConfigError, match="embed: export 32 vs config 64"):
         trainer.run(c, str(tmp_path / "ft"))
+    assert not (tmp_path / "ft").exists()  # checked before the workdir is created
+    c = run_config(corpus, tmp_path, **{"mesh.data": 8, "train.steps": 1})
+    c.init_from = str(tmp_path / "no_export")
+    with pytest.raises(trainer.ConfigError, match="not an export"):
+        trainer.run(c, str(tmp_path / "ft"))
+    assert not (tmp_path / "ft").exists()

@@ -149,3 +149,20 @@ def test_schedule_bubble_matches_theory(S, v, M):
     for s in range(S):
         work = [(sched.rep[t, s], sched.mb[t, s]) for t in range(sched.ticks) if sched.valid[t, s]]
         assert work == [(r, i) for r in range(v) for i in range(M)]
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("circular", 2), ("1f1b", 1), ("zb_h1", 1)])
+def test_data_parallel_reduction_once_per_step(schedule, v):
+    """(data, stage) = (2, 4): the all-reduces of a step move each device's gradients once (its 1/4 of the layers plus
+    the shared params) and a few scalars, not once per tick (the compiler's placement moved ~10x that)."""
+    from jaxpar import report
+
+    c = pipe_config(2, 1, 4, schedule, v, M=4)
+    st = steps_for(c, VOCAB)
+    abstract = st.abstract_state()
+    b = {"tokens": jax.ShapeDtypeStruct((16, 17), np.int32, sharding=st.batch_sharding)}
+    rep = report.compile_report(st.train.lower(abstract, b), abstract_state=abstract)
+    nbytes = lambda t: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(t))
+    params = abstract["params"]
+    expect = nbytes(params["blocks"]) / 4 + nbytes({k: a for k, a in params.items() if k != "blocks"})
+    assert expect <= rep["collectives_by_kind"]["all-reduce"]["bytes"] <= expect + 1024

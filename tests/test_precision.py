@@ -13,9 +13,11 @@ from jaxpar import trainer
 VOCAB = 250
 
 
-def test_fp16_overflow_skips_update_and_lowers_scale_per_hysteresis():
+@pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
+def test_fp16_overflow_skips_update_and_lowers_scale_per_hysteresis(schedule):
     c = tiny_config(**{"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2,
-                       "train.compute_dtype": "float16", "train.loss_scale_initial": 2.0 ** 40})
+                       "train.compute_dtype": "float16", "train.loss_scale_initial": 2.0 ** 40,
+                       "pipeline.schedule": schedule})
     s = steps_for(c, VOCAB)
     state = s.init(0)
     before = jax.device_get((state["params"], state["opt_state"]))

@@ -10,8 +10,9 @@ race and never see a half-written entry. Errors raise `DataError`, write no toke
 `Batches` reads windows of those files with `grain.MapDataset`: sample i is tokens `[i*L, i*L + L + 1)` (L = seq_len;
 inputs and targets shifted by one). Training order is a grain shuffle of the samples, reshuffled every epoch, and the
 global batch at step k is positions `[k*B, (k+1)*B)` of that endless order: the data position is a pure function of
-the step, so a resume at step k continues exactly under any data-parallel size or process count. Each process reads
-only its own rows (`process_rows`) and assembles the global array with `to_global`.
+the step, so a resume at step k continues exactly under any data-parallel size or process count. A resume with
+another global batch size (`Batches.resume_at`) continues the order from the samples the checkpoint consumed. Each
+process reads only its own rows (`process_rows`) and assembles the global array with `to_global`.
 
 Pickle is never used: tokenizers are JSON, token files are raw little-endian integers, meta is JSON.
 """

@@ -15,6 +15,10 @@ class Batches:
     split="train": position p = step * global_batch + r of the grain-shuffled sample order, reshuffled each epoch
     (epoch = p // num_samples). split="val": no shuffle; batch i is samples [i*B, (i+1)*B) modulo num_samples.
 
+    After `resume_at(step0, samples0)` (a resume whose checkpoint was written with another global batch size) the
+    position is p = samples0 + (step - step0) * global_batch + r: the order continues right after the samples0
+    positions already consumed, none repeated or skipped. The default origin (0, 0) gives p = step * global_batch + r.
+
     Raises (on construction, before anything compiles):
       DataError: token file missing/empty/wrong size, an id >= vocab_size (default: info.vocab_size), or fewer
         than seq_len + 1 tokens in the split.
@@ -40,16 +44,33 @@ class Batches:
             order = order.shuffle(seed=int(seed) % 2**32)
         self.order = order.repeat()  # reseeds the shuffle every epoch
         self.dataset = self.order.map(self._window)
+        self.origin_step, self.origin_sample = 0, 0  # batch `origin_step` starts at position `origin_sample`
+
+    def resume_at(self, step: int, samples: int) -> None:
+        """Make batch `step` start at position `samples` of the order (the samples consumed before it), so batches
+        from `step` on continue the order with this global batch size; batches before `step` are then unavailable.
+
+        Raises:
+          ValueError: `step` or `samples` < 0.
+        """
+        step, samples = int(step), int(samples)
+        if step < 0 or samples < 0:
+            raise ValueError(f"resume_at needs step >= 0 and samples >= 0; got {step=}, {samples=}.")
+        self.origin_step, self.origin_sample = step, samples
+
+    def samples_before(self, step: int) -> int:
+        """Positions of the order consumed before batch `step` (what a checkpoint of step `step` records)."""
+        return self.origin_sample + (int(step) - self.origin_step) * self.global_batch
 
     def _window(self, i: int) -> np.ndarray:
         return np.asarray(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1], np.int32)
 
     def _positions(self, step: int, start: int, stop: int | None) -> range:
         stop = self.global_batch if stop is None else stop
-        if step < 0 or not 0 <= start <= stop <= self.global_batch:
-            raise ValueError(f"need step >= 0 and 0 <= start <= stop <= {self.global_batch}; got {step=}, "
-                             f"{start=}, {stop=}.")
-        base = step * self.global_batch
+        if step < self.origin_step or not 0 <= start <= stop <= self.global_batch:
+            raise ValueError(f"need step >= {self.origin_step} and 0 <= start <= stop <= {self.global_batch}; got "
+                             f"{step=}, {start=}, {stop=}.")
+        base = self.samples_before(step)
         return range(base + start, base + stop)
 
     def indices(self, step: int, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -74,7 +95,7 @@ class Batches:
 
     def epoch(self, step: int) -> float:
         """Epochs completed at the start of batch `step` (fractional)."""
-        return step * self.global_batch / self.num_samples
+        return self.samples_before(step) / self.num_samples
 
 
 def process_rows(sharding, global_batch: int) -> tuple[int, int]:
