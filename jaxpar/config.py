@@ -153,9 +153,12 @@ def validate(config, num_devices: int) -> dict[str, int]:
     if s > 1 and M < s:
         errs.append(f"train.microbatches={M} < mesh.stage={s}: the pipeline needs at least one microbatch per "
                     f"stage; set --config.train.microbatches={s} or more.")
-    if config.pipeline.schedule in ("1f1b", "zb_h1") and s > 1 and v > 1:
-        errs.append(f"pipeline.virtual_stages={v} with pipeline.schedule={config.pipeline.schedule!r}: interleaved "
-                    f"1F1B is not implemented; set --config.pipeline.virtual_stages=1 or use the 'circular' schedule.")
+    if config.pipeline.schedule == "zb_h1" and s > 1 and v > 1:
+        errs.append(f"pipeline.virtual_stages={v} with pipeline.schedule='zb_h1': the zero-bubble schedule has no "
+                    f"interleaved form here; set --config.pipeline.virtual_stages=1 or use '1f1b' (interleaved).")
+    if config.pipeline.schedule == "1f1b" and s > 1 and v > 1 and M % s:
+        errs.append(f"train.microbatches={M} is not a multiple of mesh.stage={s}, which interleaved 1F1B "
+                    f"(virtual_stages={v}) needs (Megatron-LM's rule); use {max(s, M // s * s)} or {(M // s + 1) * s}.")
     if config.pipeline.schedule == "zb_h1" and not config.pipeline.remat:
         errs.append("pipeline.remat=False (keep the vjp residuals) is implemented for 1f1b only; zb_h1 recomputes "
                     "its stage forward: set --config.pipeline.remat=True.")

@@ -28,11 +28,14 @@ NAMES = ("1f1b", "zb_h1")
 
 @dataclasses.dataclass(frozen=True)
 class LoopSchedule:
-    """Per lane `mb[lane]` (int32 `[ticks, stages]`, microbatch) and `ok[lane]` (bool, work or idle)."""
+    """Per lane (`f`, `b`, `w`): `mb[lane]` (microbatch), `rep[lane]` (the stage's local chunk r: global chunk
+    r·S + s) and `ok[lane]` (work or idle), int32/bool `[ticks, stages]`."""
     name: str
     stages: int
+    virtual: int
     microbatches: int
     mb: dict
+    rep: dict
     ok: dict
     split: bool  # True: B is the input gradient only and W the weight gradient; False: B does both, W idle
 
@@ -41,82 +44,139 @@ class LoopSchedule:
         return self.ok["f"].shape[0]
 
     def time(self, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
-        """Critical path of the lockstep schedule: sum over ticks of the busiest stage's work (a fused B costs b + w).
-
-        Units of f, b, w (e.g. seconds per microbatch per stage)."""
+        """Critical path of the lockstep schedule: sum over ticks of the busiest stage's work (a fused B costs b + w;
+        one chunk of v costs 1/v of it). f, b, w: per microbatch on one stage's layers (e.g. seconds); the ideal is
+        M·(f + b + w)."""
         cb = b if self.split else b + w
         cost = f * self.ok["f"] + cb * self.ok["b"] + w * self.ok["w"]
-        return float(cost.max(axis=1).sum())
+        return float(cost.max(axis=1).sum()) / self.virtual
 
     def in_flight(self) -> np.ndarray:
-        """Per stage, the most microbatches held at once (forward done, last backward lane not yet): int `[stages]`."""
+        """Per stage, the most (microbatch, chunk) inputs held at once (forward done, last backward lane not yet),
+        each one activation `[micro_batch, seq, embed]`: int `[stages]`."""
         last = "w" if self.split else "b"
         held = np.cumsum(self.ok["f"], 0) - np.cumsum(self.ok[last], 0)
         return held.max(axis=0)
 
-    def ring(self, kind: str) -> int:
-        """Slots of a ring buffer indexed by microbatch mod R that never overwrites an entry still to be read.
+    def chunk_ticks(self, lane: str) -> np.ndarray:
+        """`[v·S, M]`: the tick at which global chunk c runs microbatch i in `lane` (-1 if never)."""
+        S = self.stages
+        out = np.full((self.virtual * S, self.microbatches), -1)
+        for t, s in zip(*np.nonzero(self.ok[lane])):
+            out[self.rep[lane][t, s] * S + s, self.mb[lane][t, s]] = t
+        return out
 
-        kind: "act" (stage inputs: sent by stage s-1's F, read by s's F and B), "grad" (cotangents: sent by s+1's B,
-        read by s's B), "res" (F's vjp residuals, read by the same stage's B), "wgrad" (B's saved tensors for W: written by B, read by W; split schedules only)."""
-        S, M = self.stages, self.microbatches
-        ticks = {lane: _tick_of(self.mb[lane], self.ok[lane], M) for lane in LANES}  # [S, M], -1 if never
+    def key(self, i, r):
+        """Position of (microbatch i, local chunk r) in a stage's forward order (Megatron-LM's interleaved order:
+        groups of S microbatches through each chunk in turn; i for v = 1). Ring buffers use slot key mod R.
+        Works on ints and on traced int32."""
+        S, v = self.stages, self.virtual
+        return (i // S) * (v * S) + r * S + i % S if v > 1 else i
+
+    def ring(self, kind: str) -> int:
+        """Slots R of a ring buffer indexed by `key(i, r)` mod R that never overwrites an entry still to be read.
+
+        kind: "act" (chunk inputs: sent by the previous chunk's F, read by this chunk's F and B), "grad"
+        (cotangents: sent by the next chunk's B, read by this chunk's B), "res" (F's vjp residuals, read by the same
+        chunk's B), "wgrad" (B's saved tensors for W: written by B, read by W; split schedules only)."""
+        S, v, M = self.stages, self.virtual, self.microbatches
+        F, B, W = (self.chunk_ticks(k) for k in LANES)
+        C = v * S
+        none = np.full((1, M), -1)
         if kind == "act":
-            write = np.vstack([np.full((1, M), -1), ticks["f"][:-1]])  # stage s-1's forward
-            read = ticks["b"]
-            live = np.arange(S)[:, None] >= 1
+            write, read, live = np.vstack([none, F[:-1]]), B, np.arange(C) >= 1
         elif kind == "grad":
-            write = np.vstack([ticks["b"][1:], np.full((1, M), -1)])  # stage s+1's backward
-            read = ticks["b"]
-            live = np.arange(S)[:, None] <= S - 2
-        elif kind == "res":  # written by the stage's own F, read by its B (not on the last stage)
-            write, read, live = ticks["f"], ticks["b"], np.arange(S)[:, None] <= S - 2
+            write, read, live = np.vstack([B[1:], none]), B, np.arange(C) <= C - 2
+        elif kind == "res":
+            write, read, live = F, B, np.arange(C) <= C - 2
         elif kind == "wgrad":
-            write, read, live = ticks["b"], ticks["w"], np.ones((S, 1), bool)
             if not self.split:
                 return 1
+            write, read, live = B, W, np.ones(C, bool)
         else:
             raise ValueError(f"unknown buffer kind {kind!r}")
-        for r in range(1, M + 1):
-            if not any(_collides(write[s], read[s], r) for s in range(S) if live[s, 0]):
-                return r
-        raise AssertionError("unreachable: R = M never collides")
+        for R in range(1, v * M + 1):
+            ok = True
+            for s in range(S):
+                cs = [c for c in range(s, C, S) if live[c]]  # this stage's chunks, keys r·M + i
+                keys = [self.key(i, c // S) for c in cs for i in range(M)]
+                w = [write[c, i] for c in cs for i in range(M)]
+                r = [read[c, i] for c in cs for i in range(M)]
+                if _collides(keys, w, r, R):
+                    ok = False
+                    break
+            if ok:
+                return R
+        raise AssertionError("unreachable: R = v·M never collides")
 
 
-def _tick_of(mb, ok, M) -> np.ndarray:
-    """`[S, M]`: the tick at which each stage runs microbatch i in this lane (-1 if never)."""
-    T, S = ok.shape
-    out = np.full((S, M), -1)
-    for t, s in zip(*np.nonzero(ok)):
-        out[s, mb[t, s]] = t
-    return out
-
-
-def _collides(write, read, r) -> bool:
-    """Entry j written (end of tick write[j]) while entry i of the same slot is still to be read (tick read[i])."""
-    for i in range(len(write)):
-        for j in range(len(write)):
-            if i != j and i % r == j % r and write[i] <= write[j] < read[i]:
+def _collides(keys, write, read, R) -> bool:
+    """Entry b written (end of tick write[b]) into a's slot while a is still to be read (at tick read[a])."""
+    for a in range(len(keys)):
+        for b in range(len(keys)):
+            if a != b and keys[a] % R == keys[b] % R and write[a] <= write[b] < read[a]:
                 return True
     return False
 
 
-def _table(S, M, ops) -> tuple[dict, dict]:
-    T = max(t for t, _, _, _ in ops) + 1
+def _table(S, ops) -> tuple[dict, dict, dict]:
+    """ops (tick, stage, lane, microbatch, local chunk) -> mb, rep, ok tables."""
+    T = max(op[0] for op in ops) + 1
     mb = {k: np.zeros((T, S), np.int32) for k in LANES}
+    rep = {k: np.zeros((T, S), np.int32) for k in LANES}
     ok = {k: np.zeros((T, S), bool) for k in LANES}
-    for t, s, lane, i in ops:
+    for t, s, lane, i, r in ops:
         assert not ok[lane][t, s], (t, s, lane)
-        mb[lane][t, s], ok[lane][t, s] = i, True
-    return mb, ok
+        mb[lane][t, s], rep[lane][t, s], ok[lane][t, s] = i, r, True
+    return mb, rep, ok
 
 
-def one_f_one_b(stages: int, microbatches: int) -> LoopSchedule:
-    """Lockstep 1F1B: F(i, s) at tick i + s, B(i, s) (input and weight gradient) at tick i + 2S - 1 - s."""
-    S, M = stages, microbatches
-    ops = [(i + s, s, "f", i) for i in range(M) for s in range(S)]
-    ops += [(i + 2 * S - 1 - s, s, "b", i) for i in range(M) for s in range(S)]
-    return LoopSchedule("1f1b", S, M, *_table(S, M, ops), split=False)
+def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> LoopSchedule:
+    """Lockstep 1F1B. v = 1: F(i, s) at tick i + s, B(i, s) (input and weight gradient) at tick i + 2S - 1 - s.
+
+    v > 1, interleaved (Narayanan et al. 2021, sec. 2.2): stage s holds chunks s, s + S, ..., and runs its forwards
+    in Megatron-LM's order (S microbatches through chunk r, then the same S through chunk r + 1, ...; backwards the
+    chunks in reverse), each lane as soon as its input or cotangent has arrived, with at most (v + 1)·S chunk inputs
+    held per stage. Critical path (v·M + S - 1) / (v·M) of the ideal.
+
+    Raises:
+      ValueError: v > 1 and M not a multiple of S (Megatron-LM's rule for the interleaved schedule).
+    """
+    S, M, v = stages, microbatches, virtual
+    if v == 1:
+        ops = [(i + s, s, "f", i, 0) for i in range(M) for s in range(S)]
+        ops += [(i + 2 * S - 1 - s, s, "b", i, 0) for i in range(M) for s in range(S)]
+        return LoopSchedule("1f1b", S, 1, M, *_table(S, ops), split=False)
+    if M % S:
+        raise ValueError(f"interleaved 1F1B needs microbatches divisible by stages; got M={M}, S={S}")
+    C, cap = v * S, (v + 1) * S
+    groups = range(0, M, S)
+    order = {"f": [[(i, r) for k in groups for r in range(v) for i in range(k, k + S)] for _ in range(S)],
+             "b": [[(i, r) for k in groups for r in reversed(range(v)) for i in range(k, k + S)] for _ in range(S)]}
+    done = {lane: np.full((C, M), np.iinfo(np.int32).max) for lane in ("f", "b")}
+    nxt = {lane: [0] * S for lane in ("f", "b")}
+    ops, t = [], 0
+    while min(nxt["b"]) < v * M:
+        chosen = []
+        for s in range(S):
+            if nxt["f"][s] < v * M and nxt["f"][s] - nxt["b"][s] < cap:
+                i, r = order["f"][s][nxt["f"][s]]
+                c = r * S + s
+                if c == 0 or done["f"][c - 1, i] < t:
+                    chosen.append((s, "f", i, r))
+            if nxt["b"][s] < v * M:
+                i, r = order["b"][s][nxt["b"][s]]
+                c = r * S + s
+                if done["f"][c, i] < t and (c == C - 1 or done["b"][c + 1, i] < t):
+                    chosen.append((s, "b", i, r))
+        for s, lane, i, r in chosen:
+            done[lane][r * S + s, i] = t
+            nxt[lane][s] += 1
+            ops.append((t, s, lane, i, r))
+        t += 1
+        if t > 10 * v * (M + 2 * S):
+            raise AssertionError(f"interleaved 1F1B made no progress (S={S}, M={M}, v={v})")
+    return LoopSchedule("1f1b", S, v, M, *_table(S, ops), split=False)
 
 
 def zb_h1(stages: int, microbatches: int, cap=None) -> LoopSchedule:
@@ -142,16 +202,16 @@ def zb_h1(stages: int, microbatches: int, cap=None) -> LoopSchedule:
         for s, lane, i in chosen:
             done[lane][s, i] = t
             nxt[lane][s] += 1
-            ops.append((t, s, lane, i))
+            ops.append((t, s, lane, i, 0))
         t += 1
         if t > 10 * (3 * M + 2 * S):
             raise ValueError(f"zb_h1: no progress with stages={S}, microbatches={M}; is cap(s) >= 1?")
-    return LoopSchedule("zb_h1", S, M, *_table(S, M, ops), split=True)
+    return LoopSchedule("zb_h1", S, 1, M, *_table(S, ops), split=True)
 
 
-def make(name: str, stages: int, microbatches: int) -> LoopSchedule:
+def make(name: str, stages: int, microbatches: int, virtual: int = 1) -> LoopSchedule:
     if name == "1f1b":
-        return one_f_one_b(stages, microbatches)
-    if name == "zb_h1":
+        return one_f_one_b(stages, microbatches, virtual)
+    if name == "zb_h1" and virtual == 1:
         return zb_h1(stages, microbatches)
     raise ValueError(f"unknown backward-in-loop schedule {name!r}")

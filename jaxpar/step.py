@@ -116,10 +116,11 @@ def build(config, mesh, vocab_real: int) -> Steps:
 
     S = mesh.shape["stage"]
     name = config.pipeline.schedule
-    v = int(config.pipeline.virtual_stages) if S > 1 and name == "circular" else 1
-    # 1F1B / ZB-H1 run the backward inside their loop; the forward-only evaluation runs GPipe's loop
-    loop_sched = schedules.make(name, S, M) if S > 1 and name in schedules.NAMES else None
-    sched = (pipeline.gpipe(S, M) if loop_sched else pipeline.make_schedule(name, S, v, M)) if S > 1 else None
+    v = int(config.pipeline.virtual_stages) if S > 1 and name in ("circular", "1f1b") else 1
+    # 1F1B / ZB-H1 run the backward inside their loop; the forward-only evaluation runs the circular loop (same
+    # stage-major layer order)
+    loop_sched = schedules.make(name, S, M, v) if S > 1 and name in schedules.NAMES else None
+    sched = pipeline.make_schedule("circular" if loop_sched else name, S, v, M) if S > 1 else None
     reorder = lambda fn: (lambda state: map_blocks(state, fn))
     to_canon = reorder(lambda a: pipeline.from_stage_major(a, S, v))
     from_canon = reorder(lambda a: pipeline.to_stage_major(a, S, v))

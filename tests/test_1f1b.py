@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close, batch, place, steps_for
-from jaxpar import pipeline_1f1b, schedules
+from jaxpar import pipeline, pipeline_1f1b, schedules
 from jaxpar.mesh import make_mesh
 from test_pipeline import VOCAB, pipe_config, run
 
@@ -15,7 +15,9 @@ CASES = [((1, 1, 2), "1f1b", {}), ((1, 1, 8), "1f1b", {}), ((2, 1, 4), "1f1b", {
          ((2, 2, 2), "1f1b", {"optim.zero_stage": 1}), ((2, 2, 2), "1f1b", {"optim.zero_stage": 2}),
          ((2, 2, 2), "1f1b", {"optim.zero_stage": 3}),
          ((1, 1, 4), "zb_h1", {}), ((2, 2, 2), "zb_h1", {}), ((4, 1, 2), "zb_h1", {}),
-         ((2, 1, 4), "zb_h1", {"optim.zero_stage": 3})]
+         ((2, 1, 4), "zb_h1", {"optim.zero_stage": 3}),
+         ((1, 1, 4), "1f1b", {"pipeline.virtual_stages": 2}),
+         ((2, 2, 2), "1f1b", {"pipeline.virtual_stages": 2, "optim.zero_stage": 2})]
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +61,17 @@ def toy(mesh, schedule, remat=True):
         return 0.5 * tot
 
     loss, grads = jax.value_and_grad(plain, (0, 1))(W, shared)
-    out = jax.jit(lambda W, sh: pipeline_1f1b.run(first, layer, last, sh, W, xs, schedule, mesh, jnp.float32(0.5),
-                                                  remat=remat))(W, shared)
-    return (0.5 * out[0], (out[4], out[3])), (loss, grads)
+    S, v = schedule.stages, schedule.virtual
+    out = jax.jit(lambda W, sh: pipeline_1f1b.run(first, layer, last, sh, pipeline.to_stage_major(W, S, v), xs,
+                                                  schedule, mesh, jnp.float32(0.5), remat=remat))(W, shared)
+    return (0.5 * out[0], (pipeline.from_stage_major(out[4], S, v), out[3])), (loss, grads)
 
 
-@pytest.mark.parametrize("name,remat", [("1f1b", True), ("1f1b", False), ("zb_h1", True)])
-def test_toy_pipeline_equals_autodiff(name, remat):
+@pytest.mark.parametrize("name,v,M,remat", [("1f1b", 1, 6, True), ("1f1b", 1, 6, False), ("zb_h1", 1, 6, True),
+                                             ("1f1b", 2, 8, True), ("1f1b", 2, 4, False)])
+def test_toy_pipeline_equals_autodiff(name, v, M, remat):
     mesh = make_mesh({"data": 1, "stage": 4, "tensor": 1}, jax.devices()[:4])
-    (loss, grads), (ref_loss, ref_grads) = toy(mesh, schedules.make(name, 4, 6), remat)
+    (loss, grads), (ref_loss, ref_grads) = toy(mesh, schedules.make(name, 4, M, v), remat)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_trees_close(grads, ref_grads)
 
@@ -100,6 +104,17 @@ def test_tick_tables_keep_dependencies_and_meet_theory(S, M):
     assert (one.in_flight() <= 2 * (S - np.arange(S)) - 1).all()
     assert (zb.in_flight() <= 2 * S - 1 - np.arange(S)).all()
     assert one.ring("act") <= 2 * S and zb.ring("wgrad") <= 2 * S
+
+
+@pytest.mark.parametrize("S,v,M", [(2, 2, 4), (4, 2, 8), (4, 2, 32), (4, 3, 12), (8, 2, 16)])
+def test_interleaved_1f1b_table(S, v, M):
+    sched = schedules.one_f_one_b(S, M, v)
+    F, B = sched.chunk_ticks("f"), sched.chunk_ticks("b")  # [v·S, M]: chunk c on stage c mod S
+    assert (F >= 0).all() and (B >= 0).all()
+    assert (F[1:] > F[:-1]).all() and (B[:-1] > B[1:]).all() and (B > F).all()
+    # (v·M + S - 1)/(v·M) of the ideal (Narayanan et al. 2021, sec. 2.2); O(v·S) held per stage whatever M
+    assert sched.time() == pytest.approx(3 * M * (v * M + S - 1) / (v * M))
+    assert (sched.in_flight() <= (v + 1) * S).all() and sched.ring("act") <= 2 * v * S
 
 
 def temp_bytes(schedule, M):

@@ -53,6 +53,10 @@ def no_compile(monkeypatch):
     ({"mesh.data": 2, "mesh.tensor": 2}, r"data=2 x tensor=2 x stage=1 = 4 devices, but 8"),
     ({"mesh.data": 1, "mesh.tensor": 8, "model.heads": 4}, r"model.heads=4 is not divisible by mesh.tensor=8"),
     ({"mesh.data": 2, "mesh.tensor": 4, "model.mlp": 66}, r"MLP width 66 is not divisible by mesh.tensor=4"),
+    ({"mesh.data": 2, "mesh.stage": 4, "train.microbatches": 6, "train.global_batch_size": 24,
+      "pipeline.schedule": "1f1b", "pipeline.virtual_stages": 2}, r"microbatches=6 is not a multiple of mesh.stage=4"),
+    ({"mesh.data": 4, "mesh.stage": 2, "train.microbatches": 2, "pipeline.schedule": "zb_h1",
+      "pipeline.virtual_stages": 2}, r"virtual_stages=2 with pipeline.schedule='zb_h1'"),
 ])
 def test_bad_layout_fails_before_compile_and_writes_nothing(corpus, tmp_path, no_compile, over, match):
     wd = tmp_path / "run"
