@@ -112,11 +112,9 @@ class LoopSchedule:
 
 def _collides(keys, write, read, R) -> bool:
     """Entry b written (end of tick write[b]) into a's slot while a is still to be read (at tick read[a])."""
-    for a in range(len(keys)):
-        for b in range(len(keys)):
-            if a != b and keys[a] % R == keys[b] % R and write[a] <= write[b] < read[a]:
-                return True
-    return False
+    k, w, r = (np.asarray(x)[:, None] for x in (keys, write, read))
+    same = (k % R == k.T % R) & ~np.eye(len(k), dtype=bool)
+    return bool((same & (w <= w.T) & (w.T < r)).any())
 
 
 def _table(S, ops) -> tuple[dict, dict, dict]:
