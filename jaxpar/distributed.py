@@ -306,8 +306,15 @@ def fail_all(error: BaseException) -> None:
     if watchdog.peers_running():
         import traceback
 
+        if any(m in str(error) for m in LOST_PEER_MARKS):  # a collective lost its peer: let the peer watch name it
+            watchdog.await_verdict(f"a collective failed ({type(error).__name__}: {str(error)[:200]})")
         traceback.print_exception(error)
         stop_all(1, f"{type(error).__name__}: {error}")
+
+
+# What a collective's error says when the process on the other end is gone (gloo on CPU, NCCL/gRPC elsewhere)
+LOST_PEER_MARKS = ("Connection closed by peer", "Connection reset by peer", "Gloo", "NCCL", "UNAVAILABLE",
+                   "DEADLINE_EXCEEDED")
 
 
 def describe(plan: Plan) -> str:

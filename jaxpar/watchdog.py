@@ -121,6 +121,17 @@ def peers_running() -> bool:
     return _W.client is not None and not _W.stop.is_set()
 
 
+def await_verdict(what: str) -> None:
+    """After a collective failed: wait up to the peer timeout (plus two polls) for the peer watch to find a dead
+    process (it then exits with PEER_LOST_EXIT_CODE and its message); return if every peer still answers."""
+    _say(f"{what}; checking for {_W.timeout:g} s whether a process is gone (dist.heartbeat_timeout_s).")
+    deadline = time.monotonic() + _W.timeout + 2 * _W.interval + 0.5
+    while time.monotonic() < deadline and not _W.exiting.locked():
+        time.sleep(0.1)
+    while _W.exiting.locked():  # the watch is exiting this process: let it
+        time.sleep(0.1)
+
+
 def arm_steps(timeout_s: float) -> None:
     """Time every step after the next `beat` (seconds; 0 = off)."""
     _W.step_timeout, _W.beat_at = float(timeout_s), None
