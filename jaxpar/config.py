@@ -35,7 +35,7 @@ class ConfigError(ValueError):
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.name = "jaxpar"
-    c.init_from = ""  # reserved: an export directory to fine-tune from
+    c.init_from = ""  # an export directory (python -m jaxpar.export) to fine-tune from
 
     c.mesh = ml_collections.ConfigDict(dict(data=-1, tensor=1, stage=1))
     c.rules = DEFAULT_RULES
@@ -68,8 +68,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.pipeline = ml_collections.ConfigDict(dict(
         schedule="gpipe",  # gpipe | circular | 1f1b | zb_h1
-        virtual_stages=1,  # chunks per stage with the circular schedule
-        remat=True,  # recompute each stage's layers in the backward pass (keep only stage inputs per tick)
+        virtual_stages=1,  # chunks per stage with the circular or 1f1b (interleaved) schedule
+        remat=True,  # recompute each stage's layers in the backward pass (1f1b with False: keep vjp residuals)
         skip_bubbles=True,  # skip the compute of bubble slots (False: compute and discard; for measurements)
     ))
 
@@ -149,7 +149,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
                     f"multiple of {t}.")
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
-        errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}.")
+        errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "
+                    f"use a multiple of {s * v} layers or fewer stages / virtual stages.")
     if s > 1 and M < s:
         errs.append(f"train.microbatches={M} < mesh.stage={s}: the pipeline needs at least one microbatch per "
                     f"stage; set --config.train.microbatches={s} or more.")
