@@ -45,6 +45,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from jaxpar import pipeline, schedules  # noqa: E402
+from common import write_results  # noqa: E402
 from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
@@ -301,13 +302,7 @@ def main(argv):
     table = markdown(rows)
     log(f"\n{table}\n\n{len(rows)} rows in {time.perf_counter() - t0:.1f} s "
         f"(cores {sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else '?'})")
-    if _OUT.value:
-        os.makedirs(_OUT.value, exist_ok=True)
-        with open(os.path.join(_OUT.value, "pipeline.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-        with open(os.path.join(_OUT.value, "pipeline.md"), "w") as f:
-            f.write(table + "\n")
-        plot(rows, os.path.join(_OUT.value, "pipeline.png"))
+    write_results(_OUT.value, "pipeline", rows, table, plot)
     print(table if _MARKDOWN.value else json.dumps(rows, indent=1))
 
 

@@ -24,6 +24,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
+from common import write_results  # noqa: E402
 from jaxpar.config import base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
@@ -107,13 +108,7 @@ def main(argv):
                   flush=True)
     table = markdown(rows)
     print(table, file=sys.stderr)
-    if _OUT.value:
-        os.makedirs(_OUT.value, exist_ok=True)
-        with open(os.path.join(_OUT.value, "pipeline_memory.json"), "w") as f:
-            json.dump(rows, f, indent=1)
-        with open(os.path.join(_OUT.value, "pipeline_memory.md"), "w") as f:
-            f.write(table + "\n")
-        plot(rows, os.path.join(_OUT.value, "pipeline_memory.png"))
+    write_results(_OUT.value, "pipeline_memory", rows, table, plot)
     print(table if _MARKDOWN.value else json.dumps(rows, indent=1))
 
 
