@@ -15,3 +15,11 @@ def write_results(out_dir: str, stem: str, rows: list, table: str, plot=None) ->
         f.write(table + "\n")
     if plot is not None:
         plot(rows, os.path.join(out_dir, f"{stem}.png"))
+
+
+def m_axis(ax, ms) -> None:
+    """A matplotlib x axis over microbatch counts `ms` (powers of two): log scale, one labelled tick each, a grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)

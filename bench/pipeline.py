@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from jaxpar import pipeline, schedules  # noqa: E402
-from common import write_results  # noqa: E402
+from common import m_axis, write_results  # noqa: E402
 from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
@@ -281,10 +281,7 @@ def plot(rows, path):
            xlabel="microbatches M", ylabel="MiB")
     ms = sorted({r["M"] for r in rows})
     for ax in (aw, asch, am):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ms, [str(m) for m in ms])
-        ax.minorticks_off()
-        ax.grid(alpha=0.3)
+        m_axis(ax, ms)
         ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -24,7 +24,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from common import write_results  # noqa: E402
+from common import m_axis, write_results  # noqa: E402
 from jaxpar.config import base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
@@ -84,12 +84,9 @@ def plot(rows, path):
         ax.plot([r["M"] for r in rs], [r["peak_bytes"] / 2**20 for r in rs], "-o",
                 label=name + (f" v={v}" if v > 1 else ""))
     ms = sorted({r["M"] for r in rows})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ms, [str(m) for m in ms])
-    ax.minorticks_off()
+    m_axis(ax, ms)
     ax.set(title=f"per-device peak bytes, S={rows[0]['S']}, {_MICRO.value} x {_SEQ.value} tokens per microbatch",
            xlabel="microbatches M", ylabel="MiB")
-    ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
