@@ -21,6 +21,7 @@ order (Orbax synchronises the processes and picks the one that writes shared fil
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -81,6 +82,7 @@ class Checkpointer:
         self.directory = os.path.join(os.path.abspath(os.fspath(workdir)), _SUBDIR)
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=self.async_save,
+            save_interval_steps=0 if read_only else 1,  # what read_only forces anyway (said here, Orbax stays quiet)
             preservation_policy=ocp.checkpoint_managers.LatestN(n=self.keep),
             # leftovers of a crashed save are removed when a run starts; a reader (sample, export, the resume check)
             # never removes anything: the temporary folder may be a live run's save in progress
@@ -94,7 +96,8 @@ class Checkpointer:
                                 (_META, (ocp.args.JsonSave, ocp.args.JsonRestore))):
             for arg_type in arg_types:
                 registry.add(item, arg_type)
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
+        with _quiet(read_only):  # Orbax warns about every option a read-only manager ignores, and the mode itself
+            self._mngr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self._pending: int | None = None  # step of the last save whose outcome has not been checked yet
         self._closed = False
         self._read_only = bool(read_only)
@@ -338,3 +341,17 @@ def _same_dtype(a, b) -> bool:
         return np.dtype(a) == np.dtype(b)
     except TypeError:  # e.g. typed PRNG keys
         return str(a) == str(b)
+
+
+@contextlib.contextmanager
+def _quiet(on: bool):
+    """absl logging at ERROR inside the block when `on` (restored after)."""
+    from absl import logging
+
+    before = logging.get_verbosity()
+    if on:
+        logging.set_verbosity(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.set_verbosity(before)
