@@ -190,7 +190,9 @@ def dry_run(config, workdir: str) -> dict:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "compile_report.json"), "w") as f:
             json.dump(rep, f, indent=2)
+        print(f"layout {rep['layout']}")
         print(report.format_table(rep))
+        print(f"written to {os.path.join(workdir, 'compile_report.json')}")
     return rep
 
 
