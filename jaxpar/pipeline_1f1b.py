@@ -5,8 +5,8 @@ the loop ends, O(M). Here each tick of a `lax.scan` runs up to three lanes per s
 (`jaxpar/schedules.py`): F (forward), B (backward by `jax.vjp`; the input gradient only when the schedule splits it)
 and W (the weight gradient of a split schedule), each on one microbatch and one of the stage's v chunks of layers
 (interleaved 1F1B: v > 1). Activations travel to the next chunk's stage and cotangents to the previous one's with
-`ppermute` at the end of every tick (round the ring of stages when v > 1). A stage keeps, in fixed-size ring buffers indexed by microbatch mod R (R from the
-table, O(v·S), never O(M)):
+`ppermute` at the end of every tick (round the ring of stages when v > 1). A stage keeps, in fixed-size ring buffers
+indexed by `LoopSchedule.key(microbatch, chunk)` mod R (R read off the table: O(v·S), never O(M)):
 
 - its stage inputs until their B (`remat=True`: B recomputes the stage's forward from them), or the vjp residuals
   of the stage's layers (`remat=False`: no recompute);
