@@ -151,10 +151,10 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
 
         fill = lambda: vary(jnp.full(act_shape.shape, bubble_fill, act_shape.dtype))
         zero = lambda: vary(jnp.zeros((), jnp.float32))
-        # params become per-device values once, here: the transpose (a psum of their gradient over `stage` and
-        # `data`, the data-parallel reduction, once per step)
-        # then runs once after the loop, not inside a stage's `cond` (where the other stages would never join it)
-        shared = jax.tree.map(vary, shared)
+        # params become per-device values once, here (`chunks` above too): the transpose, a psum of their gradient
+        # over `stage` and `data` (the data-parallel reduction), then runs once after the loop, not inside a stage's
+        # `cond` (where the other stages would never join it)
+        shared = vary(shared)
 
         def work(chunks, r, x, cid, mb, ok):
             """The stage's layers on its slot, skipped in bubbles."""

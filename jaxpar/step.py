@@ -143,13 +143,18 @@ def build(config, mesh, vocab_real: int) -> Steps:
     gather_shared = lambda p: {**dp.gather({k: a for k, a in p.items() if k != "blocks"}, shared_pdim),
                                "blocks": p["blocks"]}  # ZeRO-3: embeddings and final norm, per microbatch
 
+    def pipe_ends(params, rng):
+        """The shared (non-layer) params and the pipeline's first and last functions over one microbatch."""
+        shared = {k: p for k, p in params.items() if k != "blocks"}
+        first = lambda sh, mb: fwd.embed(sh, mb["x"], rng, mb["ids"])
+        last = lambda sh, a, mb: fwd.head_loss(sh, a, mb["y"], mb["w"])
+        return shared, first, last
+
     def pipelined_loss(params, xs, rng):
         """(loss_sum, count, per-microbatch sums) of all microbatches through the pipeline over `stage`."""
         Lc = cfg.layers // (S * v)
-        shared = {k: p for k, p in params.items() if k != "blocks"}
-        first = lambda sh, mb: fwd.embed(sh, mb["x"], rng, mb["ids"])
+        shared, first, last = pipe_ends(params, rng)
         stage = lambda chunk, a, cid, mb: fwd.layers(chunk, a, rng, mb["ids"], first_layer=cid * Lc)
-        last = lambda sh, a, mb: fwd.head_loss(sh, a, mb["y"], mb["w"])
         with activation_rules(rules, None, manual=("stage", "data")):
             return pipeline.run(first, stage, last, shared, params["blocks"], xs, sched, mesh,
                                 remat=bool(config.pipeline.remat),
@@ -157,10 +162,8 @@ def build(config, mesh, vocab_real: int) -> Steps:
 
     def pipelined_grads(params, xs, rng, seed):
         """(loss_sum, grads of seed · loss_sum) with the backward inside the pipeline's loop (1F1B, ZB-H1)."""
-        shared = {k: p for k, p in params.items() if k != "blocks"}
-        first = lambda sh, mb: fwd.embed(sh, mb["x"], rng, mb["ids"])
+        shared, first, last = pipe_ends(params, rng)
         layer = lambda p, a, index, mb: fwd.block(p, a, rng, mb["ids"], index)
-        last = lambda sh, a, mb: fwd.head_loss(sh, a, mb["y"], mb["w"])
         with activation_rules(rules, None, manual=("stage", "data")):
             lsum, _, _, dshared, dblocks = pipeline_1f1b.run(
                 first, layer, last, shared, params["blocks"], xs, loop_sched, mesh, seed,
