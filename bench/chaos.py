@@ -1,36 +1,41 @@
-"""Chaos test of crash safety: SIGKILL a training subprocess at random moments, restart it, compare the end bitwise.
+"""Chaos test of failure handling: kill, freeze or stall one of two training processes at random moments, remove
+a commit marker now and then, restart after each fault, and compare the end with an uninterrupted run bitwise.
 
-    python bench/chaos.py [--kills 10] [--save_kills 5] [--startup_kills 2] [--steps 60] [--every 4] [--seed 0]
+    python bench/chaos.py [--kills 6] [--save_kills 2] [--startup_kills 1] [--freezes 2] [--stalls 2]
+                          [--unmarked 2] [--steps 60] [--every 4] [--seed 0] [--out bench/results/chaos.json]
 
-1. Trains a tiny GPT (`train.py`, 8 fake CPU devices, (data, tensor) = (4, 2), async checkpoints every `--every`
-   steps, the last `--keep` kept) uninterrupted to `--steps` in one workdir.
-2. In a second workdir, starts the same command and kills it with SIGKILL (no chance to clean up), `--kills` times,
-   restarting it after each kill, then lets it finish. Each kill lands at a random moment (seeded), in random order:
-     - "save" kills: when Orbax's temporary directory of an asynchronous save (`<step>.orbax-checkpoint-tmp*`)
-       appears (the n-th new one of this process, n random in 1..2), after a random 0-20 ms: mid-save;
-     - "startup" kills: uniform over the process's start-up (imports, compile, the resume check and restore),
-       as long as the uninterrupted run's took;
-     - "train" kills: uniform over the 2 x `--every` steps after this process's first logged step (which may be
-       during the save of a checkpoint or the deletion of an old one).
-   After each run, every checkpoint listed as complete (what a restart may pick up) is restored and compared with
-   the uninterrupted run's checkpoint of the same step (that run keeps them all), bitwise.
+1. Trains a tiny GPT with `train.py` in 2 processes x 4 fake CPU devices (`jaxpar.launch.spawn`, gloo collectives;
+   (data, tensor) = (4, 2), so `data` spans the processes), async checkpoints every `--every` steps, uninterrupted
+   to `--steps` in one workdir.
+2. In a second workdir starts the same job again and again; each run gets one fault, in seeded random order, on a
+   random process (rank 0 hosts the coordination service, rank 1 does not):
+     - "kill": SIGKILL (no chance to clean up), during start-up, training, or an asynchronous save in progress
+       (when the save's temporary folder `<step>.orbax-checkpoint-tmp*` appears, + 0-20 ms);
+     - "freeze": SIGSTOP of the whole process (no heartbeat; its connections stay open), mid-step or mid-save;
+     - "stall": the main thread blocks for good while its heartbeat threads run on (SIGUSR1 through
+       bench/stuck_main.py: what blocked I/O or a deadlock leaves), mid-step or mid-save.
+   `--unmarked` of the runs after a fault also lose the commit marker (`commit_success.txt`) of their newest complete
+   checkpoint, as a crash between the arrays and the marker or an object store leaves it. The next start must set
+   that folder aside and resume from the one before.
+   For each run: how the job ended (each process's exit code, the seconds from the fault until every process had
+   exited, the survivor's message); a process still running 60 s after the fault counts as a hang (killed, and
+   reported). Every checkpoint listed as complete is compared with the uninterrupted run's of the same step.
 3. Restores both runs' latest checkpoints read-only onto the host and compares every leaf of the train state
-   (params, optimizer state, step, rng, loss scale, counters) byte for byte (dtype, shape and raw bytes).
+   (params, optimizer state, step, rng, loss scale, counters) byte for byte.
 
-Prints one JSON object: kills (by kind, and how many interrupted a save: its temporary folder was left), resumes,
-steps redone (steps trained more than once, from metrics.jsonl: every step is logged), whether every logged loss
-equals the uninterrupted run's, bytes lost (bytes of state leaves that differ; 0 when equal), the checkpoints
-checked after kills and wall times. Exit code 0 when the final states and every checked checkpoint are bitwise
-equal, else 1. Not a test (it takes minutes); CI runs tests/test_preemption.py and tests/test_checkpoint.py.
+The bench sets dist.heartbeat_timeout_s=5 and dist.step_timeout_min_s=10 (defaults 60 and 60) so that a fault costs
+seconds, not minutes; what they bound is the same. Prints one JSON object (and writes a markdown table next to
+`--out`); exit code 0 when nothing hung, the final states and every checked checkpoint are bitwise equal.
+Not a test (it takes minutes); CI runs tests/test_multihost.py, tests/test_failures.py and tests/test_checkpoint.py.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +43,10 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 TMP_MARK = ".orbax-checkpoint-tmp"
+MARKER = "commit_success.txt"
+HANG_S = 60.0  # a process still running this long after the fault is a hang
 
 
 def make_corpus(directory: str, seed: int = 0) -> str:
@@ -52,7 +60,9 @@ def make_corpus(directory: str, seed: int = 0) -> str:
 
 
 def command(args, workdir: str, corpus: str, cache: str, keep: int | None = None) -> list[str]:
-    return [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs/shakespeare.py"),
+    """train.py's arguments (run through bench/stuck_main.py, so SIGUSR1 stalls the main thread)."""
+    return [os.path.join(ROOT, "bench", "stuck_main.py"), os.path.join(ROOT, "train.py"),
+            "--config", os.path.join(ROOT, "configs/shakespeare.py"),
             "--workdir", workdir, f"--config.data.corpus={corpus}", f"--config.data.cache_dir={cache}",
             "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.model.layers=2", "--config.model.embed=64",
             "--config.model.heads=4", "--config.model.mlp=256", "--config.model.seq_len=32",
@@ -60,11 +70,8 @@ def command(args, workdir: str, corpus: str, cache: str, keep: int | None = None
             "--config.optim.warmup_steps=10", "--config.optim.decay_steps=100",
             f"--config.checkpoint.every_steps={args.every}", f"--config.checkpoint.keep={keep or args.keep}",
             "--config.checkpoint.async_save=True", "--config.log.every_steps=1", "--config.log.progress=False",
-            f"--config.eval.every_steps={10 * args.steps}", "--config.eval.batches=1"]
-
-
-def env() -> dict:
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+            f"--config.eval.every_steps={10 * args.steps}", "--config.eval.batches=1",
+            "--config.dist.heartbeat_timeout_s=5", "--config.dist.step_timeout_min_s=10"]
 
 
 def logged(workdir: str) -> list[dict]:
@@ -93,12 +100,16 @@ def run_steps(records) -> list[int]:
     return [r["step"] for r in records if "step" in r]
 
 
-def start(cmd, log_path):
-    log = open(log_path, "w")
-    return subprocess.Popen(cmd, env=env(), stdout=log, stderr=subprocess.STDOUT, text=True), log
+def start(cmd, root: str, i: int):
+    """The 2 processes of run `i`; their logs root/run<i>.rank<r>.log."""
+    from jaxpar import launch
+
+    logs = [open(os.path.join(root, f"run{i}.rank{r}.log"), "w") for r in range(2)]
+    return launch.spawn(cmd, 2, 4, stdout=lambda r: logs[r]), logs
 
 
 def start_step(log_path: str) -> int | None:
+    """The step run 0's process 0 reports starting at."""
     with open(log_path) as f:
         for line in f:
             if "start step " in line:
@@ -150,18 +161,169 @@ def same(a: dict, b: dict) -> bool:
     return not differing(a, b)
 
 
+SIGNALS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "stall": signal.SIGUSR1}
+MESSAGE = re.compile(r"jaxpar: process \d+: (error|stopping): .*|Terminating process because .*|.*Error: .*")
+
+
+def fault_plan(args, rng) -> list[tuple[str, str]]:
+    """[(fault, moment)] in seeded random order: kills at save/startup/train moments, freezes and stalls half
+    mid-step, half mid-save."""
+    plan = ([("kill", "save")] * args.save_kills + [("kill", "startup")] * args.startup_kills
+            + [("kill", "train")] * (args.kills - args.save_kills - args.startup_kills))
+    for fault, n in (("freeze", args.freezes), ("stall", args.stalls)):
+        plan += [(fault, "train")] * (n - n // 2) + [(fault, "save")] * (n // 2)
+    return [plan[k] for k in rng.permutation(len(plan))]
+
+
+class Moment:
+    """When to strike in a run: at a random time in start-up, after its first logged step, or when its n-th new save
+    folder appears."""
+
+    def __init__(self, moment, rng, workdir, startup_s, step_s, every):
+        self.moment, self.workdir, self.at = moment, workdir, None
+        self.lines, self.old, self.seen = len(logged(workdir)), set(save_dirs(workdir)), set()
+        t = time.perf_counter()
+        if moment == "startup":
+            self.at = t + rng.uniform(0, startup_s)
+        self.delay = rng.uniform(0, 0.02) if moment == "save" else rng.uniform(0, 2 * every * step_s)
+        self.nth = int(rng.integers(1, 3))
+
+    def reached(self) -> bool:
+        now = time.perf_counter()
+        if self.at is None and self.moment == "save":
+            self.seen.update(set(save_dirs(self.workdir)) - self.old)
+            if len(self.seen) >= self.nth:
+                self.at = now + self.delay
+        if self.at is None and self.moment == "train" and run_steps(logged(self.workdir)[self.lines:]):
+            self.at = now + self.delay
+        return self.at is not None and now >= self.at
+
+
+def wait_all(procs, timeout_s: float) -> tuple[list[int | None], list[float], bool]:
+    """Exit codes and seconds-to-exit of every process; a process alive after `timeout_s` is killed (a hang)."""
+    t0, ends = time.perf_counter(), [None] * len(procs)
+    while any(e is None for e in ends) and time.perf_counter() - t0 < timeout_s:
+        for r, p in enumerate(procs):
+            if ends[r] is None and p.poll() is not None:
+                ends[r] = time.perf_counter() - t0
+        time.sleep(0.02)
+    hung = any(e is None for e in ends)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return [p.returncode for p in procs], [round(e, 2) if e is not None else None for e in ends], hung
+
+
+def message(root: str, i: int, victim: int) -> str:
+    """The first failure message of run i's surviving process (else the victim's)."""
+    for r in (1 - victim, victim):
+        with open(os.path.join(root, f"run{i}.rank{r}.log")) as f:
+            for line in f:
+                m = MESSAGE.search(line)
+                if m:
+                    return m.group(0).strip()[:240]
+    return ""
+
+
+def unmark_newest(workdir: str) -> int | None:
+    """Remove the commit marker of the newest complete checkpoint; its step, or None."""
+    steps = complete_steps(workdir)
+    if not steps:
+        return None
+    os.remove(os.path.join(workdir, "checkpoints", str(steps[-1]), MARKER))
+    return steps[-1]
+
+
+def reference_run(args, root, corpus, cache):
+    """The uninterrupted run (it keeps every checkpoint): (seconds, start-up seconds, seconds per step)."""
+    ref_dir = os.path.join(root, "uninterrupted")
+    t0 = time.perf_counter()
+    procs, logs = start(command(args, ref_dir, corpus, cache, keep=args.steps), root, "ref")
+    first = None
+    while any(p.poll() is None for p in procs):
+        if first is None and logged(ref_dir):
+            first = time.perf_counter() - t0
+        time.sleep(0.01)
+    t_ref = time.perf_counter() - t0
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"the uninterrupted run failed: {[p.returncode for p in procs]}; see {root}/runref.rank*.log")
+    first = first or t_ref
+    return t_ref, first, (t_ref - first) / max(args.steps - 1, 1)
+
+
+def one_run(args, i, plan, rng, root, corpus, cache, timing, unmark: bool) -> dict:
+    """Run i with its fault (or none, to the end): what happened, as a dict."""
+    chaos_dir = os.path.join(root, "chaos")
+    fault, moment = plan[i] if i < len(plan) else ("none", "")
+    victim = int(rng.integers(0, 2))
+    t_start = time.perf_counter()
+    procs, logs = start(command(args, chaos_dir, corpus, cache), root, i)
+    when, struck, t_fault = Moment(moment, rng, chaos_dir, timing[1], timing[2], args.every), False, None
+    while fault != "none" and all(p.poll() is None for p in procs) and time.perf_counter() - t_start < args.timeout:
+        if when.reached():
+            procs[victim].send_signal(SIGNALS[fault])
+            struck, t_fault = True, time.perf_counter()
+            break
+        time.sleep(0.002 if moment == "save" else 0.005)
+    left = set(save_dirs(chaos_dir)) - when.old
+    codes, ends, hung = wait_all(procs, HANG_S if struck else args.timeout)
+    for f in logs:
+        f.close()
+    since = round(time.perf_counter() - t_fault, 2) if struck else None
+    run = {"fault": fault if struck else "none", "moment": moment if struck else "", "process": victim,
+           "exit_codes": codes, "seconds_to_exit": since if not hung else None, "hung": hung,
+           "mid_save": struck and bool(left), "start_step": start_step(os.path.join(root, f"run{i}.rank0.log")),
+           "steps_logged": (lambda s: [s[0], s[-1]] if s else [])(run_steps(logged(chaos_dir)[when.lines:])),
+           "message": message(root, i, victim) if struck else "", "seconds": round(time.perf_counter() - t_start, 2)}
+    if struck and unmark:
+        run["unmarked_step"] = unmark_newest(chaos_dir)
+    return run
+
+
+def verify(root: str, reference: dict, i: int, bad: list) -> int:
+    """Compare every complete checkpoint of the chaos run with the uninterrupted run's; returns how many."""
+    chaos_dir, n = os.path.join(root, "chaos"), 0
+    for step in complete_steps(chaos_dir):
+        if step not in reference:
+            reference[step] = read_state(os.path.join(root, "uninterrupted"), step)[1]
+        n += 1
+        if not same(reference[step], read_state(chaos_dir, step)[1]):
+            bad.append({"after_run": i, "step": step})
+    return n
+
+
+def table(result: dict) -> str:
+    """Markdown: one row per (fault, moment, process) with how each such job ended."""
+    rows = {}
+    for r in result["runs"]:
+        if r["fault"] != "none":
+            rows.setdefault((r["fault"], r["moment"], r["process"]), []).append(r)
+    out = ["| fault | moment | process | runs | exit codes (rank 0, 1) | seconds to exit (max) | mid-save | message |",
+           "|---|---|---:|---:|---|---:|---:|---|"]
+    for (fault, moment, proc), rs in sorted(rows.items()):
+        codes = ", ".join(sorted({str(tuple(r["exit_codes"])) for r in rs}))
+        secs = max((r["seconds_to_exit"] or float("inf")) for r in rs)
+        out.append(f"| {fault} | {moment} | {proc} | {len(rs)} | {codes} | {secs:g} | "
+                   f"{sum(r['mid_save'] for r in rs)} | `{rs[0]['message'][:150]}` |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kills", type=int, default=10, help="SIGKILLs before the run may finish")
-    ap.add_argument("--save_kills", type=int, default=5, help="how many of them aim at an asynchronous save")
-    ap.add_argument("--startup_kills", type=int, default=2, help="how many land during start-up (the rest: training)")
+    ap.add_argument("--kills", type=int, default=6, help="SIGKILLs of one process")
+    ap.add_argument("--save_kills", type=int, default=2, help="how many kills aim at an asynchronous save")
+    ap.add_argument("--startup_kills", type=int, default=1, help="how many kills land in start-up (the rest: training)")
+    ap.add_argument("--freezes", type=int, default=2, help="SIGSTOPs of one process (half mid-step, half mid-save)")
+    ap.add_argument("--stalls", type=int, default=2, help="main-thread stalls of one process (half mid-save)")
+    ap.add_argument("--unmarked", type=int, default=2, help="faults after which the newest checkpoint loses its marker")
     ap.add_argument("--steps", type=int, default=60, help="train.steps")
     ap.add_argument("--every", type=int, default=4, help="checkpoint.every_steps")
     ap.add_argument("--keep", type=int, default=2, help="checkpoint.keep")
-    ap.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the faults, their moments and processes")
     ap.add_argument("--dir", default="", help="working directory (default: a temporary one, removed at the end)")
-    ap.add_argument("--out", default="", help="also write the JSON here")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds any one process may run")
+    ap.add_argument("--out", default="", help="also write the JSON here (and the markdown table beside it)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds any one run may take")
     args = ap.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this process only reads checkpoints back, on the host
     from absl import logging as absl_logging
@@ -169,109 +331,59 @@ def main(argv=None) -> int:
     absl_logging.set_verbosity(absl_logging.ERROR)  # Orbax warns about every read-only manager
     if min(args.save_kills, args.startup_kills) < 0 or args.save_kills + args.startup_kills > args.kills:
         ap.error("need --save_kills, --startup_kills >= 0 and their sum <= --kills")
-
-    t_begin = time.perf_counter()
-    root = args.dir or tempfile.mkdtemp(prefix="jaxpar-chaos-")
+    t_begin, root = time.perf_counter(), args.dir or tempfile.mkdtemp(prefix="jaxpar-chaos-")
     os.makedirs(root, exist_ok=True)
     corpus, cache = make_corpus(os.path.join(root, "corpus")), os.path.join(root, "cache")
-    ref_dir, chaos_dir = os.path.join(root, "uninterrupted"), os.path.join(root, "chaos")
-    for d in (ref_dir, chaos_dir):
-        shutil.rmtree(d, ignore_errors=True)
+    for d in ("uninterrupted", "chaos"):
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
     say = lambda *a: print("chaos:", *a, file=sys.stderr, flush=True)  # noqa: E731
-
-    # 1. the uninterrupted run: its start-up time and step time set the scale of the kill moments
-    t0 = time.perf_counter()
-    # (it keeps every checkpoint, to compare each one the chaos run leaves behind)
-    proc, log = start(command(args, ref_dir, corpus, cache, keep=args.steps), os.path.join(root, "uninterrupted.log"))
-    first_step_at = None
-    while proc.poll() is None:
-        if first_step_at is None and logged(ref_dir):
-            first_step_at = time.perf_counter() - t0
-        time.sleep(0.01)
-    log.close()
-    t_ref = time.perf_counter() - t0
-    if proc.returncode != 0:
-        say(open(os.path.join(root, "uninterrupted.log")).read())
-        raise SystemExit(f"the uninterrupted run failed with exit code {proc.returncode}")
-    first_step_at = first_step_at or t_ref
-    t_step = (t_ref - first_step_at) / max(args.steps - 1, 1)
-    say(f"uninterrupted: {t_ref:.1f} s (start-up {first_step_at:.1f} s, {t_step * 1e3:.0f} ms/step)")
-
-    # 2. kill and restart
+    timing = reference_run(args, root, corpus, cache)
+    say(f"uninterrupted: {timing[0]:.1f} s (start-up {timing[1]:.1f} s, {timing[2] * 1e3:.0f} ms/step)")
     rng = np.random.default_rng(args.seed)
-    kinds = (["save"] * args.save_kills + ["startup"] * args.startup_kills
-             + ["train"] * (args.kills - args.save_kills - args.startup_kills))
-    rng.shuffle(kinds)
-    runs, t_chaos, verified, bad = [], time.perf_counter(), 0, []
-    reference = {}  # step -> the uninterrupted run's state at that step
-    for i in range(args.kills + 1):
-        kind = kinds[i] if i < args.kills else "none"
-        log_path = os.path.join(root, f"chaos_{i}.log")
-        t_start, lines_before = time.perf_counter(), len(logged(chaos_dir))
-        proc, log = start(command(args, chaos_dir, corpus, cache), log_path)
-        deadline, at, old = t_start + args.timeout, None, set(save_dirs(chaos_dir))  # old: a killed save's leftover
-        if kind == "startup":
-            at = t_start + rng.uniform(0, first_step_at)
-        elif kind == "train":
-            delay = rng.uniform(0, 2 * args.every * t_step)
-        elif kind == "save":
-            nth, delay, seen = int(rng.integers(1, 3)), rng.uniform(0, 0.02), set()
-        killed = False
-        while proc.poll() is None:
-            now = time.perf_counter()
-            if now > deadline:
-                proc.kill()
-                raise SystemExit(f"run {i} ran past --timeout; see {log_path}")
-            if kind == "save" and at is None:
-                seen.update(set(save_dirs(chaos_dir)) - old)
-                if len(seen) >= nth:
-                    at = now + delay
-            if kind == "train" and at is None and run_steps(logged(chaos_dir)[lines_before:]):
-                at = now + delay
-            if kind != "none" and at is not None and now >= at:
-                proc.send_signal(signal.SIGKILL)
-                killed = True
-                break
-            time.sleep(0.002 if kind == "save" else 0.005)
-        proc.wait()
-        log.close()
-        left = set(save_dirs(chaos_dir)) - old  # a save the kill interrupted (the next start removes it)
-        mine = run_steps(logged(chaos_dir)[lines_before:])
-        for step in complete_steps(chaos_dir):  # what a restart may pick up equals the uninterrupted run's, bitwise
-            if step not in reference:
-                reference[step] = read_state(ref_dir, step)[1]
-            verified += 1
-            if not same(reference[step], read_state(chaos_dir, step)[1]):
-                bad.append({"after_run": i, "step": step})
-        run = {"kind": kind, "killed": killed, "exit": proc.returncode, "start_step": start_step(log_path),
-               "steps_logged": [mine[0], mine[-1]] if mine else [],
-               "killed_mid_save": killed and bool(left), "seconds": round(time.perf_counter() - t_start, 2)}
+    plan = fault_plan(args, rng)
+    unmark = set(rng.choice(len(plan), min(args.unmarked, len(plan)), replace=False).tolist())
+    runs, bad, verified, t_chaos = [], [], 0, time.perf_counter()
+    reference = {}
+    for i in range(len(plan) + 1):
+        run = one_run(args, i, plan, rng, root, corpus, cache, timing, i in unmark)
         runs.append(run)
         say(f"run {i}: {run}")
-        if not killed:
-            if proc.returncode != 0:
-                raise SystemExit(f"run {i} exited with {proc.returncode}; see {log_path}")
-            break  # the run finished (before its kill moment, or the final one)
-    t_chaos = time.perf_counter() - t_chaos
+        verified += verify(root, reference, i, bad)
+        if run["fault"] == "none":
+            if any(run["exit_codes"]):
+                raise SystemExit(f"run {i} failed without a fault: {run['exit_codes']}; see {root}/run{i}.rank*.log")
+            break
+    result = summary(args, root, runs, bad, verified, time.perf_counter() - t_chaos, timing[0], t_begin)
+    text = json.dumps(result, indent=2)
+    print(text)
+    print(table(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+        with open(os.path.splitext(args.out)[0] + ".md", "w") as f:
+            f.write(table(result))
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0 if result["bitwise_equal"] and not bad and not result["hangs"] else 1
 
-    # 3. compare
-    step_a, a = read_state(ref_dir)
-    step_b, b = read_state(chaos_dir)
+
+def summary(args, root, runs, bad, verified, t_chaos, t_ref, t_begin) -> dict:
+    step_a, a = read_state(os.path.join(root, "uninterrupted"))
+    step_b, b = read_state(os.path.join(root, "chaos"))
     differ = differing(a, b)
-    bytes_lost = int(sum(a[k].nbytes if k in a else b[k].nbytes for k in differ))
-    ref_logs, chaos_logs = logged(ref_dir), logged(chaos_dir)
-    ref_loss = {r["step"]: r["loss"] for r in ref_logs}
-    counts = {}
+    ref_loss = {r["step"]: r["loss"] for r in logged(os.path.join(root, "uninterrupted"))}
+    chaos_logs, counts = logged(os.path.join(root, "chaos")), {}
     for r in chaos_logs:
         if "step" in r:
             counts[r["step"]] = counts.get(r["step"], 0) + 1
-    kills = [r for r in runs if r["killed"]]
-    result = {
+    faults = [r for r in runs if r["fault"] != "none"]
+    return {
         "steps": args.steps, "checkpoint_every": args.every, "keep": args.keep, "seed": args.seed,
-        "kills": len(kills),
-        "kills_by_kind": {k: sum(r["kind"] == k for r in kills) for k in ("save", "startup", "train")},
-        "kills_mid_save": sum(r["killed_mid_save"] for r in kills),
-        "kills_before_its_first_step": sum(not r["steps_logged"] for r in kills),
+        "faults": len(faults), "hangs": sum(r["hung"] for r in runs),
+        "faults_by_kind": {f"{r['fault']}:{r['moment']}": sum(q["fault"] == r["fault"] and q["moment"] == r["moment"]
+                                                              for q in faults) for r in faults},
+        "mid_save": sum(r["mid_save"] for r in faults),
+        "unmarked_steps": [r["unmarked_step"] for r in faults if r.get("unmarked_step") is not None],
         "resumes": sum(1 for r in runs if (r["start_step"] or 0) > 0),
         "steps_redone": int(sum(c - 1 for c in counts.values())),
         "steps_missing_from_log": sorted(set(range(1, args.steps + 1)) - counts.keys()),
@@ -279,20 +391,13 @@ def main(argv=None) -> int:
         "every_logged_loss_equals_uninterrupted": all(r["loss"] == ref_loss.get(r["step"]) for r in chaos_logs
                                                       if "loss" in r),
         "final_step": [step_a, step_b], "state_leaves": len(a), "state_bytes": int(sum(x.nbytes for x in a.values())),
-        "leaves_differing": differ, "bytes_lost": bytes_lost, "bitwise_equal": not differ and step_a == step_b,
-        "checkpoints_checked_after_kills": verified, "checkpoints_differing": bad,
+        "leaves_differing": differ, "bytes_lost": int(sum(a[k].nbytes if k in a else b[k].nbytes for k in differ)),
+        "bitwise_equal": not differ and step_a == step_b,
+        "checkpoints_checked_after_faults": verified, "checkpoints_differing": bad,
         "seconds": {"uninterrupted": round(t_ref, 1), "chaos": round(t_chaos, 1),
                     "total": round(time.perf_counter() - t_begin, 1)},
         "runs": runs,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if not args.dir:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0 if result["bitwise_equal"] and not bad else 1
 
 
 if __name__ == "__main__":

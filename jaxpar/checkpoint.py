@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _STATE = "state"
 _META = "meta"
 _SUBDIR = "checkpoints"
+_SET_ASIDE_BARRIERS = 0
 _TRASH = "deleting"  # where Orbax moves the steps it drops (one atomic rename each) before they are removed
 
 
@@ -91,6 +92,8 @@ class Checkpointer:
             read_only=read_only,
             todelete_subdir=None if read_only else _TRASH,  # delete = rename away, then remove (see _empty_trash)
         )
+        if not read_only:  # before Orbax lists the steps: a marker-less step folder is set aside, not resumed over
+            self._set_aside_incomplete()
         registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
         for item, arg_types in ((_STATE, (ocp.args.StandardSave, ocp.args.StandardRestore)),
                                 (_META, (ocp.args.JsonSave, ocp.args.JsonRestore))):
@@ -287,6 +290,25 @@ class Checkpointer:
             shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
             raise ValueError(f"restore of step {step} from {self.directory}: abstract_state does not match the "
                              f"checkpoint:\n  " + "\n  ".join(shown))
+
+    def _set_aside_incomplete(self) -> None:
+        """Move every step folder without its commit marker (a crash between the arrays and the marker, or what an
+        object store leaves) into the trash, which is emptied right after; complete steps are never touched.
+        Process 0 does it, then every process passes a barrier, so all of them list the same steps."""
+        from jaxpar import distributed
+
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in sorted(os.listdir(self.directory)):
+                path = os.path.join(self.directory, name)
+                marker = os.path.join(path, ocp.path.atomicity.COMMIT_SUCCESS_FILE)
+                if name.isdigit() and os.path.isdir(path) and not os.path.isfile(marker):
+                    aside = os.path.join(self.directory, f"{_TRASH}.{time.time_ns()}.incomplete-{name}")
+                    os.rename(path, aside)
+                    print(f"jaxpar: {path} is not a complete checkpoint (no {ocp.path.atomicity.COMMIT_SUCCESS_FILE}"
+                          f", an interrupted save): set aside and removed", flush=True)
+        global _SET_ASIDE_BARRIERS
+        _SET_ASIDE_BARRIERS += 1  # every process builds its Checkpointers in the same order (collective)
+        distributed.barrier(f"jaxpar/checkpoint_set_aside/{_SET_ASIDE_BARRIERS}")
 
     def _empty_trash(self) -> None:
         """Remove the steps Orbax has dropped into the trash folder, in a background thread.

@@ -24,7 +24,7 @@ DEFAULT_RULES = (
 
 MESH_AXES = ("data", "stage", "tensor")  # order of the device grid: tensor last = neighbouring devices
 REMAT_POLICIES = ("none", "full", "dots", "attention")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs for tests (see _check_float64)
 SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
 
 
@@ -53,11 +53,12 @@ def base_config() -> ml_collections.ConfigDict:
         param_dtype="float32", compute_dtype="float32",
         nonfinite="stop",  # stop | skip: what a non-finite loss or gradient does (fp16 overflows: the loss scale)
         # resume a checkpoint written with another global_batch_size (the data order continues from the samples it
-        # consumed; the LR schedule stays a function of the step); default: refuse
+        # consumed; the LR schedule stays a function of the applied updates); default: refuse
         allow_batch_change=False,
         # fp16 dynamic loss scaling, DeepSpeed's defaults (initial 2^16, window 1000, hysteresis 2, min 1)
         loss_scale_initial=2.0 ** 16, loss_scale_window=1000, loss_scale_hysteresis=2, loss_scale_min=1.0,
         loss_scale_factor=2.0, loss_scale_patience=10,
+        loss_scale_max=2.0 ** 24,  # ceiling of the scale (NVIDIA Apex amp's max_loss_scale); finite
     ))
 
     c.optim = ml_collections.ConfigDict(dict(
@@ -84,9 +85,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=200, keep=3, async_save=True))
     c.log = ml_collections.ConfigDict(dict(every_steps=10, profile_steps=(), progress=True))
     c.eval = ml_collections.ConfigDict(dict(every_steps=100, batches=8))
-    # multi-process: a process silent for heartbeat_timeout_s makes the others exit with a message; no step
-    # boundary within step_timeout_s (0 = off; the first, compiling step is not timed) stops every process
-    c.dist = ml_collections.ConfigDict(dict(heartbeat_timeout_s=60.0, step_timeout_s=0.0, init_timeout_s=300.0))
+    # multi-process: a process silent for heartbeat_timeout_s makes the others exit with a message. No step boundary
+    # within the step bound stops every process, naming the step: step_timeout_s seconds, or -1 (auto) max(
+    # step_timeout_min_s, step_timeout_factor x the slowest step so far), evaluation and saves included; 0 = off.
+    # The first, compiling step is not timed.
+    c.dist = ml_collections.ConfigDict(dict(heartbeat_timeout_s=60.0, step_timeout_s=-1.0, step_timeout_min_s=60.0,
+                                            step_timeout_factor=20.0, init_timeout_s=300.0))
     return c
 
 
@@ -121,6 +125,43 @@ def mesh_shape(config, num_devices: int) -> dict[str, int]:
     return {"data": d, "tensor": t, "stage": s}
 
 
+def _check_loss_scale(config) -> list[str]:
+    from jaxpar import loss_scale
+
+    try:
+        loss_scale.from_config(config)
+    except ValueError as e:
+        return [f"{e} (the train.loss_scale_* keys)"]
+    if int(config.train.loss_scale_patience) < 1:
+        return [f"train.loss_scale_patience={config.train.loss_scale_patience} must be >= 1."]
+    return []
+
+
+def nearest_multiples(value: int, m: int) -> str:
+    """The multiples of `m` nearest `value` on either side: "4 or 8" for (6, 4); "8" for (2, 8) (0 is no size)."""
+    lo, hi = value // m * m, -(-value // m) * m
+    return " or ".join(str(x) for x in dict.fromkeys((lo, hi)) if x > 0)
+
+
+def _check_float64(tr, stages: int) -> list[str]:
+    """float64 is for reference runs (the tests' exact-arithmetic stand-in): both dtypes, JAX's x64 mode, and the
+    accumulation path (the pipelines keep float32 loss sums and gradient buffers)."""
+    wide = [k for k in ("param_dtype", "compute_dtype") if tr[k] == "float64"]
+    if not wide:
+        return []
+    import jax
+
+    errs = []
+    if len(wide) == 1:
+        errs.append(f"train.{wide[0]}='float64' needs the other dtype float64 too (a float64 reference run).")
+    if not jax.config.jax_enable_x64:
+        errs.append("float64 needs JAX's 64-bit mode: set JAX_ENABLE_X64=1 (or run inside `jax.enable_x64(True)`).")
+    if stages > 1:
+        errs.append(f"float64 with mesh.stage={stages}: float64 reference runs use the accumulation path; set "
+                    f"--config.mesh.stage=1.")
+    return errs
+
+
 def validate(config, num_devices: int) -> dict[str, int]:
     """Check every rule before anything compiles. Returns the resolved mesh shape.
 
@@ -137,20 +178,22 @@ def validate(config, num_devices: int) -> dict[str, int]:
     elif B % (d * M):
         errs.append(
             f"train.global_batch_size={B} is not divisible by mesh.data={d} x train.microbatches={M} = {d * M}; "
-            f"use a batch that is a multiple of {d * M} (e.g. {max(1, B // (d * M)) * d * M}) or change the layout.")
+            f"use a batch that is a multiple of {d * M} (the nearest: {nearest_multiples(B, d * M)}) or change the "
+            f"layout.")
     if m.embed % m.heads:
         errs.append(f"model.embed={m.embed} is not divisible by model.heads={m.heads}; pick heads dividing "
                     f"{m.embed} (head size = embed / heads).")
     if m.heads % t:
         errs.append(f"model.heads={m.heads} is not divisible by mesh.tensor={t}; use heads a multiple of {t} "
-                    f"or a tensor size dividing {m.heads}.")
+                    f"(the nearest: {nearest_multiples(m.heads, t)}) or a tensor size dividing {m.heads}.")
     if mlp_width(config) % t:
         errs.append(f"MLP width {mlp_width(config)} is not divisible by mesh.tensor={t}; set model.mlp to a "
-                    f"multiple of {t}.")
+                    f"multiple of {t} (the nearest: {nearest_multiples(mlp_width(config), t)}).")
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
         errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "
-                    f"use a multiple of {s * v} layers or fewer stages / virtual stages.")
+                    f"use a multiple of {s * v} layers (the nearest: {nearest_multiples(m.layers, s * v)}) or fewer "
+                    f"stages / virtual stages.")
     if s > 1 and M < s:
         errs.append(f"train.microbatches={M} < mesh.stage={s}: the pipeline needs at least one microbatch per "
                     f"stage; set --config.train.microbatches={s} or more.")
@@ -159,7 +202,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
                     f"interleaved form here; set --config.pipeline.virtual_stages=1 or use '1f1b' (interleaved).")
     if config.pipeline.schedule == "1f1b" and s > 1 and v > 1 and M % s:
         errs.append(f"train.microbatches={M} is not a multiple of mesh.stage={s}, which interleaved 1F1B "
-                    f"(virtual_stages={v}) needs (Megatron-LM's rule); use {max(s, M // s * s)} or {(M // s + 1) * s}.")
+                    f"(virtual_stages={v}) needs (Megatron-LM's rule); use {nearest_multiples(M, s)}.")
     if config.pipeline.schedule == "zb_h1" and not config.pipeline.remat:
         errs.append("pipeline.remat=False (keep the vjp residuals) is implemented for 1f1b only; zb_h1 recomputes "
                     "its stage forward: set --config.pipeline.remat=True.")
@@ -170,6 +213,8 @@ def validate(config, num_devices: int) -> dict[str, int]:
     for k in ("param_dtype", "compute_dtype"):
         if tr[k] not in DTYPES:
             errs.append(f"train.{k}={tr[k]!r}: pick one of {DTYPES}.")
+    errs += _check_float64(tr, s)
+    errs += _check_loss_scale(config)
     if tr.nonfinite not in ("stop", "skip"):
         errs.append(f"train.nonfinite={tr.nonfinite!r}: pick 'stop' or 'skip'.")
     if o.zero_stage not in (0, 1, 2, 3):
@@ -182,10 +227,17 @@ def validate(config, num_devices: int) -> dict[str, int]:
                       ("checkpoint.every_steps", config.checkpoint.every_steps)):
         if val < 1:
             errs.append(f"{name}={val} must be >= 1.")
+    if int(config.checkpoint.keep) < 1:
+        errs.append(f"checkpoint.keep={config.checkpoint.keep} must be >= 1 (the newest checkpoint is always kept).")
     dist = config.dist
-    if dist.heartbeat_timeout_s <= 0 or dist.init_timeout_s <= 0 or dist.step_timeout_s < 0:
+    if dist.heartbeat_timeout_s <= 0 or dist.init_timeout_s <= 0:
         errs.append(f"dist.heartbeat_timeout_s={dist.heartbeat_timeout_s}, dist.init_timeout_s={dist.init_timeout_s} "
-                    f"must be > 0 and dist.step_timeout_s={dist.step_timeout_s} >= 0 (0: no step watchdog).")
+                    f"must be > 0.")
+    if not (dist.step_timeout_s >= 0 or dist.step_timeout_s == -1) or dist.step_timeout_min_s <= 0 \
+            or dist.step_timeout_factor < 1:
+        errs.append(f"dist.step_timeout_s={dist.step_timeout_s} must be -1 (auto), 0 (off) or seconds > 0; "
+                    f"dist.step_timeout_min_s={dist.step_timeout_min_s} > 0 and dist.step_timeout_factor="
+                    f"{dist.step_timeout_factor} >= 1.")
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
     return shape

@@ -71,15 +71,25 @@ def first_host(nodelist: str) -> str:
     return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], spec)
 
 
-def _tasks_per_node(spec: str, node_id: int) -> int | None:
-    """Tasks on node `node_id` from SLURM's compressed form "8(x2),4" (= 8, 8, 4)."""
+def _tasks_per_node(key: str, spec: str, node_id: int, env) -> int:
+    """Tasks on node `node_id` from SLURM's compressed form "8(x2),4" (= 8, 8, 4) in variable `key`.
+
+    Raises:
+      DistributedError: `spec` is not in that form, or lists fewer nodes than `node_id` needs (naming both)."""
     counts = []
     for part in spec.split(","):
         m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not m:
-            return None
+            raise DistributedError(f"{key}={spec!r} is not SLURM's tasks-per-node form (e.g. '8(x2),4'); unset it "
+                                   f"or set SLURM_NTASKS_PER_NODE.")
         counts += [int(m.group(1))] * int(m.group(2) or 1)
-    return counts[node_id] if node_id < len(counts) else None
+    if node_id >= len(counts):
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        raise DistributedError(
+            f"inconsistent SLURM environment: SLURM_NODEID={node_id}, but {key}={spec!r} lists {len(counts)} "
+            f"node(s) (ids 0-{len(counts) - 1})" + (f"; node list {nodelist!r}" if nodelist else "")
+            + ". Start the job with srun inside one allocation (mixing variables of two jobs or steps gives this).")
+    return counts[node_id]
 
 
 def resolve(env, coordinator: str | None = None, num_processes: int | None = None,
@@ -161,7 +171,7 @@ def _slurm_local_devices(env, ntasks: int) -> tuple[int, ...] | None:
     per_node = None
     for key in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         if env.get(key):
-            per_node = _tasks_per_node(env[key], node_id)
+            per_node = _tasks_per_node(key, env[key], node_id, env)
             break
     if per_node is None and env.get("SLURM_NTASKS_PER_NODE"):
         per_node = _int("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS_PER_NODE"], 1)
@@ -169,8 +179,9 @@ def _slurm_local_devices(env, ntasks: int) -> tuple[int, ...] | None:
     if per_node is None and nodes and ntasks % int(nodes) == 0:
         per_node = ntasks // int(nodes)
     if per_node is None:
-        raise DistributedError("cannot tell how many tasks run on this node: SLURM_STEP_TASKS_PER_NODE, "
-                               "SLURM_NTASKS_PER_NODE and SLURM_STEP_NUM_NODES are unset or unreadable.")
+        raise DistributedError(f"cannot tell how many tasks run on this node: SLURM_STEP_TASKS_PER_NODE, "
+                               f"SLURM_NTASKS_PER_NODE and SLURM_STEP_NUM_NODES are unset (or the {ntasks} tasks do "
+                               f"not split evenly over {nodes} nodes); set SLURM_NTASKS_PER_NODE.")
     if local >= per_node:
         raise DistributedError(f"SLURM_LOCALID={local} must be < the {per_node} tasks on this node.")
     if per_node == 1:

@@ -33,15 +33,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_env(base: dict, devices: int) -> dict:
+    """`base` with `devices` fake CPU devices: the inherited XLA_FLAGS kept (e.g. `--xla_cpu_max_isa`), only the
+    device count replaced."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", base.get("XLA_FLAGS", "")).split()
+    return dict(base, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]))
+
+
 def process_env(base: dict, rank: int, num_processes: int, devices_per_process: int, port: int,
                 platform: str = "cpu") -> dict:
     """The environment of local process `rank`."""
     env = dict(base, JAXPAR_COORDINATOR=f"127.0.0.1:{port}", JAXPAR_NUM_PROCESSES=str(num_processes),
                JAXPAR_PROCESS_ID=str(rank), JAXPAR_NODE=f"local-{rank}", PYTHONUNBUFFERED="1")
     if platform == "cpu":
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", base.get("XLA_FLAGS", "")).split()
-        env.update(JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
-                   XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"]))
+        env = dict(cpu_env(env, devices_per_process), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     else:
         k = devices_per_process
         env["JAXPAR_LOCAL_DEVICE_IDS"] = ",".join(str(i) for i in range(rank * k, (rank + 1) * k))

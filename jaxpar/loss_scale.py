@@ -25,7 +25,10 @@ One step of the rule, given this step's overflow flag:
     `consecutive_hysteresis=True` the hysteresis is refilled on every clean step instead.
 
 So with hysteresis 2 the first overflow after a growth only spends hysteresis; every later overflow (until the next
-growth) halves the scale. There is no upper bound on the scale (neither has DeepSpeed).
+growth) halves the scale. Unlike DeepSpeed, the scale has a ceiling, `max_scale` (default 2^24, NVIDIA Apex amp's
+`max_loss_scale`): a growth never goes above it, so a long clean stretch cannot double the scale past float32's
+range to inf, from which halving would never come back. Every new scale is clipped to [min_scale, max_scale], so
+even a state holding inf (a checkpoint of an older version) recovers at its next update.
 
 Where DeepSpeed raises an exception (its `raise_error_at_min_scale=True`) at the first overflow that would lower the
 scale while it already equals the minimum, this module counts overflows in a row at the minimum scale and
@@ -34,6 +37,7 @@ scale while it already equals the minimum, this module counts overflows in a row
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -53,6 +57,7 @@ __all__ = [
     "DEFAULT_PATIENCE",
 ]
 
+F32_MAX = 3.4028234663852886e38
 DEFAULT_PATIENCE = 10  # overflows in a row at the minimum scale before `should_stop` says stop
 
 
@@ -62,10 +67,12 @@ class LossScaleConfig:
 
     Defaults are DeepSpeed's fp16 defaults: `initial` = 2**initial_scale_power with initial_scale_power 16,
     `window` = loss_scale_window 1000, `hysteresis` = hysteresis 2, `min_scale` = min_loss_scale 1, `factor` = the
-    DynamicLossScaler's scale_factor 2, `consecutive_hysteresis` = consecutive_hysteresis False.
+    DynamicLossScaler's scale_factor 2, `consecutive_hysteresis` = consecutive_hysteresis False; `max_scale` =
+    Apex amp's max_loss_scale 2^24 (DeepSpeed has none).
 
     Raises:
-      ValueError: window < 1, hysteresis < 1, factor <= 1, min_scale <= 0 or initial < min_scale.
+      ValueError: window < 1, hysteresis < 1, factor <= 1, min_scale <= 0, max_scale not finite, or initial
+        outside [min_scale, max_scale].
     """
     initial: float = 2.0 ** 16
     window: int = 1000
@@ -73,6 +80,7 @@ class LossScaleConfig:
     min_scale: float = 1.0
     factor: float = 2.0
     consecutive_hysteresis: bool = False
+    max_scale: float = 2.0 ** 24
 
     def __post_init__(self):
         errs = []
@@ -84,8 +92,11 @@ class LossScaleConfig:
             errs.append(f"factor={self.factor} must be > 1")
         if not float(self.min_scale) > 0.0:
             errs.append(f"min_scale={self.min_scale} must be > 0")
-        if float(self.initial) < float(self.min_scale):
-            errs.append(f"initial={self.initial} must be >= min_scale={self.min_scale}")
+        if not math.isfinite(float(self.max_scale)) or float(self.max_scale) > F32_MAX:
+            errs.append(f"max_scale={self.max_scale} must be a finite float32 (<= {F32_MAX:.4g})")
+        if not float(self.min_scale) <= float(self.initial) <= float(self.max_scale):
+            errs.append(f"initial={self.initial} must be within [min_scale={self.min_scale}, "
+                        f"max_scale={self.max_scale}]")
         if errs:
             raise ValueError("invalid loss-scale config: " + "; ".join(errs) + ".")
 
@@ -94,7 +105,8 @@ def from_config(config) -> LossScaleConfig:
     """`LossScaleConfig` from `config.train.loss_scale_*`, with the defaults above for keys not (yet) present.
 
     Keys read: train.loss_scale_initial (2**16), train.loss_scale_window (1000), train.loss_scale_hysteresis (2),
-    train.loss_scale_min (1.0), train.loss_scale_factor (2.0), train.loss_scale_consecutive_hysteresis (False).
+    train.loss_scale_min (1.0), train.loss_scale_factor (2.0), train.loss_scale_consecutive_hysteresis (False),
+    train.loss_scale_max (2**24).
 
     Raises:
       ValueError: as `LossScaleConfig`.
@@ -108,6 +120,7 @@ def from_config(config) -> LossScaleConfig:
         min_scale=float(tr.get("loss_scale_min", d.min_scale)),
         factor=float(tr.get("loss_scale_factor", d.factor)),
         consecutive_hysteresis=bool(tr.get("loss_scale_consecutive_hysteresis", d.consecutive_hysteresis)),
+        max_scale=float(tr.get("loss_scale_max", d.max_scale)),
     )
 
 
@@ -149,25 +162,26 @@ def update(state: LossScaleState, grads_finite, cfg: LossScaleConfig = LossScale
     finite = jnp.asarray(grads_finite, jnp.bool_).reshape(())
     overflow = jnp.logical_not(finite)
     min_scale = jnp.asarray(cfg.min_scale, jnp.float32)
+    max_scale = jnp.asarray(cfg.max_scale, jnp.float32)
     factor = jnp.asarray(cfg.factor, jnp.float32)
     full = jnp.asarray(cfg.hysteresis, jnp.int32)
     zero = jnp.zeros((), jnp.int32)
 
     # overflow: lower the scale once hysteresis is spent, else spend one unit of hysteresis
     lower = state.hysteresis_left <= 1
-    scale_ov = jnp.where(lower, jnp.maximum(state.scale / factor, min_scale), state.scale)
+    scale_ov = jnp.where(lower, state.scale / factor, state.scale)
     hyst_ov = jnp.where(lower, state.hysteresis_left, state.hysteresis_left - 1)
 
     # clean: grow after `window` clean steps in a row
     good = state.good_steps + 1
     grow = good >= cfg.window
-    scale_ok = jnp.where(grow, state.scale * factor, state.scale)
+    scale_ok = jnp.where(grow, state.scale * factor, state.scale)  # clipped to max_scale below
     hyst_ok = full if cfg.consecutive_hysteresis else jnp.where(grow, full, state.hysteresis_left)
     good_ok = jnp.where(grow, zero, good)
 
     at_min = state.scale <= min_scale
     new = LossScaleState(
-        scale=jnp.where(overflow, scale_ov, scale_ok).astype(jnp.float32),
+        scale=jnp.clip(jnp.where(overflow, scale_ov, scale_ok), min_scale, max_scale).astype(jnp.float32),
         good_steps=jnp.where(overflow, zero, good_ok).astype(jnp.int32),
         hysteresis_left=jnp.where(overflow, hyst_ov, hyst_ok).astype(jnp.int32),
         overflows=(state.overflows + overflow.astype(jnp.int32)).astype(jnp.int32),

@@ -44,8 +44,16 @@ class GPTConfig:
         return self.embed // self.heads
 
 
+def at_least_f32(dtype):
+    """float32 for float32 and narrower dtypes, float64 for float64 (reference runs): where statistics, logits and
+    gradient sums are computed."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _param(key, shape, std, names, dtype):
-    init = jnp.zeros(shape, dtype) if std == 0 else std * jax.random.normal(key, shape, dtype)
+    # float64 (reference runs) draws in float32 and casts, so it starts from the float32 run's numbers
+    draw = jnp.float32 if jnp.dtype(dtype) == jnp.float64 else dtype
+    init = jnp.zeros(shape, dtype) if std == 0 else (std * jax.random.normal(key, shape, draw)).astype(dtype)
     return nnx.Param(init, **{LOGICAL: names})
 
 
@@ -55,8 +63,8 @@ class LayerNorm(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((dim,), dtype), **{LOGICAL: ("embed",)})
 
     def __call__(self, x):
-        """Statistics in float32 (eps 1e-5, as GPT-2); output in x's dtype."""
-        xf = x.astype(jnp.float32)
+        """Statistics in float32 (float64 for float64 x; eps 1e-5, as GPT-2); output in x's dtype."""
+        xf = x.astype(at_least_f32(x.dtype))
         mean = xf.mean(-1, keepdims=True)
         var = jnp.square(xf - mean).mean(-1, keepdims=True)
         y = (xf - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
@@ -114,7 +122,7 @@ class Block(nnx.Module):
 def attention(q, k, v):
     """Causal multi-head attention `[batch, seq, heads, head_dim]` x3 -> same; softmax in float32 (upcast)."""
     dt = q.dtype
-    if jax.default_backend() == "cpu" and dt != jnp.float32:
+    if jax.default_backend() == "cpu" and dt not in (jnp.float32, jnp.float64):
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
     return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
 
@@ -222,7 +230,7 @@ class Forward:
         cfg = self.cfg
         h = nnx.merge(nnx.graphdef(LayerNorm(1, jnp.float32)), params["ln_f"])(x)
         w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
-        z = jnp.einsum("btd,dv->btv", h, w.astype(self.cdt), preferred_element_type=jnp.float32)
+        z = jnp.einsum("btd,dv->btv", h, w.astype(self.cdt), preferred_element_type=at_least_f32(self.cdt))
         z = constrain(z, ("batch", "seq", "vocab"))
         if cfg.vocab_real < cfg.vocab_size:
             z = jnp.where(jnp.arange(cfg.vocab_size) < cfg.vocab_real, z, -jnp.inf)

@@ -23,7 +23,7 @@ from jaxpar import pipeline, pipeline_1f1b, schedules
 from jaxpar import sharding as shd
 from jaxpar.config import mlp_width, padded_vocab
 from jaxpar.logical import activation_rules
-from jaxpar.optim import make_optimizer, schedule
+from jaxpar.optim import applied_updates, make_optimizer, schedule
 from jaxpar.zero import DataParallel
 
 
@@ -178,7 +178,7 @@ def build(config, mesh, vocab_real: int) -> Steps:
                 return s * norm, s
 
             g, s = jax.grad(f, has_aux=True)(params)
-            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(jnp.float32), g)), s
+            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(gpt.at_least_f32(a.dtype)), g)), s
 
         def body(carry, mb):
             gacc, lsum = carry
@@ -238,7 +238,9 @@ def build(config, mesh, vocab_real: int) -> Steps:
             apply = finite & ((state["nonfinite"] == 0) if stop_on_nonfinite else True)
         params, opt_state = loss_scale.select_tree(apply, (params, opt_state), (state["params"], state["opt_state"]))
         step = state["step"]
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(step),
+        # the lr this step applied (or, skipped, would have): the schedule counts applied updates, not steps
+        lr = lr_at(applied_updates(state["opt_state"]))
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr,
                    "loss_scale": ls.scale, "skipped": (~apply).astype(jnp.int32)}
         new = {"params": params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"], "loss_scale": ls,
                "nonfinite": state["nonfinite"] + bad.astype(jnp.int32),

@@ -260,17 +260,22 @@ def run(config, workdir: str, devices=None) -> dict:
                       f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "
                       f"start step {start}, workdir {workdir}")
 
+    # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
+    tokens = jax.ShapeDtypeStruct((B, T + 1), np.int32, sharding=steps.batch_sharding)
+    eval_step = steps.evaluate.lower(abstract["params"], {"tokens": tokens}).compile()
+
     def evaluate():
         tot, n = 0.0, 0.0
         for i in range(int(config.eval.batches)):
-            s, c = steps.evaluate(state["params"], batch_at(val_data.val_batch, i))
+            s, c = eval_step(state["params"], batch_at(val_data.val_batch, i))
             tot, n = tot + float(s), n + float(c)
         return tot / max(n, 1.0)
 
     last, t0, since = {}, time.perf_counter(), 0
     total = int(config.train.steps)
     preemption = PreemptionWatch()
-    watchdog.arm_steps(float(config.dist.step_timeout_s))  # from the end of the first step (compiled) on
+    dist = config.dist  # from the end of the first step (compiled) on; evaluation and saves count as the step's
+    watchdog.arm_steps(float(dist.step_timeout_s), float(dist.step_timeout_min_s), float(dist.step_timeout_factor))
     try:
         for step in range(start, total):
             profiler.maybe_start(step)
@@ -293,6 +298,7 @@ def run(config, workdir: str, devices=None) -> dict:
                          mfu=metrics.mfu(tps, flops_tok, ndev, peak))
                 m.update(metrics.device_memory_bytes() or {})
                 if eval_now:
+                    watchdog.phase("evaluation")
                     m["val_loss"] = evaluate()
                 writer.write(done, m)
                 console.update(done, m)
@@ -301,9 +307,11 @@ def run(config, workdir: str, devices=None) -> dict:
             else:
                 console.update(done)
             if save_now:
+                watchdog.phase("checkpoint save")
                 ckpt.save(done, steps.to_canonical(state),
                           {"fingerprint": fp, "step": done, "samples": train_data.samples_before(done)}, force=True)
             if stop_now:
+                watchdog.phase("checkpoint save")
                 ckpt.wait()
                 raise Preempted(done)
             watchdog.beat(done)

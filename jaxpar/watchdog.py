@@ -7,8 +7,13 @@ ends them from C++ (an abort without a Python message). Here, instead:
   service's key-value store each `interval` (timeout / 10, within 0.2-1 s) and watches its ring neighbour's
   (process i watches i + 1 mod N, so a whole dead node is seen by the process before it). No change for
   `timeout` seconds, or no answer from the coordination service for as long: the watcher exits with a message.
-- **step watchdog** (`arm_steps`, `beat`): no step boundary within `step_timeout` seconds -> exit with a message
-  naming the step. The first step (compilation) is not timed.
+- **step watchdog** (`arm_steps`, `beat`): no step boundary within the bound -> exit with a message naming the step
+  (and whether it was in its evaluation or checkpoint save, `phase`). The bound is `dist.step_timeout_s`, or by
+  default (-1, auto) max(`step_timeout_min_s`, `step_timeout_factor` x the slowest step so far), counted from the
+  last step boundary; the first step (compilation) is not timed. 0 turns it off.
+- **a lost collective** (`await_verdict`): a collective that failed because a peer closed its connection is
+  certain evidence once that peer's heartbeat has stopped too (no change for 3 beats): exit at once, naming the
+  process and the step, instead of waiting out the whole heartbeat timeout.
 - **abort**: whoever fails posts (code, message) under one key before exiting; every other process reads it within
   an interval and exits with the same code and the message, so no process waits on a dead collective. Process 0
   hosts the coordination service, so it lingers `2 * interval + 0.5` s before exiting, to let the others read it.
@@ -35,6 +40,7 @@ class _Watch:
         self.client, self.pid, self.n, self.timeout, self.coordinator = None, 0, 1, 0.0, None
         self.interval = 1.0
         self.step_timeout, self.step, self.beat_at = 0.0, None, None
+        self.auto_min, self.auto_factor, self.slowest, self.phase = 60.0, 20.0, 0.0, "step"
         self.peer_value, self.peer_seen, self.peer_done, self.rpc_ok = None, 0.0, False, 0.0
         self.posted = None  # the abort another process posted: {"process", "code", "message"}
         self.stop = threading.Event()
@@ -88,17 +94,26 @@ def _check() -> None:
             _exit(int(p["code"]), linger=True)
         if _W.client is not None:
             if not _W.peer_done and now - _W.peer_seen > _W.timeout:
-                fail(f"process {(_W.pid + 1) % _W.n} sent no heartbeat for {_W.timeout:g} s: it died, hangs outside "
-                     f"Python, or its host is unreachable (dist.heartbeat_timeout_s).", PEER_LOST_EXIT_CODE)
+                fail(f"process {(_W.pid + 1) % _W.n} sent no heartbeat for {_W.timeout:g} s ({_after()}): it died, "
+                     f"hangs outside Python, or its host is unreachable (dist.heartbeat_timeout_s).",
+                     PEER_LOST_EXIT_CODE)
             if now - _W.rpc_ok > _W.timeout:
                 fail(f"no answer from the coordination service at {_W.coordinator} (hosted by process 0) for "
-                     f"{_W.timeout:g} s: process 0 or its host is gone (dist.heartbeat_timeout_s).",
+                     f"{_W.timeout:g} s ({_after()}): process 0 or its host is gone (dist.heartbeat_timeout_s).",
                      PEER_LOST_EXIT_CODE)
-        beat_at = _W.beat_at
-        if _W.step_timeout > 0 and beat_at is not None and now - beat_at > _W.step_timeout:
-            fail(f"no training step finished within {_W.step_timeout:g} s (dist.step_timeout_s): step {_W.step + 1} "
-                 f"has not finished {now - beat_at:.0f} s after step {_W.step} did; it is stuck in this process or "
-                 f"waits for a stuck one.", STALLED_EXIT_CODE)
+        beat_at, bound = _W.beat_at, step_bound()
+        if bound > 0 and beat_at is not None and now - beat_at > bound:
+            how = "dist.step_timeout_s" if _W.step_timeout > 0 else (
+                f"dist.step_timeout_s auto: max({_W.auto_min:g} s, {_W.auto_factor:g} x the slowest step "
+                f"{_W.slowest:.2f} s)")
+            where = "" if _W.phase == "step" else f" (in its {_W.phase})"
+            fail(f"no training step finished within {bound:g} s ({how}): step {_W.step + 1}{where} has not finished "
+                 f"{now - beat_at:.0f} s after step {_W.step} did; it is stuck in this process or waits for a stuck "
+                 f"one.", STALLED_EXIT_CODE)
+
+
+def _after() -> str:
+    return "before the first step finished" if _W.step is None else f"after step {_W.step}"
 
 
 def _ensure_checker() -> None:
@@ -122,26 +137,65 @@ def peers_running() -> bool:
 
 
 def await_verdict(what: str) -> None:
-    """After a collective failed: wait up to the peer timeout (plus two polls) for the peer watch to find a dead
-    process (it then exits with PEER_LOST_EXIT_CODE and its message); return if every peer still answers."""
-    _say(f"{what}; checking for {_W.timeout:g} s whether a process is gone (dist.heartbeat_timeout_s).")
-    deadline = time.monotonic() + _W.timeout + 2 * _W.interval + 0.5
+    """After a collective lost its connection to a peer: exit with PEER_LOST_EXIT_CODE as soon as a peer's heartbeat
+    is seen stopped too (no change for 3 beats; or the coordination service gone as long), naming it and the step;
+    otherwise wait up to the peer timeout (plus two polls) for the peer watch; return if every peer still answers."""
+    _say(f"{what}; checking whether a process is gone (heartbeats; at most {_W.timeout:g} s, "
+          f"dist.heartbeat_timeout_s).")
+    t0 = time.monotonic()
+    certain, deadline = 3 * _W.interval + 0.5, t0 + _W.timeout + 2 * _W.interval + 0.5
+    seen, rpc_ok = {}, t0  # peer -> (last value, when it changed)
+    after = _after()
     while time.monotonic() < deadline and not _W.exiting.locked():
-        time.sleep(0.1)
+        now = time.monotonic()
+        try:
+            values = {p: _try_get(f"jaxpar/pulse/{p}") for p in range(_W.n) if p != _W.pid}
+            rpc_ok = now
+        except Exception:  # noqa: BLE001 - no answer from the coordination service
+            values = {}
+            if now - rpc_ok > certain:
+                fail(f"the coordination service at {_W.coordinator} (process 0) stopped answering right after a "
+                     f"collective lost its connection ({after}): process 0 or its host is gone.", PEER_LOST_EXIT_CODE)
+        for p, v in values.items():
+            if v == "done":
+                continue
+            if p not in seen or seen[p][0] != v:
+                seen[p] = (v, now)
+            elif now - seen[p][1] > certain:
+                fail(f"process {p} is gone: a collective lost its connection to it ({after}) and it sent no "
+                     f"heartbeat for {now - seen[p][1]:.1f} s.", PEER_LOST_EXIT_CODE)
+        time.sleep(_W.interval / 2)
     while _W.exiting.locked():  # the watch is exiting this process: let it
         time.sleep(0.1)
 
 
-def arm_steps(timeout_s: float) -> None:
-    """Time every step after the next `beat` (seconds; 0 = off)."""
-    _W.step_timeout, _W.beat_at = float(timeout_s), None
-    if timeout_s > 0:
+def arm_steps(timeout_s: float, min_s: float = 60.0, factor: float = 20.0) -> None:
+    """Time every step after the next `beat`: within `timeout_s` seconds; -1 (auto): within max(`min_s`, `factor` x
+    the slowest step timed so far); 0: off."""
+    _W.step_timeout, _W.beat_at, _W.slowest = float(timeout_s), None, 0.0
+    _W.auto_min, _W.auto_factor, _W.phase = float(min_s), float(factor), "step"
+    if timeout_s != 0:
         _ensure_checker()
 
 
+def step_bound() -> float:
+    """Seconds the current step may take (0: not timed)."""
+    if _W.step_timeout >= 0:
+        return _W.step_timeout
+    return max(_W.auto_min, _W.auto_factor * _W.slowest)
+
+
 def beat(done: int) -> None:
-    """A step boundary: `done` steps are finished; the next must finish within the armed timeout."""
-    _W.step, _W.beat_at = int(done), time.monotonic()
+    """A step boundary: `done` steps are finished; the next must finish within the bound (`step_bound`)."""
+    now = time.monotonic()
+    if _W.beat_at is not None:
+        _W.slowest = max(_W.slowest, now - _W.beat_at)
+    _W.step, _W.beat_at, _W.phase = int(done), now, "step"
+
+
+def phase(name: str) -> None:
+    """Name what the current step is doing after its update ("evaluation", "checkpoint save") for the message."""
+    _W.phase = name
 
 
 def disarm() -> None:

@@ -1,7 +1,9 @@
 """Tests run on 8 fake CPU devices (set before jax is imported anywhere)."""
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_flags = os.environ.get("XLA_FLAGS", "")  # kept: e.g. --xla_cpu_max_isa=AVX2 to try another instruction set
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_trees_close, batch, place, steps_for
+from helpers import assert_params_close, assert_trees_close, batch, place, steps_for
 from jaxpar import pipeline, pipeline_1f1b, schedules
 from jaxpar.mesh import make_mesh
-from test_pipeline import VOCAB, pipe_config, run
+from test_pipeline import VOCAB, params_f64, pipe_config, run
 
 # ZeRO 1 only shards the optimizer state (nothing the pipeline sees); 2 and 3 change what enters and leaves the loop
 CASES = [((1, 1, 8), "1f1b", {}), ((2, 1, 4), "1f1b", {}), ((1, 2, 4), "1f1b", {}),
@@ -28,7 +28,8 @@ def references():
 
 @pytest.mark.parametrize("layout,schedule,over", CASES, ids=lambda x: str(x))
 def test_schedule_equals_one_device(references, layout, schedule, over):
-    """Loss (1e-6), every gradient and the params after 3 steps (1e-5 relative L2) equal the 1-device run."""
+    """Loss (1e-6) and every gradient (1e-5 relative L2) equal the 1-device run; the params after 3 steps too, within
+    `assert_params_close`'s bound."""
     d, t, s = layout
     M = 8 if 16 % (d * 8) == 0 else 16 // d
     if M not in references:
@@ -38,7 +39,7 @@ def test_schedule_equals_one_device(references, layout, schedule, over):
     np.testing.assert_allclose(loss0, ref[0], rtol=1e-6)
     assert_trees_close(grads, ref[1])
     np.testing.assert_allclose(losses, ref[2], rtol=1e-6)
-    assert_trees_close(params, ref[3])
+    assert_params_close(params, ref[3], params_f64())
 
 
 def toy(mesh, schedule, remat=True):

@@ -210,10 +210,14 @@ def test_half_written_checkpoints_are_ignored(tmp_path):
     ck.close()
     ck2 = Checkpointer(str(tmp_path), every_steps=2, keep=5)  # a restart
     assert ck2.latest_step() == 2
+    # the marker-less step folders were set aside (and removed), so saving those steps again works; 2 is untouched
+    assert sorted(n for n in os.listdir(root) if n.isdigit()) == ["2"]
+    assert ck2.save(6, _small_state(6), {"step": 6})
+    ck2.wait()
     assert ck2.read_meta(2) == {"step": 2}
     assert ck2.save(10, _small_state(10), {"step": 10})
     ck2.wait()
-    assert ck2.latest_step() == 10
+    assert ck2.latest_step() == 10 and ck2.all_steps() == [2, 6, 10]
     assert not os.path.exists(os.path.join(root, "4.orbax-checkpoint-tmp"))  # leftover tmp dirs are cleaned up
     ck2.close()
 

@@ -1,13 +1,14 @@
 """Layout equivalence for data + tensor parallelism, gradient accumulation, vocab padding, one compilation.
 
-Reference: the same config on 1 device. "Equal": loss within 1e-6 relative, every grad/param tensor within 1e-5
-relative L2 (fp32)."""
+Reference: the same config on 1 device. "Equal": loss within 1e-6 relative, every gradient tensor within 1e-5
+relative L2 (fp32); params after AdamW steps within 1e-5 or 3x the reference's own float32 error, measured against a
+float64 run (`helpers.assert_params_close`)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_trees_close, batch, place, steps_for, tiny_config
+from helpers import REF_ERROR_FACTOR, assert_params_close, assert_trees_close, batch, float64_params, place, steps_for, tiny_config
 from jaxpar.logical import activation_rules
 from jaxpar.step import split_batch
 
@@ -38,25 +39,25 @@ def run3(config, devices=None, b=None):
 
 @pytest.fixture(scope="module")
 def reference():
-    return run3(tiny_config(), jax.devices()[:1])
+    c = tiny_config()
+    return run3(c, jax.devices()[:1]), float64_params(c, VOCAB, [batch(16, c.model.seq_len, VOCAB)] * 3)
 
 
 @pytest.mark.parametrize("data,tensor", [(8, 1), (4, 2), (2, 4), (1, 8)])
 def test_data_tensor_layouts_equal_one_device(reference, data, tensor):
     c = tiny_config(**{"mesh.data": data, "mesh.tensor": tensor})
     loss0, grads, losses, params, s = run3(c)
-    r_loss0, r_grads, r_losses, r_params, _ = reference
+    (r_loss0, r_grads, r_losses, r_params, _), p64 = reference
     np.testing.assert_allclose(loss0, r_loss0, rtol=1e-6)
     np.testing.assert_allclose(losses, r_losses, rtol=1e-6)
     assert_trees_close(grads, r_grads)
-    assert_trees_close(params, r_params)
+    assert_params_close(params, r_params, p64)
     # TP really is on: the QKV kernel is split over heads on `tensor`
     shard = s.state_shardings["params"]["blocks"]["wqkv"].shard_shape(params["blocks"]["wqkv"].shape)
     assert shard[3] == c.model.heads // tensor
 
 
-def test_accumulation_equals_whole_batch_with_uneven_masks():
-    c1 = tiny_config(**{"mesh.data": 2})
+def uneven_batch():
     b = batch(16, 16, VOCAB, seed=3)
     mask = np.ones((16, 16), np.float32)
     rng = np.random.default_rng(0)
@@ -65,13 +66,41 @@ def test_accumulation_equals_whole_batch_with_uneven_masks():
     mask[::4] = 0  # rows 0, 4, 8, 12: all land in microbatch 0 with M = 4
     mask[0, 0] = 1
     b["mask"] = mask
-    _, _, l1, p1, _ = run3(c1, b=b)
+    return b
+
+
+@pytest.fixture(scope="module")
+def uneven():
+    """(batch, M = 1 run, float64 params) for the uneven-mask batch on data 2."""
+    c1, b = tiny_config(**{"mesh.data": 2}), uneven_batch()
+    return b, run3(c1, b=b), float64_params(c1, VOCAB, [b] * 3)
+
+
+def test_accumulation_equals_whole_batch_with_uneven_masks(uneven):
+    """M = 4 microbatches with very different token counts give the M = 1 step: the gradients (a mean of microbatch
+    means would weight microbatch 0's two tokens like the others' dozens: a 2x-scale error in its share) and the
+    params after 3 steps."""
+    b, (_, g1, l1, p1, _), p64 = uneven
     c4 = tiny_config(**{"mesh.data": 2, "train.microbatches": 4})
-    _, _, l4, p4, _ = run3(c4, b=b)
+    _, g4, l4, p4, _ = run3(c4, b=b)
     np.testing.assert_allclose(l4, l1, rtol=1e-6)
-    assert_trees_close(p4, p1)
+    assert_trees_close(g4, g1)
+    assert_params_close(p4, p1, p64)
     # and the loss is the mean over masked-in tokens, not the mean of microbatch means
     assert not np.isclose(l1[0], 0.0)
+
+
+def test_param_comparison_catches_a_dropped_microbatch(uneven):
+    """The after-AdamW comparison is not blind: a run that loses one microbatch's tokens (the bug of an accumulation
+    that drops its last microbatch) fails it, also with a 1000x wider bound (measured here: 0.9 relative L2 on
+    `b_in` against a bound of 1.2e-5)."""
+    b, (_, _, _, p1, _), p64 = uneven
+    bad = dict(b, mask=b["mask"].copy())
+    bad["mask"][3::4] = 0  # the rows of microbatch 3 with M = 4
+    _, _, _, p_bad, _ = run3(tiny_config(**{"mesh.data": 2}), b=bad)
+    for factor in (REF_ERROR_FACTOR, 1000 * REF_ERROR_FACTOR):
+        with pytest.raises(AssertionError, match="reference's own error"):
+            assert_params_close(p_bad, p1, p64, factor=factor)
 
 
 def test_padded_vocab_loss_equals_unpadded_reference():

@@ -13,12 +13,12 @@ import time
 import jax
 import pytest
 
-from helpers import assert_trees_close
+from helpers import assert_params_close
 from jaxpar import launch
 from jaxpar.watchdog import PEER_LOST_EXIT_CODE, STALLED_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ONE = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+ONE = launch.cpu_env(os.environ, 8)  # the inherited XLA_FLAGS (e.g. --xla_cpu_max_isa) kept
 LAUNCH = [sys.executable, "-m", "jaxpar.launch", "--num_processes", "2", "--devices_per_process", "4", "--"]
 
 
@@ -32,9 +32,9 @@ def train_args(corpus, cache, workdir, steps, *extra):
             "--config.eval.batches=1", "--config.log.progress=False", *extra]
 
 
-def run(args, processes):
+def run(args, processes, env=ONE):
     cmd = [sys.executable, *args] if processes == 1 else LAUNCH + args
-    res = subprocess.run(cmd, env=ONE, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout + res.stderr
 
@@ -64,23 +64,30 @@ def saved_state(workdir, step):
     with Checkpointer(workdir, 1, 1, async_save=False, read_only=True) as ckpt:
         state, _ = ckpt.restore(step, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev),
                                                    shapes))
-    return state
+    return jax.device_get(state)
 
 
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
-    """1 x 8 devices: steps 1-6, checkpoints 4 and 6; 2 x 4 devices: steps 1-4, checkpoint 4 (its own data cache)."""
+    """1 x 8 devices: steps 1-6, checkpoints 4 and 6; 2 x 4 devices: steps 1-4, checkpoint 4 (its own data cache);
+    and the float64 reference of steps 1-4 (1 process, data 8: the same run unpipelined)."""
     d = tmp_path_factory.mktemp("multihost")
     args = lambda name, steps, cache="cache1": train_args(corpus, d / cache, d / name, steps)  # noqa: E731
     one_out = run(args("one", 6), 1)
     two_out = run(args("two", 4, "cache2"), 2)
+    f64 = ["--config.mesh.data=8", "--config.mesh.tensor=1", "--config.mesh.stage=1", "--config.train.microbatches=1",
+           "--config.train.param_dtype=float64", "--config.train.compute_dtype=float64"]
+    run(args("f64", 4) + f64, 1, dict(ONE, JAX_ENABLE_X64="1"))
     return d, args, one_out, two_out
 
 
 def test_two_processes_train_like_one(reference):
     d, _, _, out = reference
     assert_losses_equal(losses(d / "two"), losses(d / "one"), range(1, 5))
-    assert_trees_close(saved_state(d / "two", 4), saved_state(d / "one", 4))
+    with jax.enable_x64(True):
+        exact = saved_state(d / "f64", 4)
+    # params and Adam moments after 4 AdamW steps, against the float64 run's (helpers.assert_params_close)
+    assert_params_close(saved_state(d / "two", 4), saved_state(d / "one", 4), exact)
     # logs, metrics and TensorBoard come from process 0 only
     assert re.search(r"^\[rank 0\] jaxpar: mesh", out, re.M)
     assert not re.search(r"^\[rank 1\] (jaxpar: mesh|step)", out, re.M)
@@ -98,10 +105,12 @@ def test_checkpoint_resumes_across_process_counts(reference):
         assert_losses_equal(losses(d / name), losses(d / "one"), (5, 6))
 
 
-def start_two(corpus, tmp_path, *extra):
-    """2 processes training (endlessly) in tmp_path/run; each one's output in tmp_path/rank<i>.log."""
+def start_two(corpus, tmp_path, *extra, main=None):
+    """2 processes training (endlessly) in tmp_path/run; each one's output in tmp_path/rank<i>.log. `main`: a
+    script that runs train.py (bench/stuck_main.py)."""
     logs = [open(tmp_path / f"rank{i}.log", "w") for i in range(2)]
     args = train_args(corpus, tmp_path / "cache", tmp_path / "run", 100000, *extra)
+    args = [main, *args] if main else args
     procs = launch.spawn(args, 2, 4, stdout=lambda r: logs[r])
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 240
@@ -112,31 +121,68 @@ def start_two(corpus, tmp_path, *extra):
     return procs
 
 
-def test_dead_process_stops_the_others_with_a_message(corpus, tmp_path):
-    timeout = 4
-    procs = start_two(corpus, tmp_path, f"--config.dist.heartbeat_timeout_s={timeout}")
+def freeze_one(procs, tmp_path):
+    """SIGSTOP process 1; -> (process 0's exit code, seconds it took, its log)."""
+    procs[1].send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        rc = procs[0].wait(timeout=120)
+    finally:
+        procs[1].kill()
+    return rc, time.monotonic() - t0, (tmp_path / "rank0.log").read_text()
+
+
+def test_dead_process_is_reported_at_once_naming_the_step(corpus, tmp_path):
+    """Default config (heartbeat timeout 60 s): the collective that loses its peer plus the peer's stopped heartbeat
+    are certain evidence, so the survivor exits (code 3) within seconds, not after the whole timeout (it took 64 s)."""
+    procs = start_two(corpus, tmp_path)
     procs[1].kill()
     t0 = time.monotonic()
     rc = procs[0].wait(timeout=120)
     elapsed = time.monotonic() - t0
     out = (tmp_path / "rank0.log").read_text()
     assert rc == PEER_LOST_EXIT_CODE, out[-3000:]
-    assert f"process 1 sent no heartbeat for {timeout} s" in out
+    assert re.search(r"process 1 is gone: a collective lost its connection to it \(after step \d+\)", out), out[-3000:]
+    # 3 heartbeats (1 s each) + 0.5 s of certainty, + the 2.5 s process 0 keeps the coordinator up
+    assert elapsed < 15, elapsed
+
+
+def test_frozen_process_stops_the_others_after_the_heartbeat_timeout(corpus, tmp_path):
+    """A whole process frozen (SIGSTOP: no heartbeat, its connections open, so no collective error): the peer watch
+    ends the job after dist.heartbeat_timeout_s, naming the process and the step."""
+    timeout = 4
+    procs = start_two(corpus, tmp_path, f"--config.dist.heartbeat_timeout_s={timeout}", "--config.dist.step_timeout_s=0")
+    rc, elapsed, out = freeze_one(procs, tmp_path)
+    assert rc == PEER_LOST_EXIT_CODE, out[-3000:]
+    assert re.search(rf"process 1 sent no heartbeat for {timeout} s \(after step \d+\)", out), out[-3000:]
     # detection after the timeout (+ one 0.4 s poll), then process 0 keeps the coordinator up 1.3 s for the others;
     # JAX's own backstop (a C++ abort, no message) would come at 2 x 4 + 10 = 18 s
     assert elapsed < timeout + 5, elapsed
 
 
-def test_stalled_process_trips_the_step_watchdog(corpus, tmp_path):
-    procs = start_two(corpus, tmp_path, "--config.dist.step_timeout_s=5", "--config.dist.heartbeat_timeout_s=60")
-    procs[1].send_signal(signal.SIGSTOP)  # alive (its connections stay open) but stuck
+def test_stuck_main_thread_ends_the_job_by_default(corpus, tmp_path):
+    """The main thread of process 1 blocks for good (SIGUSR1 in bench/stuck_main.py) while its heartbeat runs on:
+    with the default config (dist.step_timeout_s auto: max(60 s, 20 x the slowest step)) every process exits
+    (code 4) within 120 s, naming the step, instead of waiting in the collective forever."""
+    procs = start_two(corpus, tmp_path, main=os.path.join(ROOT, "bench", "stuck_main.py"))
+    procs[1].send_signal(signal.SIGUSR1)
     t0 = time.monotonic()
     try:
-        rc = procs[0].wait(timeout=120)
+        rc = [p.wait(timeout=150) for p in procs]
     finally:
-        procs[1].kill()
+        for p in procs:
+            p.kill()
     elapsed = time.monotonic() - t0
-    out = (tmp_path / "rank0.log").read_text()
+    out = (tmp_path / "rank0.log").read_text() + (tmp_path / "rank1.log").read_text()
+    assert rc == [STALLED_EXIT_CODE] * 2, out[-3000:]
+    assert re.search(r"no training step finished within 60 s \(dist.step_timeout_s auto: max\(60 s, 20 x the "
+                     r"slowest step [0-9.]+ s\)\): step \d+ (\(in its [a-z ]+\) )?has not finished", out), out[-3000:]
+    assert 55 < elapsed < 120, elapsed
+
+
+def test_stalled_process_trips_the_step_watchdog(corpus, tmp_path):
+    procs = start_two(corpus, tmp_path, "--config.dist.step_timeout_s=5", "--config.dist.heartbeat_timeout_s=60")
+    rc, elapsed, out = freeze_one(procs, tmp_path)  # alive (its connections stay open) but stuck
     assert rc == STALLED_EXIT_CODE, out[-3000:]
     last = max(losses(tmp_path / "run"))
     assert f"no training step finished within 5 s (dist.step_timeout_s): step {last + 1} has not finished" in out

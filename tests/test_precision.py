@@ -17,6 +17,7 @@ VOCAB = 250
 def test_fp16_overflow_skips_update_and_lowers_scale_per_hysteresis(schedule):
     c = tiny_config(**{"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2,
                        "train.compute_dtype": "float16", "train.loss_scale_initial": 2.0 ** 40,
+                       "train.loss_scale_max": 2.0 ** 40,
                        "pipeline.schedule": schedule})
     s = steps_for(c, VOCAB)
     state = s.init(0)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+from jaxpar import launch
 from jaxpar.trainer import PREEMPTED_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +30,7 @@ def logged_steps(path):
 
 
 def test_sigterm_saves_at_step_boundary_and_exits_with_code(corpus, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = launch.cpu_env(os.environ, 8)
     proc = subprocess.Popen(command(corpus, tmp_path, 100000), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "run" / "metrics.jsonl"

@@ -1,0 +1,142 @@
+"""Failure modes users report against the anchors (issue: hangs, a stuck resume, fp16 scale): each symptom as it
+was described, through the real entry points. The multi-process ones (a stuck main thread, a dead peer) are in
+tests/test_multihost.py."""
+import json
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import batch, place, steps_for, tiny_config
+from jaxpar import launch, loss_scale
+from jaxpar.config import ConfigError, validate
+from jaxpar.distributed import DistributedError, resolve
+from test_preemption import command
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 250
+
+
+
+def test_a_step_folder_without_its_commit_marker_is_set_aside_and_the_run_goes_on(corpus, tmp_path):
+    """Run to step 4, remove checkpoints/4/commit_success.txt (a crash between the arrays and the marker, or an
+    object store), rerun the same command: it resumes from step 2, retrains 3-4 and saves a complete step 4."""
+    env = launch.cpu_env(os.environ, 8)
+    cmd = command(corpus, tmp_path, 4) + ["--config.checkpoint.every_steps=2"]  # the last flag wins
+    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    ckpts = tmp_path / "run" / "checkpoints"
+    os.remove(ckpts / "4" / "commit_success.txt")
+    second = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert "start step 2" in out and "is not a complete checkpoint" in out and "set aside" in out
+    assert sorted(int(n) for n in os.listdir(ckpts) if n.isdigit()) == [2, 4]
+    assert (ckpts / "4" / "commit_success.txt").exists() and (ckpts / "2" / "commit_success.txt").exists()
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        logged = [json.loads(line)["step"] for line in f]
+    assert logged == [1, 2, 3, 4, 3, 4]
+
+
+def test_loss_scale_has_a_finite_ceiling_over_thousands_of_clean_steps():
+    """window 1 from 2^16: without a ceiling the scale is inf after 112 growths and never comes back."""
+    cfg = loss_scale.LossScaleConfig(window=1)
+    assert cfg.max_scale == 2.0 ** 24
+
+    def run(state, n, finite):
+        return jax.lax.fori_loop(0, n, lambda i, s: loss_scale.update(s, finite, cfg)[0], state)
+
+    state = jax.jit(run, static_argnums=(1, 2))(loss_scale.init(cfg), 5000, True)
+    assert float(state.scale) == 2.0 ** 24 and int(state.good_steps) == 0
+    after, _ = loss_scale.update(state, False, cfg)  # hysteresis 2 was refilled by the last growth: spends one
+    after, _ = loss_scale.update(after, False, cfg)
+    assert float(after.scale) == 2.0 ** 23
+    # a state already at inf (written before the ceiling existed) recovers at its next update
+    inf_state = state._replace(scale=jnp.asarray(jnp.inf, jnp.float32), hysteresis_left=jnp.asarray(1, jnp.int32))
+    for finite in (True, False):
+        assert np.isfinite(float(loss_scale.update(inf_state, finite, cfg)[0].scale))
+    with pytest.raises(ValueError, match="max_scale"):
+        loss_scale.LossScaleConfig(max_scale=float("inf"))
+    with pytest.raises(ValueError, match="initial"):
+        loss_scale.LossScaleConfig(initial=2.0 ** 30)
+
+
+def test_loss_scale_ceiling_in_the_real_fp16_step():
+    """window 1 in the real fp16 step: the scale climbs to `train.loss_scale_max` and stays there over 300 clean
+    steps (uncapped it would keep doubling until fp16 cotangents overflow, then oscillate)."""
+    c = tiny_config(**{"mesh.data": 1, "train.compute_dtype": "float16", "train.loss_scale_window": 1,
+                       "train.loss_scale_initial": 2.0 ** 8, "train.loss_scale_max": 2.0 ** 10, "optim.lr": 0.0})
+    s = steps_for(c, VOCAB, jax.devices()[:1])
+    state, b = s.init(0), place(s, batch(16, 16, VOCAB))
+    scales, skipped = [], 0
+    for _ in range(300):
+        state, m = s.train(state, b)
+        scales.append(m["loss_scale"])
+        skipped += m["skipped"]
+    scales = np.asarray(jax.device_get(scales))
+    assert list(scales[:3]) == [2.0 ** 9, 2.0 ** 10, 2.0 ** 10] and (scales[2:] == 2.0 ** 10).all()
+    assert int(skipped) == 0
+    with pytest.raises(ConfigError, match="max_scale"):
+        validate(tiny_config(**{"train.loss_scale_max": float("inf")}), 8)
+
+
+def test_logged_lr_is_the_applied_one_after_a_skipped_step():
+    """warmup 10, lr 1e-3, a NaN at call 3 (`train.nonfinite=skip`): the schedule counts applied updates (as
+    DeepSpeed and Megatron on a skipped fp16 step), so calls 3, 4, 5 log 3e-4, 3e-4, 4e-4, and the run equals, bit
+    for bit, the same run without the poisoned batch (whose calls 3, 4 apply 3e-4 and 4e-4)."""
+    c = tiny_config(**{"mesh.data": 1, "train.nonfinite": "skip", "optim.warmup_steps": 10, "optim.decay_steps": 100,
+                       "optim.lr": 1e-3})
+    s = steps_for(c, VOCAB, jax.devices()[:1])
+    clean = [dict(batch(16, 16, VOCAB, seed=i), mask=np.ones((16, 16), np.float32)) for i in range(4)]
+    nan = dict(clean[0], mask=np.full((16, 16), np.nan, np.float32))
+
+    def run(batches):
+        state, lrs = s.init(0), []
+        for b in batches:
+            state, m = s.train(state, place(s, b))
+            lrs.append(float(m["lr"]))
+        return jax.device_get(state["params"]), lrs
+
+    p_skip, lr_skip = run(clean[:2] + [nan] + clean[2:])
+    p_ref, lr_ref = run(clean)
+    np.testing.assert_allclose(lr_skip, [1e-4, 2e-4, 3e-4, 3e-4, 4e-4], rtol=1e-6)
+    assert lr_skip[3:] == lr_ref[2:]
+    for a, b in zip(jax.tree.leaves(p_skip), jax.tree.leaves(p_ref)):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_slurm_node_id_beyond_the_tasks_per_node_says_what_disagrees():
+    env = dict(SLURM_JOB_ID="1", SLURM_STEP_ID="0", SLURM_NTASKS="8", SLURM_STEP_NUM_TASKS="8", SLURM_PROCID="7",
+               SLURM_LOCALID="3", SLURM_NODEID="2", SLURM_NODELIST="node[01-02]", SLURM_STEP_NODELIST="node[01-02]",
+               SLURM_STEP_TASKS_PER_NODE="4(x2)")
+    with pytest.raises(DistributedError) as e:
+        resolve(env)
+    msg = str(e.value)
+    assert "SLURM_NODEID=2" in msg and "SLURM_STEP_TASKS_PER_NODE='4(x2)' lists 2 node(s)" in msg
+    assert "node[01-02]" in msg and "unset" not in msg
+    with pytest.raises(DistributedError, match="not SLURM's tasks-per-node form"):
+        resolve(dict(env, SLURM_NODEID="0", SLURM_STEP_TASKS_PER_NODE="four"))
+
+
+@pytest.mark.parametrize("over,hint", [
+    ({"train.global_batch_size": 6, "mesh.data": 4, "mesh.tensor": 2}, "the nearest: 4 or 8"),
+    ({"train.global_batch_size": 2, "mesh.data": 4, "mesh.tensor": 2}, "the nearest: 4)"),
+    ({"mesh.data": 1, "mesh.tensor": 8, "model.heads": 12, "model.embed": 48}, "the nearest: 8 or 16"),
+    ({"mesh.data": 2, "mesh.tensor": 4, "model.mlp": 66}, "the nearest: 64 or 68"),
+    ({"mesh.data": 1, "mesh.tensor": 1, "mesh.stage": 8, "model.layers": 12, "train.microbatches": 8},
+     "the nearest: 8 or 16"),
+    ({"mesh.data": 2, "mesh.stage": 4, "train.microbatches": 6, "train.global_batch_size": 24,
+      "pipeline.schedule": "1f1b", "pipeline.virtual_stages": 2}, "use 4 or 8"),
+])
+def test_divisibility_hints_give_the_nearest_sizes_on_both_sides(over, hint):
+    with pytest.raises(ConfigError) as e:
+        validate(tiny_config(**over), 8)
+    assert hint in str(e.value)
+
+
+def test_checkpoint_keep_0_fails_in_validate():
+    with pytest.raises(ConfigError, match="checkpoint.keep=0"):
+        validate(tiny_config(**{"checkpoint.keep": 0}), 8)
