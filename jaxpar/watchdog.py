@@ -9,8 +9,8 @@ ends them from C++ (an abort without a Python message). Here, instead:
   `timeout` seconds, or no answer from the coordination service for as long: the watcher exits with a message.
 - **step watchdog** (`arm_steps`, `beat`): no step boundary within the bound -> exit with a message naming the step
   (and whether it was in its evaluation or checkpoint save, `phase`). The bound is `dist.step_timeout_s`, or by
-  default (-1, auto) max(`step_timeout_min_s`, `step_timeout_factor` x the slowest step so far), counted from the
-  last step boundary; the first step (compilation) is not timed. 0 turns it off.
+  default (-1, auto) max(`step_timeout_min_s`, `step_timeout_factor` x the slowest step so far, its evaluation and
+  save left out), counted from the last step boundary, evaluation and save included; the first step (compilation) is not timed. 0 turns it off.
 - **a lost collective** (`await_verdict`): a collective that failed because a peer closed its connection is
   certain evidence once that peer's heartbeat has stopped too (no change for 3 beats): exit at once, naming the
   process and the step, instead of waiting out the whole heartbeat timeout.
@@ -185,16 +185,22 @@ def step_bound() -> float:
     return max(_W.auto_min, _W.auto_factor * _W.slowest)
 
 
+def _time_step(now: float) -> None:
+    if _W.beat_at is not None and _W.phase == "step":  # the step itself: its evaluation and save are not counted
+        _W.slowest = max(_W.slowest, now - _W.beat_at)
+
+
 def beat(done: int) -> None:
     """A step boundary: `done` steps are finished; the next must finish within the bound (`step_bound`)."""
     now = time.monotonic()
-    if _W.beat_at is not None:
-        _W.slowest = max(_W.slowest, now - _W.beat_at)
+    _time_step(now)
     _W.step, _W.beat_at, _W.phase = int(done), now, "step"
 
 
 def phase(name: str) -> None:
-    """Name what the current step is doing after its update ("evaluation", "checkpoint save") for the message."""
+    """Name what the current step is doing after its update ("evaluation", "checkpoint save") for the message; the
+    time so far is the step's own (what the auto bound scales)."""
+    _time_step(time.monotonic())
     _W.phase = name
 
 

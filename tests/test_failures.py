@@ -64,6 +64,7 @@ def test_loss_scale_has_a_finite_ceiling_over_thousands_of_clean_steps():
         loss_scale.LossScaleConfig(initial=2.0 ** 30)
 
 
+@pytest.mark.float16
 def test_loss_scale_ceiling_in_the_real_fp16_step():
     """window 1 in the real fp16 step: the scale climbs to `train.loss_scale_max` and stays there over 300 clean
     steps (uncapped it would keep doubling until fp16 cotangents overflow, then oscillate)."""

@@ -126,6 +126,7 @@ def test_state_round_trips_through_jit():
     assert step._cache_size() == 1
 
 
+@pytest.mark.float16
 def test_helpers_scale_unscale_all_finite():
     state = ls.init(CFG)
     assert float(ls.scale_loss(jnp.asarray(1.5, jnp.bfloat16), state)) == 24.0

@@ -13,6 +13,7 @@ from jaxpar import trainer
 VOCAB = 250
 
 
+@pytest.mark.float16
 @pytest.mark.parametrize("schedule", ["gpipe", "zb_h1"])
 def test_fp16_overflow_skips_update_and_lowers_scale_per_hysteresis(schedule):
     c = tiny_config(**{"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2,
@@ -53,7 +54,7 @@ def fp32_loss():
     return five_steps("float32")
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.float16)])
 def test_low_precision_trains_close_to_fp32(fp32_loss, dtype):
     loss = five_steps(dtype)
     assert loss < 5.5 and abs(loss - fp32_loss) < 0.05
@@ -64,6 +65,7 @@ def metrics(wd):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
+@pytest.mark.float16
 def test_fp16_resume_continues_with_saved_scale_and_counters(corpus, tmp_path):
     over = {"mesh.data": 4, "mesh.tensor": 2, "train.compute_dtype": "float16", "train.loss_scale_window": 2,
             "train.loss_scale_initial": 2.0 ** 10}
