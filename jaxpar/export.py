@@ -35,7 +35,8 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
 TOKENIZER_DIR = "tokenizer"
 _SEP = "."
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}  # param dtypes -> safetensors dtype tags
+# param dtypes -> safetensors dtype tags
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
 
 # ------------------------------------------------------------------------------------------ flat <-> nested

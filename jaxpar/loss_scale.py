@@ -57,7 +57,7 @@ __all__ = [
     "DEFAULT_PATIENCE",
 ]
 
-F32_MAX = 3.4028234663852886e38
+F32_MAX = float(jnp.finfo(jnp.float32).max)
 DEFAULT_PATIENCE = 10  # overflows in a row at the minimum scale before `should_stop` says stop
 
 
