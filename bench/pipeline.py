@@ -44,7 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxpar import pipeline, schedules  # noqa: E402
+from jaxpar import pipeline  # noqa: E402
 from common import m_axis, write_results  # noqa: E402
 from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
@@ -54,7 +54,7 @@ from jaxpar.step import build, map_blocks  # noqa: E402
 _QUICK = flags.DEFINE_bool("quick", False, "small sweep: S in {1, 2, 4}, M in {S, 4S}, gpipe and 1f1b")
 _STAGES = flags.DEFINE_list("stages", ["1", "2", "4", "8"], "pipeline stages S")
 _MULT = flags.DEFINE_list("mult", ["1", "2", "4", "8"], "microbatches M as multiples of S")
-_SCHEDULES = flags.DEFINE_list("schedules", ["gpipe", "circular", "1f1b", "zb_h1"],
+_SCHEDULES = flags.DEFINE_list("schedules", list(pipeline.NAMES),
                                 "pipeline schedules (circular runs v = 2 chunks per stage)")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed train steps per configuration (after one warm-up step)")
 _CORES = flags.DEFINE_integer("cores", 1, "pin the process to this many CPU cores before JAX starts (0: no pinning)")
@@ -142,7 +142,7 @@ def chunk_costs(fwd, blocks, n_layers, device) -> tuple[float, float]:
 def schedule_time(sched: pipeline.Schedule, t_f: float, t_b: float) -> tuple[float, float]:
     """(critical path, ideal) of forward then backward through the tick table; a tick costs one chunk per slot it
     runs on a stage, i.e. the busiest stage's slots (at most one) times the chunk's cost."""
-    slots = sched.valid.astype(np.int64).max(axis=1)  # [ticks]: slots on the busiest stage (0 or 1)
+    slots = sched.ok["f"].astype(np.int64).max(axis=1)  # [ticks]: slots on the busiest stage (0 or 1)
     crit = float(slots.sum()) * t_f + float(slots[::-1].sum()) * t_b
     ideal = sched.virtual * sched.microbatches * (t_f + t_b)
     return crit, ideal
@@ -195,17 +195,17 @@ def sweep() -> list[dict]:
         log(f"S={S} v={v}: chunk of {Lc} layers: t_f {t_f * 1e3:.3f} ms, t_b {t_b * 1e3:.3f} ms")
         for k in mults:
             M = S * k
-            if name in schedules.NAMES:
-                sched = schedules.make(name, S, M)
+            if pipeline.SCHEDULES[name].engine == "loop":
+                sched = pipeline.table(name, S, M)
                 theory = (M + S - 1) / M if name == "1f1b" else (M + (S - 1) / 3) / M
                 info = dict(schedule_ratio=sched.time() / (3 * M), theory_ratio=theory,
                             bubble_fraction=1 - 3 * M / sched.time(), ticks=sched.ticks, t_f=t_f, t_b=t_bt)
             else:
-                sched = pipeline.make_schedule(name, S, v, M)
+                sched = pipeline.table(name, S, M, v)
                 crit, ideal = schedule_time(sched, t_f, t_bt)
                 info = dict(schedule_ratio=crit / ideal, theory_ratio=(v * M + S - 1) / (v * M),
                             bubble_fraction=sched.bubble_fraction(), ticks=sched.ticks, t_f=t_f, t_b=t_bt)
-            for skip in ((True,) if name in schedules.NAMES else (True, False)):
+            for skip in ((True,) if pipeline.SCHEDULES[name].engine == "loop" else (True, False)):
                 try:
                     r = Runner(make_config(S, M, name, skip), devices[:S], canonical)
                 except ConfigError as e:

@@ -20,7 +20,7 @@ from jaxpar.config import validate
 from jaxpar.mesh import make_mesh
 from jaxpar.report import memory_bytes
 from jaxpar.step import build
-from jaxpar.trainer import n_params_for_flops
+from jaxpar.model import flops_per_token
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps (after one warm-up step)")
@@ -49,8 +49,7 @@ def main(argv):
     jax.block_until_ready(m)
     dt = (time.perf_counter() - t0) / _STEPS.value
     ndev = jax.device_count()
-    fpt = metrics.model_flops_per_token(n_params_for_flops(state["params"], steps.cfg.tie_embeddings),
-                                        steps.cfg.layers, steps.cfg.embed, T)
+    fpt = flops_per_token(steps.cfg)
     tps = B * T / dt
     print(json.dumps({
         "config": config.name, "mesh": dict(steps.mesh.shape), "devices": ndev,

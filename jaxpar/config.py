@@ -5,6 +5,8 @@ runs before anything is compiled or written and raises `ConfigError` naming the 
 """
 from __future__ import annotations
 
+import numbers
+
 import ml_collections
 
 # Logical axis -> mesh axis (None: replicated). Megatron's tensor-parallel pattern: heads and MLP width are split
@@ -25,7 +27,6 @@ DEFAULT_RULES = (
 MESH_AXES = ("data", "stage", "tensor")  # order of the device grid: tensor last = neighbouring devices
 REMAT_POLICIES = ("none", "full", "dots", "attention")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs for tests (see _check_float64)
-SCHEDULES = ("gpipe", "circular", "1f1b", "zb_h1")
 
 
 class ConfigError(ValueError):
@@ -162,6 +163,88 @@ def _check_float64(tr, stages: int) -> list[str]:
     return errs
 
 
+# (key, integer?, allowed values, test) for `_check_ranges`; a test sees a real number (an int for integer keys)
+_INF = float("inf")
+_RANGES = (
+    ("model.vocab_size", True, "an integer >= 0 (0: taken from the tokenizer)", lambda v: v >= 0),
+    ("model.embed", True, "an integer >= 1", lambda v: v >= 1),
+    ("model.heads", True, "an integer >= 1", lambda v: v >= 1),
+    ("model.mlp", True, "an integer >= 0 (0: 4 x model.embed)", lambda v: v >= 0),
+    ("model.dropout_embed", False, "a number in [0, 1)", lambda v: 0 <= v < 1),
+    ("model.dropout_resid", False, "a number in [0, 1)", lambda v: 0 <= v < 1),
+    ("train.global_batch_size", True, "an integer >= 1", lambda v: v >= 1),
+    ("train.seed", True, "an integer >= 0", lambda v: v >= 0),
+    ("optim.lr", False, "a finite number >= 0 (0: the params stay put)", lambda v: 0 <= v < _INF),
+    ("optim.min_lr_ratio", False, "a number in [0, 1] (the final LR is lr x min_lr_ratio)", lambda v: 0 <= v <= 1),
+    ("optim.weight_decay", False, "a finite number >= 0", lambda v: 0 <= v < _INF),
+    ("optim.b1", False, "a number in [0, 1)", lambda v: 0 <= v < 1),
+    ("optim.b2", False, "a number in [0, 1)", lambda v: 0 <= v < 1),
+    ("optim.eps", False, "a finite number > 0", lambda v: 0 < v < _INF),
+    ("optim.clip_norm", False, "a number > 0 (the global-norm clip; inf: no clipping)", lambda v: v > 0),
+    ("pipeline.virtual_stages", True, "an integer >= 1", lambda v: v >= 1),
+    ("data.val_fraction", False, "a number in (0, 1) (that last fraction of the tokens is the validation split)",
+     lambda v: 0 < v < 1),
+    ("data.bpe_vocab_size", True, "an integer > 256 (byte-level BPE starts from 256 bytes)", lambda v: v > 256),
+    ("eval.batches", True, "an integer >= 1", lambda v: v >= 1),
+)
+_BOOLS = ("model.tie_embeddings", "train.allow_batch_change", "pipeline.remat", "pipeline.skip_bubbles",
+          "checkpoint.async_save", "log.progress")
+
+
+def _get(config, key: str):
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
+def _check_ranges(config) -> list[str]:
+    """The numeric and boolean keys `validate` checks nowhere else (table `_RANGES`, `_BOOLS`), then `_check_kinds`."""
+    defaults, errs = base_config(), []
+    for key, integer, allowed, test in _RANGES:
+        v = _get(config, key)
+        kind = numbers.Integral if integer else numbers.Real
+        if isinstance(v, bool) or not isinstance(v, kind) or not test(v):
+            errs.append(f"{key}={v!r} must be {allowed}; set --config.{key} to such a value (default "
+                        f"{_get(defaults, key)!r}).")
+    for key in _BOOLS:
+        v = _get(config, key)
+        if not isinstance(v, bool):
+            errs.append(f"{key}={v!r} must be True or False; set --config.{key}=True or --config.{key}=False.")
+    return errs + _check_kinds(config)
+
+
+def _check_kinds(config) -> list[str]:
+    """Strings, the profile window and the rules table: the keys that are neither a number nor a bool."""
+    defaults, errs = base_config(), []
+    for key in ("name", "init_from", "data.cache_dir"):
+        v = _get(config, key)
+        if not isinstance(v, str):
+            errs.append(f"{key}={v!r} must be a string; set --config.{key}='...' (default {_get(defaults, key)!r}).")
+    for key, allowed in (("data.corpus", "'shakespeare' or a glob of text files"),
+                         ("data.tokenizer", "'byte', 'bpe' or a path to a tokenizer.json")):
+        v = _get(config, key)
+        if not isinstance(v, str) or not v.strip():
+            errs.append(f"{key}={v!r} must be {allowed}; set --config.{key} to one (default {_get(defaults, key)!r}).")
+    steps = config.log.profile_steps
+    if not isinstance(steps, (tuple, list)) or not all(
+            isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 0 for s in steps):
+        errs.append(f"log.profile_steps={steps!r} must be a tuple of step numbers >= 0 (the trace covers min to max; "
+                    f"() is off); e.g. --config.log.profile_steps='(10, 12)'.")
+    axis = lambda a: a is None or a in MESH_AXES or (
+        isinstance(a, (tuple, list)) and all(isinstance(x, str) and x in MESH_AXES for x in a))
+    rules = config.rules
+    bad = [r for r in rules if not (isinstance(r, (tuple, list)) and len(r) == 2 and isinstance(r[0], str)
+                                    and axis(r[1]))] if isinstance(rules, (tuple, list)) else [rules]
+    if bad:
+        errs.append(f"rules: {bad[0]!r} is not a (logical axis, mesh axis) pair; the mesh axis must be None, one of "
+                    f"{MESH_AXES} or a tuple of them (see DEFAULT_RULES).")
+    missing = [n for n, _ in DEFAULT_RULES if not bad and n not in dict(rules)]
+    if missing:
+        errs.append(f"rules has no entry for the logical axes {missing}; add (name, mesh axis or None) pairs for them "
+                    f"(see DEFAULT_RULES).")
+    return errs
+
+
 def validate(config, num_devices: int) -> dict[str, int]:
     """Check every rule before anything compiles. Returns the resolved mesh shape.
 
@@ -180,7 +263,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
             f"train.global_batch_size={B} is not divisible by mesh.data={d} x train.microbatches={M} = {d * M}; "
             f"use a batch that is a multiple of {d * M} (the nearest: {nearest_multiples(B, d * M)}) or change the "
             f"layout.")
-    if m.embed % m.heads:
+    if m.heads >= 1 and m.embed % m.heads:
         errs.append(f"model.embed={m.embed} is not divisible by model.heads={m.heads}; pick heads dividing "
                     f"{m.embed} (head size = embed / heads).")
     if m.heads % t:
@@ -197,17 +280,9 @@ def validate(config, num_devices: int) -> dict[str, int]:
     if s > 1 and M < s:
         errs.append(f"train.microbatches={M} < mesh.stage={s}: the pipeline needs at least one microbatch per "
                     f"stage; set --config.train.microbatches={s} or more.")
-    if config.pipeline.schedule == "zb_h1" and s > 1 and v > 1:
-        errs.append(f"pipeline.virtual_stages={v} with pipeline.schedule='zb_h1': the zero-bubble schedule has no "
-                    f"interleaved form here; set --config.pipeline.virtual_stages=1 or use '1f1b' (interleaved).")
-    if config.pipeline.schedule == "1f1b" and s > 1 and v > 1 and M % s:
-        errs.append(f"train.microbatches={M} is not a multiple of mesh.stage={s}, which interleaved 1F1B "
-                    f"(virtual_stages={v}) needs (Megatron-LM's rule); use {nearest_multiples(M, s)}.")
-    if config.pipeline.schedule == "zb_h1" and not config.pipeline.remat:
-        errs.append("pipeline.remat=False (keep the vjp residuals) is implemented for 1f1b only; zb_h1 recomputes "
-                    "its stage forward: set --config.pipeline.remat=True.")
-    if config.pipeline.schedule not in SCHEDULES:
-        errs.append(f"pipeline.schedule={config.pipeline.schedule!r}: pick one of {SCHEDULES}.")
+    from jaxpar.pipeline.registry import errors as schedule_errors
+
+    errs += schedule_errors(config.pipeline.schedule, s, M, v, bool(config.pipeline.remat))
     if m.remat not in REMAT_POLICIES:
         errs.append(f"model.remat={m.remat!r}: pick one of {REMAT_POLICIES}.")
     for k in ("param_dtype", "compute_dtype"):
@@ -238,6 +313,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
         errs.append(f"dist.step_timeout_s={dist.step_timeout_s} must be -1 (auto), 0 (off) or seconds > 0; "
                     f"dist.step_timeout_min_s={dist.step_timeout_min_s} > 0 and dist.step_timeout_factor="
                     f"{dist.step_timeout_factor} >= 1.")
+    errs += _check_ranges(config)
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
     return shape

@@ -198,6 +198,112 @@ def _trip_from_condition(comps, caller: list[dict], while_ins: dict, cond: str) 
 
 
 _NO_FOLLOW = ("async-done", "async-update")
+_CALLEE_KEYS = ("calls", "called_computations", "branch_computations", "true_computation", "false_computation")
+
+
+def _while_loop(comps, cname: str, instrs: list[dict], ins: dict) -> tuple[dict, list]:
+    """A `while` instruction -> (its `loops` entry, its call edges [(body, n), (condition, n + 1)]).
+
+    n is `known_trip_count`, else inferred from the condition, else 1 (source "unknown")."""
+    cond = (_attr_comps(ins["attrs"], "condition") or [None])[0]
+    body = (_attr_comps(ins["attrs"], "body") or [None])[0]
+    n, src = ins["known_trip_count"], "known_trip_count"
+    if n is None:
+        n, src = _trip_from_condition(comps, instrs, ins, cond), "condition"
+    if n is None:
+        n, src = 1, "unknown"
+    loop = {"name": ins["name"], "computation": cname, "trip_count": n, "source": src}
+    edges = ([(body, n)] if body else []) + ([(cond, n + 1)] if cond else [])
+    return loop, edges
+
+
+def _call_graph(comps) -> tuple[dict, list]:
+    """({computation: [(callee, executions per execution of the caller)]}, [loop dicts]) over every instruction."""
+    edges: dict[str, list] = defaultdict(list)
+    loops = []
+    for cname, instrs in comps.items():
+        for ins in instrs:
+            op, attrs = ins["opcode"], ins["attrs"]
+            if op == "while":
+                loop, loop_edges = _while_loop(comps, cname, instrs, ins)
+                loops.append(loop)
+                edges[cname] += loop_edges
+                continue
+            if op in _NO_FOLLOW:
+                continue
+            callees = [c for key in _CALLEE_KEYS for c in _attr_comps(attrs, key)]
+            if op == "call":
+                callees += _attr_comps(attrs, "to_apply")
+            edges[cname] += [(c, 1) for c in callees if c in comps]
+    return edges, loops
+
+
+def _post_order(comps, edges, roots: list[str]) -> list[str]:
+    """Computations reachable from `roots` in depth-first post-order (every callee before its callers)."""
+    order, seen = [], set()
+    for r in roots:
+        if r in seen:
+            continue
+        stack = [(r, iter(edges.get(r, ())))]
+        seen.add(r)
+        while stack:
+            node, it = stack[-1]
+            for callee, _ in it:
+                if callee not in seen and callee in comps:
+                    seen.add(callee)
+                    stack.append((callee, iter(edges.get(callee, ()))))
+                    break
+            else:
+                order.append(node)
+                stack.pop()
+    return order
+
+
+def _executions(comps, entry, edges) -> dict[str, int]:
+    """Executions per step of each computation: 1 for ENTRY (or, without one, each computation nobody calls),
+    propagated through the call DAG in topological order (a callee's count is the sum over its call sites)."""
+    roots = [entry] if entry in comps else [c for c in comps if not any(c == e for v in edges.values()
+                                                                       for e, _ in v)]
+    order = _post_order(comps, edges, roots)
+    execs: dict[str, int] = defaultdict(int)
+    for r in roots:
+        execs[r] = 1
+    for c in reversed(order):
+        for callee, m in edges.get(c, ()):
+            execs[callee] += execs[c] * m
+    return execs
+
+
+def _collectives_in(comps, execs) -> list[dict]:
+    """Every collective instruction (`X-start` as X, with the shape of its `X-done`) with bytes and executions."""
+    out = []
+    for cname, instrs in comps.items():
+        done_shape = {}
+        for ins in instrs:
+            if ins["opcode"].endswith("-done") and ins["operands"]:
+                done_shape[ins["operands"][0]] = ins["shape"]
+        for ins in instrs:
+            op = ins["opcode"]
+            kind = op[:-len("-start")] if op.endswith("-start") else op
+            if kind not in COLLECTIVE_KINDS:
+                continue
+            shape = done_shape.get(ins["name"], ins["shape"]) if op.endswith("-start") else ins["shape"]
+            b = shape_bytes(shape)
+            n = execs.get(cname, 0)
+            out.append({"kind": kind, "name": ins["name"], "computation": cname, "bytes": b, "executions": n,
+                        "total_bytes": b * n})
+    return out
+
+
+def _by_kind(collectives: list[dict]) -> dict:
+    """{kind: {count, executions, bytes}}: bytes is the sum of total_bytes (per-device bytes per step)."""
+    by_kind = {}
+    for c in collectives:
+        k = by_kind.setdefault(c["kind"], {"count": 0, "executions": 0, "bytes": 0})
+        k["count"] += 1
+        k["executions"] += c["executions"]
+        k["bytes"] += c["total_bytes"]
+    return by_kind
 
 
 def hlo_collectives(text: str) -> dict:
@@ -227,86 +333,6 @@ def hlo_collectives(text: str) -> dict:
       ValueError: an element type `shape_bytes` does not know.
     """
     comps, entry = _parse(text)
-    # call edges: comp -> [(callee, multiplier)], and loop info
-    edges: dict[str, list] = defaultdict(list)
-    loops = []
-    for cname, instrs in comps.items():
-        for ins in instrs:
-            op, attrs = ins["opcode"], ins["attrs"]
-            if op == "while":
-                cond = (_attr_comps(attrs, "condition") or [None])[0]
-                body = (_attr_comps(attrs, "body") or [None])[0]
-                n, src = ins["known_trip_count"], "known_trip_count"
-                if n is None:
-                    n, src = _trip_from_condition(comps, instrs, ins, cond), "condition"
-                if n is None:
-                    n, src = 1, "unknown"
-                loops.append({"name": ins["name"], "computation": cname, "trip_count": n, "source": src})
-                if body:
-                    edges[cname].append((body, n))
-                if cond:
-                    edges[cname].append((cond, n + 1))
-                continue
-            if op in _NO_FOLLOW:
-                continue
-            callees = []
-            for key in ("calls", "called_computations", "branch_computations", "true_computation",
-                        "false_computation"):
-                callees += _attr_comps(attrs, key)
-            if op == "call":
-                callees += _attr_comps(attrs, "to_apply")
-            for c in callees:
-                if c in comps:
-                    edges[cname].append((c, 1))
-    # executions of each computation: propagate counts through the call DAG in topological order
-    roots = [entry] if entry in comps else [c for c in comps if not any(c == e for v in edges.values()
-                                                                       for e, _ in v)]
-    order, seen = [], set()
-
-    def visit(c):
-        stack = [(c, iter(edges.get(c, ())))]
-        seen.add(c)
-        while stack:
-            node, it = stack[-1]
-            for callee, _ in it:
-                if callee not in seen and callee in comps:
-                    seen.add(callee)
-                    stack.append((callee, iter(edges.get(callee, ()))))
-                    break
-            else:
-                order.append(node)
-                stack.pop()
-
-    for r in roots:
-        if r not in seen:
-            visit(r)
-    execs: dict[str, int] = defaultdict(int)
-    for r in roots:
-        execs[r] = 1
-    for c in reversed(order):
-        for callee, m in edges.get(c, ()):
-            execs[callee] += execs[c] * m
-
-    out = []
-    for cname, instrs in comps.items():
-        done_shape = {}
-        for ins in instrs:
-            if ins["opcode"].endswith("-done") and ins["operands"]:
-                done_shape[ins["operands"][0]] = ins["shape"]
-        for ins in instrs:
-            op = ins["opcode"]
-            kind = op[:-len("-start")] if op.endswith("-start") else op
-            if kind not in COLLECTIVE_KINDS:
-                continue
-            shape = done_shape.get(ins["name"], ins["shape"]) if op.endswith("-start") else ins["shape"]
-            b = shape_bytes(shape)
-            n = execs.get(cname, 0)
-            out.append({"kind": kind, "name": ins["name"], "computation": cname, "bytes": b, "executions": n,
-                        "total_bytes": b * n})
-    by_kind = {}
-    for c in out:
-        k = by_kind.setdefault(c["kind"], {"count": 0, "executions": 0, "bytes": 0})
-        k["count"] += 1
-        k["executions"] += c["executions"]
-        k["bytes"] += c["total_bytes"]
-    return {"collectives": out, "by_kind": by_kind, "loops": loops}
+    edges, loops = _call_graph(comps)
+    out = _collectives_in(comps, _executions(comps, entry, edges))
+    return {"collectives": out, "by_kind": _by_kind(out), "loops": loops}

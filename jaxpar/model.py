@@ -3,7 +3,13 @@
 Parameters live as a plain nested dict (`params`), the same tree whatever the layout; the block parameters are
 stacked on a leading `layers` axis. `GPT` (NNX modules) defines and initialises them; `Forward` applies them as pure
 functions in three pieces — `embed`, `layers` (any contiguous chunk of the stack, so a pipeline stage can run its
-own), `head_loss` — so the pipeline can place them without knowing what a GPT is.
+own), `head_loss` — so the pipeline can place them without knowing what a GPT is — and `decode` (one step with
+a KV cache, for sampling; the same attention).
+
+The model's spec lives here and nowhere else: its config from the run config (`config_from`), the fields that define
+it (`IDENTITY_FIELDS`: what a resume or an export must match), its FLOPs per token, each parameter's role (which
+decides weight decay and what counts in FLOPs), and the split of the params into per-layer and shared parts
+(`split_params`, `join_params`, `map_layers`: no other module names the per-layer subtree).
 
 Shapes: tokens `[batch, seq]` int32; activations `[batch, seq, embed]` in the compute dtype; logits
 `[batch, seq, vocab]` float32 (vocab padded; padded entries masked to -inf before the softmax).
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -21,6 +28,8 @@ from flax import nnx
 from jaxpar.logical import constrain
 
 LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per dimension
+ROLE = "role"  # the Param metadata key holding its role: weight | bias | norm | embedding | position
+_LAYERS = "blocks"  # the per-layer subtree of the params (leaves stacked on a leading `layers` axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,23 +53,50 @@ class GPTConfig:
         return self.embed // self.heads
 
 
+# What defines a model: a resume must find these equal in the checkpoint, an export in its model_config.json (with
+# `vocab_size`, the padded table, there); the rest of `GPTConfig` (dropout, remat, dtypes) may change between runs.
+IDENTITY_FIELDS = ("vocab_real", "seq_len", "layers", "embed", "heads", "mlp", "tie_embeddings")
+SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape
+
+
+def identity(cfg: GPTConfig) -> dict:
+    return {f: getattr(cfg, f) for f in IDENTITY_FIELDS}
+
+
+def config_from(config, vocab_real: int, tensor: int) -> GPTConfig:
+    """The model of a run config (`config.model`, the dtypes of `config.train`); the vocabulary padded to a multiple
+    of 128 and of the tensor size (`config.padded_vocab`)."""
+    from jaxpar.config import mlp_width, padded_vocab
+
+    m = config.model
+    return GPTConfig(
+        vocab_size=padded_vocab(vocab_real, tensor), vocab_real=vocab_real, seq_len=m.seq_len, layers=m.layers,
+        embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
+        dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
+        param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype)
+
+
+def has_dropout(cfg: GPTConfig) -> bool:
+    return cfg.dropout_embed > 0 or cfg.dropout_resid > 0
+
+
 def at_least_f32(dtype):
     """float32 for float32 and narrower dtypes, float64 for float64 (reference runs): where statistics, logits and
     gradient sums are computed."""
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _param(key, shape, std, names, dtype):
+def _param(key, shape, std, names, dtype, role="weight"):
     # float64 (reference runs) draws in float32 and casts, so it starts from the float32 run's numbers
     draw = jnp.float32 if jnp.dtype(dtype) == jnp.float64 else dtype
     init = jnp.zeros(shape, dtype) if std == 0 else (std * jax.random.normal(key, shape, draw)).astype(dtype)
-    return nnx.Param(init, **{LOGICAL: names})
+    return nnx.Param(init, **{LOGICAL: names, ROLE: role})
 
 
 class LayerNorm(nnx.Module):
     def __init__(self, dim: int, dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: ("embed",)})
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype), **{LOGICAL: ("embed",)})
+        self.scale = nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: ("embed",), ROLE: "norm"})
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype), **{LOGICAL: ("embed",), ROLE: "norm"})
 
     def __call__(self, x):
         """Statistics in float32 (float64 for float64 x; eps 1e-5, as GPT-2); output in x's dtype."""
@@ -85,14 +121,14 @@ class Block(nnx.Module):
         resid_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2 (Radford et al. 2019, sec. 2.3)
         self.ln1 = LayerNorm(d, dt)
         self.wqkv = _param(rngs.params(), (d, 3, h, hd), 0.02, ("embed", "qkv", "heads", "kv"), dt)
-        self.bqv = _param(None, (2, h, hd), 0, ("qkv", "heads", "kv"), dt)  # biases of q and v; none for k
+        self.bqv = _param(None, (2, h, hd), 0, ("qkv", "heads", "kv"), dt, "bias")  # biases of q and v; none for k
         self.wo = _param(rngs.params(), (h, hd, d), resid_std, ("heads", "kv", "embed"), dt)
-        self.bo = _param(None, (d,), 0, ("embed",), dt)
+        self.bo = _param(None, (d,), 0, ("embed",), dt, "bias")
         self.ln2 = LayerNorm(d, dt)
         self.w_in = _param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
-        self.b_in = _param(None, (f,), 0, ("mlp",), dt)
+        self.b_in = _param(None, (f,), 0, ("mlp",), dt, "bias")
         self.w_out = _param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
-        self.b_out = _param(None, (d,), 0, ("embed",), dt)
+        self.b_out = _param(None, (d,), 0, ("embed",), dt, "bias")
 
     def __call__(self, x, cfg: GPTConfig, drop=None, cache=None):
         """x `[batch, seq, embed]` -> same. `drop(x, site)` applies residual dropout; `cache` is for decoding."""
@@ -119,12 +155,34 @@ class Block(nnx.Module):
         return constrain(x, ("batch", "seq", "embed")), cache
 
 
-def attention(q, k, v):
-    """Causal multi-head attention `[batch, seq, heads, head_dim]` x3 -> same; softmax in float32 (upcast)."""
+def attention(q, k, v, mask=None):
+    """Multi-head attention: q `[batch, t, heads, head_dim]`, k and v `[batch, s, heads, head_dim]` -> like q.
+
+    Causal (query i sees keys <= i) when `mask` is None, else `mask` (bool, broadcastable to `[batch, heads, t, s]`,
+    True = attend). Softmax in float32 (upcast)."""
     dt = q.dtype
     if jax.default_backend() == "cpu" and dt not in (jnp.float32, jnp.float64):
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
+    if mask is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask).astype(dt)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one layer for positions [0, pos); `attend` appends and attends causally. Stacked over
+    layers (a leading `[layers]` axis on every field) between decode steps."""
+    k: jax.Array  # [batch, max_len, heads, head_dim], compute dtype
+    v: jax.Array
+    pos: jax.Array  # int32 scalar: number of positions filled
+
+    def attend(self, q, k, v):
+        """q, k, v `[batch, t, heads, head_dim]` for positions pos..pos+t -> (attention output, updated cache)."""
+        t, S = q.shape[1], self.k.shape[1]
+        ck = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), self.pos, 1)
+        cv = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.pos, 1)
+        qpos = self.pos + jnp.arange(t)[:, None]
+        mask = (jnp.arange(S)[None, :] <= qpos)[None, None]  # [1, 1, t, S]: causal over filled positions
+        return attention(q, ck, cv, mask), KVCache(ck, cv, self.pos + t)
 
 
 class GPT(nnx.Module):
@@ -132,8 +190,8 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.param_dtype)
-        self.wte = _param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt)
-        self.wpe = _param(rngs.params(), (cfg.seq_len, cfg.embed), 0.02, ("seq", "embed"), dt)
+        self.wte = _param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt, "embedding")
+        self.wpe = _param(rngs.params(), (cfg.seq_len, cfg.embed), 0.02, ("seq", "embed"), dt, "position")
 
         @nnx.split_rngs(splits=cfg.layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -153,21 +211,61 @@ def init_params(cfg: GPTConfig, key: jax.Array) -> dict:
     return nnx.to_pure_dict(nnx.split(GPT(cfg, nnx.Rngs(params=key)))[1])
 
 
-def logical_axes(cfg: GPTConfig) -> dict:
-    """The params tree with, per leaf, a tuple of logical axis names (block leaves start with `layers`)."""
+def _metadata(cfg: GPTConfig, key: str) -> dict:
+    """The params tree with, per leaf, its Param metadata entry `key`."""
     model = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0)))
-    state = nnx.state(model)
-    names = jax.tree.map(lambda v: v.get_metadata()[LOGICAL], state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    names = nnx.to_pure_dict(names) if not isinstance(names, dict) else names
-    names["blocks"] = jax.tree.map(lambda t: ("layers",) + tuple(t), names["blocks"],
-                                   is_leaf=lambda t: isinstance(t, tuple))
+    meta = jax.tree.map(lambda v: v.get_metadata()[key], nnx.state(model),
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.to_pure_dict(meta) if not isinstance(meta, dict) else meta
+
+
+def logical_axes(cfg: GPTConfig) -> dict:
+    """The params tree with, per leaf, a tuple of logical axis names (per-layer leaves start with `layers`)."""
+    names = _metadata(cfg, LOGICAL)
+    names[_LAYERS] = jax.tree.map(lambda t: ("layers",) + tuple(t), names[_LAYERS],
+                                  is_leaf=lambda t: isinstance(t, tuple))
     return names
 
 
-def no_decay(path: tuple) -> bool:
-    """True for parameters AdamW must not decay: biases, LayerNorm parameters, embeddings."""
-    leaf = path[-1]
-    return leaf in ("wte", "wpe") or leaf.startswith("b") or leaf in ("scale", "bias")
+def param_roles(cfg: GPTConfig) -> dict:
+    """The params tree with, per leaf, its role: weight (a matmul's), bias, norm, embedding (the token table, also
+    the tied LM head), position (the learned position table)."""
+    return _metadata(cfg, ROLE)
+
+
+def decay_mask(cfg: GPTConfig) -> dict:
+    """True for each parameter AdamW decays: matmul weights; not biases, norms or embedding tables (GPT-2, Megatron)."""
+    return jax.tree.map(lambda r: r == "weight", param_roles(cfg))
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`metrics.model_flops_per_token`), N = every parameter
+    but the position table (a lookup and an add; the token table counts once, as the tied LM head's matmul)."""
+    from jaxpar.metrics import model_flops_per_token
+
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    n = sum(math.prod(a.shape) for a, r in zip(jax.tree.leaves(shapes), jax.tree.leaves(param_roles(cfg)))
+            if r != "position")
+    return model_flops_per_token(n, cfg.layers, cfg.embed, cfg.seq_len)
+
+
+# ---- the per-layer / shared split: the only place that names the per-layer subtree ---------------------------------
+
+def split_params(params: dict) -> tuple[dict, dict]:
+    """params -> (shared: embeddings, final norm, head; layers: the stacked per-layer tree, leaves `[L, ...]`)."""
+    return {k: v for k, v in params.items() if k != _LAYERS}, params[_LAYERS]
+
+
+def join_params(shared: dict, layers) -> dict:
+    """The inverse of `split_params`."""
+    return {**shared, _LAYERS: layers}
+
+
+def map_layers(tree, fn):
+    """Apply `fn` to every leaf under the per-layer subtree, wherever it sits in `tree` (params, and the optimizer
+    state that mirrors them)."""
+    in_layers = lambda path: any(getattr(k, "key", None) == _LAYERS for k in path)
+    return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if in_layers(path) else a, tree)
 
 
 _REMAT = {
@@ -250,8 +348,25 @@ class Forward:
     def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None):
         """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`: as in `layers`."""
         x = self.embed(params, tokens, rng, seq_ids)
-        x = self.layers(params["blocks"], x, rng, seq_ids, prepare=prepare)
+        x = self.layers(params[_LAYERS], x, rng, seq_ids, prepare=prepare)
         return self.head_loss(params, x, targets, mask)
+
+    def init_cache(self, batch: int) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to seq_len tokens, every layer (leading `[layers]` axis)."""
+        cfg = self.cfg
+        shape = (cfg.layers, batch, cfg.seq_len, cfg.heads, cfg.head_dim)
+        return KVCache(jnp.zeros(shape, self.cdt), jnp.zeros(shape, self.cdt), jnp.zeros((cfg.layers,), jnp.int32))
+
+    def decode(self, params, tokens, caches: KVCache):
+        """tokens `[batch, t]` at positions caches.pos.. -> (last-position logits `[batch, vocab]`, new caches)."""
+        x = self.embed(params, tokens, pos0=caches.pos[0])
+
+        def one(x, inp):
+            p, c = inp
+            return nnx.merge(self.block_def, p)(x, self.cfg, None, c)
+
+        x, caches = jax.lax.scan(one, x, (params[_LAYERS], caches))
+        return self.logits(params, x[:, -1:])[:, 0], caches
 
 
 def dropout(x, rate, key, seq_ids):

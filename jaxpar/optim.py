@@ -6,19 +6,46 @@ early or extending a run does not change it. The schedule counts applied updates
 the skipped one would have (DeepSpeed and Megatron-LM likewise do not advance the schedule on a skipped fp16 step).
 Update k (0-based, counting applied updates) uses lr(k + 1): linear warmup from lr/warmup to lr
 over `warmup_steps` updates, cosine decay to `lr * min_lr_ratio` at `decay_steps` (Loshchilov & Hutter 2017, SGDR),
-constant after. Weight decay (decoupled, Loshchilov & Hutter 2019) skips biases, LayerNorm parameters and embeddings.
+constant after. Weight decay (decoupled, Loshchilov & Hutter 2019) applies to the parameters whose model role is
+a matmul weight (`model.decay_mask`): not biases, norms or embedding tables.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import optax
 
-from jaxpar.model import no_decay
+from jaxpar import model as gpt
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSettings:
+    """`config.optim`'s keys this room reads (validated in `config.validate`)."""
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    decay_steps: int
+    weight_decay: float
+    b1: float
+    b2: float
+    eps: float
+    clip_norm: float
+
+    @classmethod
+    def from_config(cls, config) -> "OptimSettings":
+        o = config.optim
+        return cls(**{f.name: o[f.name] for f in dataclasses.fields(cls)})
+
+
+def _settings(config) -> OptimSettings:
+    return config if isinstance(config, OptimSettings) else OptimSettings.from_config(config)
 
 
 def schedule(config):
-    """Learning rate (float32 scalar) as a function of the update count."""
-    o = config.optim
+    """Learning rate (float32 scalar) as a function of the update count (`config`: the run config or its
+    `OptimSettings`)."""
+    o = _settings(config)
     base = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
         decay_steps=max(o.decay_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
@@ -33,15 +60,13 @@ def applied_updates(opt_state):
     return states[0].count
 
 
-def decay_mask(params):
-    """True for each parameter that gets weight decay."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: not no_decay(tuple(getattr(k, "key", str(k)) for k in path)), params)
-
-
-def make_optimizer(config) -> optax.GradientTransformation:
-    o = config.optim
+def make_optimizer(config, cfg: gpt.GPTConfig | None = None) -> optax.GradientTransformation:
+    """Clipping + AdamW for the model `cfg` (default: the run config's model; only which parameters exist and their
+    roles matter, `model.decay_mask`). `config`: the run config or its `OptimSettings` (then `cfg` is needed)."""
+    o = _settings(config)
+    cfg = cfg or gpt.config_from(config, vocab_real=1, tensor=1)
     return optax.chain(
         optax.clip_by_global_norm(o.clip_norm),
-        optax.adamw(schedule(config), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask),
+        optax.adamw(schedule(o), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                    mask=gpt.decay_mask(cfg)),
     )

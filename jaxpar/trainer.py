@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxpar import data, distributed, metrics, monitor, watchdog
+from jaxpar import model as gpt
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, validate
 from jaxpar.mesh import make_mesh
@@ -57,29 +58,34 @@ class PreemptionWatch:
         self._signal.signal(self._signal.SIGTERM, self._previous)
 
 
-# What a resume must keep identical (else: refuse before touching anything). Layout, zero stage, schedule,
-# microbatches, precision, cadence and steps may change; the global batch size too with train.allow_batch_change.
-FINGERPRINT_KEYS = ("model.seq_len", "model.layers", "model.embed", "model.heads", "model.mlp",
-                    "model.tie_embeddings", "train.global_batch_size")
+# What a resume must keep identical (else: refuse before touching anything): the model's identity
+# (`model.IDENTITY_FIELDS`), the tokenizer and data, and the global batch size (unless train.allow_batch_change).
+# Layout, zero stage, schedule, microbatches, precision, cadence and steps may change.
+BATCH_KEY = "train.global_batch_size"
 
 
 def fingerprint(config, info, steps) -> dict:
-    fp = {k: _get(config, k) for k in FINGERPRINT_KEYS}
-    fp.update(vocab_real=steps.cfg.vocab_real, mlp_width=steps.cfg.mlp, tokenizer=info.meta.get("tokenizer"),
-              data=os.path.basename(info.dir))
+    fp = {f"model.{k}": v for k, v in gpt.identity(steps.cfg).items()}
+    fp.update({BATCH_KEY: int(config.train.global_batch_size), "tokenizer": info.meta.get("tokenizer"),
+               "data": os.path.basename(info.dir)})
     return fp
 
 
-def _get(config, dotted):
-    sect, key = dotted.split(".")
-    return config[sect][key]
+def upgrade_fingerprint(saved: dict) -> dict:
+    """A fingerprint as checkpoints before the model spec wrote it (`model.mlp` the config's value, 0 meaning 4 x
+    embed, with the width under `mlp_width`; `vocab_real` without a prefix) -> today's keys."""
+    if "mlp_width" not in saved:
+        return saved
+    out = {k: v for k, v in saved.items() if k not in ("mlp_width", "vocab_real")}
+    out.update({"model.mlp": saved["mlp_width"], "model.vocab_real": saved.get("vocab_real")})
+    return out
 
 
 def check_resume(saved: dict, now: dict, allow_batch_change: bool = False) -> None:
     """Raise ConfigError naming every difference between a checkpoint's fingerprint and this run's.
 
     `allow_batch_change` (`train.allow_batch_change`) accepts a different `train.global_batch_size`."""
-    batch = "train.global_batch_size"
+    batch, saved = BATCH_KEY, upgrade_fingerprint(saved)
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in now
              if saved.get(k) != now[k] and not (allow_batch_change and k == batch)]
     if diffs:
@@ -96,11 +102,6 @@ def samples_consumed(meta: dict, step: int, batch: int) -> int:
     if "samples" in meta:
         return int(meta["samples"])
     return int(step) * int(meta.get("fingerprint", {}).get("train.global_batch_size", batch))
-
-
-def n_params_for_flops(params, tied: bool) -> int:
-    """N of PaLM's 6N: all parameters except position embeddings (the tied embedding counted once)."""
-    return int(sum(np.prod(v.shape) for k, v in params.items() if k != "wpe" for v in jax.tree.leaves(v)))
 
 
 def check_health(config, state, done: int) -> dict:
@@ -138,8 +139,7 @@ def check_export(directory: str, cfg) -> None:
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"--config.init_from={directory}: {e}") from e
     diffs = [f"{f}: export {getattr(got, f)!r} vs config {getattr(cfg, f)!r}"
-             for f in ("vocab_size", "vocab_real", "seq_len", "layers", "embed", "heads", "mlp", "tie_embeddings")
-             if getattr(got, f) != getattr(cfg, f)]
+             for f in gpt.SHAPE_FIELDS if getattr(got, f) != getattr(cfg, f)]
     if diffs:
         raise ConfigError(f"--config.init_from={directory} holds another model:\n  " + "\n  ".join(diffs))
 
@@ -175,10 +175,8 @@ def dry_run(config, workdir: str) -> dict:
     abstract = steps.abstract_state()
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
     batch = {"tokens": jax.ShapeDtypeStruct((B, T + 1), np.int32, sharding=steps.batch_sharding)}
-    n = n_params_for_flops(abstract["params"], steps.cfg.tie_embeddings)
-    fpt = metrics.model_flops_per_token(n, steps.cfg.layers, steps.cfg.embed, T)
     rep = report.compile_report(steps.train.lower(abstract, batch), abstract_state=abstract,
-                                flops_per_step=fpt * B * T)
+                                flops_per_step=gpt.flops_per_token(steps.cfg) * B * T)
     grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
                          abstract["params"], steps.grad_shardings)
     rep["state_bytes"]["grad_buffer"] = report.state_group_bytes({"g": grads})["g"]
@@ -201,7 +199,6 @@ def run(config, workdir: str, devices=None) -> dict:
 
     `devices`: the devices to lay the mesh over (default: all, `jax.devices()`); a subset (e.g. one device of a
     process that has eight) is meant for tests and single-process runs."""
-    is_main = jax.process_index() == 0
     devices = list(jax.devices() if devices is None else devices)
     shape = validate(config, len(devices))
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
@@ -209,118 +206,158 @@ def run(config, workdir: str, devices=None) -> dict:
     vocab = max(int(config.model.vocab_size), info.vocab_size)
     train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab)
     val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab)
-    mesh = make_mesh(shape, devices)
-    steps = build(config, mesh, vocab)
-
-    ckpt_dir = os.path.join(workdir, "checkpoints")
+    steps = build(config, make_mesh(shape, devices), vocab)
     fp = fingerprint(config, info, steps)
+    check_before_writing(config, workdir, fp, steps)
+    if jax.process_index() == 0:
+        write_run_files(config, workdir, info)
+    ckpt = Checkpointer.from_config(workdir, config)
+    try:
+        abstract = steps.abstract_state()
+        state, start = restore_or_init(config, steps, ckpt, train_data, abstract)
+        loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract)
+        return loop.run(state, start)
+    finally:
+        ckpt.close()
+
+
+def check_before_writing(config, workdir: str, fp: dict, steps) -> None:
+    """Refuse a mismatched resume (or a fine-tuning start from an export of another model) before anything is
+    created or written."""
+    ckpt_dir = os.path.join(workdir, "checkpoints")
     latest = None
-    if os.path.isdir(ckpt_dir):  # refuse a mismatched resume before anything is created or written
+    if os.path.isdir(ckpt_dir):
         probe = Checkpointer(workdir, 1, 1, async_save=False, read_only=True)
         latest = probe.latest_step()
         if latest is not None:
             check_resume(probe.read_meta(latest).get("fingerprint", {}), fp, bool(config.train.allow_batch_change))
         probe.close()
-    if config.init_from and latest is None:  # likewise a fine-tuning start from an export of another model
+    if config.init_from and latest is None:
         check_export(config.init_from, steps.cfg)
     distributed.barrier("jaxpar/resume_check")  # every process looked (isdir) before process 0 creates the folder
 
-    if is_main:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
-        tok_dir = os.path.join(workdir, "tokenizer")
-        if not os.path.isdir(tok_dir):
-            shutil.copytree(info.tokenizer_dir, tok_dir)
-    ckpt = Checkpointer.from_config(workdir, config)
+
+def write_run_files(config, workdir: str, info) -> None:
+    """WORKDIR/config.json (the resolved config) and WORKDIR/tokenizer (kept from the first run)."""
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    tok_dir = os.path.join(workdir, "tokenizer")
+    if not os.path.isdir(tok_dir):
+        shutil.copytree(info.tokenizer_dir, tok_dir)
+
+
+def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, int]:
+    """(state in this layout, first step): the latest checkpoint's, the data order continued; else a fresh state
+    (params from `init_from`'s export when fine-tuning)."""
     latest = ckpt.latest_step()
-    abstract = steps.abstract_state()
     if latest is not None:
         state, meta = ckpt.restore(latest, abstract)
         state = steps.from_canonical(state)
         start = int(state["step"])
-        train_data.resume_at(start, samples_consumed(meta, start, B))  # continue the order, whatever the batch size
-    else:
-        state, start = steps.init(seed), 0
-        if config.init_from:  # fine-tuning: params from an export, fresh optimizer state, step 0
-            state = init_from_export(config.init_from, steps, state)
+        # continue the order, whatever the batch size
+        train_data.resume_at(start, samples_consumed(meta, start, int(config.train.global_batch_size)))
+        return state, start
+    state = steps.init(int(config.train.seed))
+    if config.init_from:  # fine-tuning: params from an export, fresh optimizer state, step 0
+        state = init_from_export(config.init_from, steps, state)
+    return state, 0
 
-    rows = data.process_rows(steps.batch_sharding, B)
-    batch_at = lambda src, i: {"tokens": data.to_global(src(i, *rows), steps.batch_sharding, B)}
-    flops_tok = metrics.model_flops_per_token(
-        n_params_for_flops(abstract["params"], steps.cfg.tie_embeddings), steps.cfg.layers,
-        steps.cfg.embed, T)
-    peak = metrics.peak_flops(devices[0].device_kind)
-    ndev = len(devices)
-    writer = monitor.MetricsWriter(workdir, is_main)
-    console = monitor.Console(is_main, int(config.train.steps), start, bool(config.log.progress))
-    profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
-    if is_main:
-        console.print(f"jaxpar: mesh {dict(mesh.shape)} on {ndev} {devices[0].platform} devices, "
-                      f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "
-                      f"start step {start}, workdir {workdir}")
 
-    # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
-    tokens = jax.ShapeDtypeStruct((B, T + 1), np.int32, sharding=steps.batch_sharding)
-    eval_step = steps.evaluate.lower(abstract["params"], {"tokens": tokens}).compile()
+class Loop:
+    """The train loop of one run: steps, and at their cadences logs, evaluation and checkpoints; SIGTERM stops it at
+    a step boundary with a checkpoint; the step watchdog is armed while it runs."""
 
-    def evaluate():
+    def __init__(self, config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract):
+        self.config, self.steps, self.ckpt, self.fp = config, steps, ckpt, fp
+        self.train_data, self.val_data = train_data, val_data
+        self.B, self.T = int(config.train.global_batch_size), int(config.model.seq_len)
+        self.total = int(config.train.steps)
+        self.rows = data.process_rows(steps.batch_sharding, self.B)
+        self.flops_tok = gpt.flops_per_token(steps.cfg)
+        self.peak, self.ndev = metrics.peak_flops(devices[0].device_kind), len(devices)
+        self.devices, self.workdir = devices, workdir
+        is_main = jax.process_index() == 0
+        self.writer = monitor.MetricsWriter(workdir, is_main)
+        self.profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
+        self.console = None
+        # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
+        tokens = jax.ShapeDtypeStruct((self.B, self.T + 1), np.int32, sharding=steps.batch_sharding)
+        self.eval_step = steps.evaluate.lower(abstract["params"], {"tokens": tokens}).compile()
+
+    def batch_at(self, source, i):
+        return {"tokens": data.to_global(source(i, *self.rows), self.steps.batch_sharding, self.B)}
+
+    def evaluate(self, params) -> float:
         tot, n = 0.0, 0.0
-        for i in range(int(config.eval.batches)):
-            s, c = eval_step(state["params"], batch_at(val_data.val_batch, i))
+        for i in range(int(self.config.eval.batches)):
+            s, c = self.eval_step(params, self.batch_at(self.val_data.val_batch, i))
             tot, n = tot + float(s), n + float(c)
         return tot / max(n, 1.0)
 
-    last, t0, since = {}, time.perf_counter(), 0
-    total = int(config.train.steps)
-    preemption = PreemptionWatch()
-    dist = config.dist  # from the end of the first step (compiled) on; evaluation and saves count as the step's
-    watchdog.arm_steps(float(dist.step_timeout_s), float(dist.step_timeout_min_s), float(dist.step_timeout_factor))
-    try:
-        for step in range(start, total):
-            profiler.maybe_start(step)
-            state, m = steps.train(state, batch_at(train_data.rows, step))
-            profiler.maybe_stop(step, block_on=m["loss"])
+    def run(self, state, start: int) -> dict:
+        is_main, mesh = jax.process_index() == 0, self.steps.mesh
+        self.console = monitor.Console(is_main, self.total, start, bool(self.config.log.progress))
+        if is_main:
+            self.console.print(
+                f"jaxpar: mesh {dict(mesh.shape)} on {self.ndev} {self.devices[0].platform} devices, "
+                f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "
+                f"start step {start}, workdir {self.workdir}")
+        preemption = PreemptionWatch()
+        dist = self.config.dist  # from the end of the first step (compiled) on; evaluation and saves count as the step's
+        watchdog.arm_steps(float(dist.step_timeout_s), float(dist.step_timeout_min_s), float(dist.step_timeout_factor))
+        try:
+            last = self._steps(state, start, preemption)
+            self.ckpt.wait()
+            return last
+        finally:
+            watchdog.disarm()
+            preemption.close()
+            self.profiler.stop()
+            self.console.close()
+            self.writer.close()
+
+    def _steps(self, state, start, preemption) -> dict:
+        c, last, t0, since = self.config, {}, time.perf_counter(), 0
+        for step in range(start, self.total):
+            self.profiler.maybe_start(step)
+            state, m = self.steps.train(state, self.batch_at(self.train_data.rows, step))
+            self.profiler.maybe_stop(step, block_on=m["loss"])
             since += 1
             done = step + 1
-            log_now = done % config.log.every_steps == 0 or done == total
-            eval_now = done % config.eval.every_steps == 0 or done == total
+            log_now = done % c.log.every_steps == 0 or done == self.total
+            eval_now = done % c.eval.every_steps == 0 or done == self.total
             stop_now = preemption.reached()
-            save_now = done % config.checkpoint.every_steps == 0 or done == total or stop_now
+            save_now = done % c.checkpoint.every_steps == 0 or done == self.total or stop_now
             if log_now or eval_now or save_now:
-                health = check_health(config, state, done)
+                health = check_health(c, state, done)
             if log_now or eval_now:
-                m = {k: float(v) for k, v in jax.device_get(m).items()} | health
-                dt = time.perf_counter() - t0
-                tps = since * B * T / dt
-                m.update(tokens_per_s=tps, step_time_s=dt / since,
-                         tflops_per_device=metrics.tflops_per_device(tps, flops_tok, ndev),
-                         mfu=metrics.mfu(tps, flops_tok, ndev, peak))
-                m.update(metrics.device_memory_bytes() or {})
-                if eval_now:
-                    watchdog.phase("evaluation")
-                    m["val_loss"] = evaluate()
-                writer.write(done, m)
-                console.update(done, m)
-                last = dict(m, step=done)
+                last = self._log(state, done, m, health, since, time.perf_counter() - t0, eval_now)
                 t0, since = time.perf_counter(), 0
             else:
-                console.update(done)
+                self.console.update(done)
             if save_now:
                 watchdog.phase("checkpoint save")
-                ckpt.save(done, steps.to_canonical(state),
-                          {"fingerprint": fp, "step": done, "samples": train_data.samples_before(done)}, force=True)
+                self.ckpt.save(done, self.steps.to_canonical(state), {
+                    "fingerprint": self.fp, "step": done, "samples": self.train_data.samples_before(done)},
+                    force=True)
             if stop_now:
                 watchdog.phase("checkpoint save")
-                ckpt.wait()
+                self.ckpt.wait()
                 raise Preempted(done)
             watchdog.beat(done)
-        ckpt.wait()
-    finally:
-        watchdog.disarm()
-        preemption.close()
-        profiler.stop()
-        console.close()
-        writer.close()
-        ckpt.close()
-    return last
+        return last
+
+    def _log(self, state, done, m, health, since, dt, eval_now) -> dict:
+        m = {k: float(v) for k, v in jax.device_get(m).items()} | health
+        tps = since * self.B * self.T / dt
+        m.update(tokens_per_s=tps, step_time_s=dt / since,
+                 tflops_per_device=metrics.tflops_per_device(tps, self.flops_tok, self.ndev),
+                 mfu=metrics.mfu(tps, self.flops_tok, self.ndev, self.peak))
+        m.update(metrics.device_memory_bytes() or {})
+        if eval_now:
+            watchdog.phase("evaluation")
+            m["val_loss"] = self.evaluate(state["params"])
+        self.writer.write(done, m)
+        self.console.update(done, m)
+        return dict(m, step=done)

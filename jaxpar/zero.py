@@ -12,13 +12,18 @@ the pipeline), on this shard's rows, and the reduction is explicit, as in ZeRO (
 | 3          | sharded; gathered layer by layer where used (the gather's transpose is the reduce-scatter) | — | — |
 
 A parameter too small to split over `data` stays replicated and is all-reduced once at the end, whatever the stage.
+ZeRO-3's gathers are keyed by logical axis names: a leaf with a `layers` axis is gathered one layer at a time inside
+the layer scan (`layer_gather`), the others (embeddings, final norm) once per microbatch (`gather_shared`).
 """
 from __future__ import annotations
 
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.manual import vary
+
 AXIS = "data"
+LAYERS = "layers"  # the logical axis of stacked per-layer params (scanned over, so absent inside a layer)
 
 
 def data_dim(spec: P):
@@ -39,10 +44,11 @@ class DataParallel:
     Args:
       param_specs, grad_specs: `PartitionSpec` trees of the params and of the float32 gradient buffer.
       zero_stage: 0-3 (`optim.zero_stage`).
+      names: the params tree of logical axis names (tuples), for the ZeRO-3 gathers.
     """
 
-    def __init__(self, mesh, param_specs, grad_specs, zero_stage: int):
-        self.mesh = mesh
+    def __init__(self, mesh, param_specs, grad_specs, zero_stage: int, names=None):
+        self.mesh, self.names = mesh, names
         self.size = mesh.shape[AXIS]  # with a 1-device axis there is nothing to reduce: no shard_map at all
         self.manual = (AXIS,) if self.size > 1 else ()  # mesh axes that are manual inside `run`
         is_p = lambda x: isinstance(x, P)
@@ -61,6 +67,19 @@ class DataParallel:
             return a if d is None or self.size == 1 else jax.lax.all_gather(a, AXIS, axis=d, tiled=True)
         return jax.tree.map(g, params, pdim, is_leaf=lambda x: x is None)
 
+    def gather_shared(self, params):
+        """ZeRO-3: all-gather the `data`-sharded leaves without a `layers` axis; the per-layer leaves unchanged."""
+        return jax.tree.map(lambda a, d, n: a if LAYERS in n else self.gather(a, d), params, self.pdim, self.names,
+                            is_leaf=lambda x: x is None)
+
+    def layer_gather(self, select):
+        """ZeRO-3: a function that all-gathers one layer's params (the leaves of `select(params)` without their
+        `layers` axis, as inside the layer scan). `select` picks the per-layer subtree from a params-shaped tree."""
+        def within_layer(d, n):
+            return None if d is None or LAYERS not in n else d - (n.index(LAYERS) < d)
+        dims = select(jax.tree.map(within_layer, self.pdim, self.names, is_leaf=lambda x: x is None))
+        return lambda layer_params: self.gather(layer_params, dims)
+
     def reduce_microbatch(self, grads):
         """Inside the shard_map: reduce-scatter the 'scatter' leaves (ZeRO-2), leave the rest local."""
         def r(g, mode, d):
@@ -75,10 +94,6 @@ class DataParallel:
 
     def psum(self, x):
         return x if self.size == 1 else jax.lax.psum(x, AXIS)
-
-    def vary(self, x):
-        """Mark x as a per-shard value (shard_map's varying type over `data`); a 1-device axis needs no marking."""
-        return x if self.size == 1 else jax.lax.pcast(x, (AXIS,), to="varying")
 
     def run(self, fn, params, xs, extras):
         """Call `fn(params, xs, extras) -> (loss_sum, grads)` on each data shard; returns the global loss sum and the
@@ -97,7 +112,7 @@ class DataParallel:
                             is_leaf=lambda x: x is None)
 
         def local(params, xs, extras):
-            params = jax.tree.map(lambda a, d: self.vary(a) if d is None else a, params, self.pdim,
+            params = jax.tree.map(lambda a, d: vary(a) if d is None else a, params, self.pdim,
                                   is_leaf=lambda x: x is None)
             lsum, grads = fn(params, xs, extras)
             return self.psum(lsum), self.reduce_end(grads)

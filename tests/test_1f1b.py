@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_params_close, assert_trees_close, batch, place, steps_for
-from jaxpar import pipeline, pipeline_1f1b, schedules
+from jaxpar import pipeline
 from jaxpar.mesh import make_mesh
 from test_pipeline import VOCAB, params_f64, pipe_config, run
 
@@ -64,8 +64,8 @@ def toy(mesh, schedule, remat=True):
 
     loss, grads = jax.value_and_grad(plain, (0, 1))(W, shared)
     S, v = schedule.stages, schedule.virtual
-    out = jax.jit(lambda W, sh: pipeline_1f1b.run(first, layer, last, sh, pipeline.to_stage_major(W, S, v), xs,
-                                                  schedule, mesh, jnp.float32(0.5), remat=remat))(W, shared)
+    out = jax.jit(lambda W, sh: pipeline.run_loop(first, layer, last, sh, pipeline.to_stage_major(W, S, v), xs,
+                                               schedule, mesh, jnp.float32(0.5), remat=remat))(W, shared)
     return (0.5 * out[0], (pipeline.from_stage_major(out[4], S, v), out[3])), (loss, grads)
 
 
@@ -73,7 +73,7 @@ def toy(mesh, schedule, remat=True):
                                              ("1f1b", 2, 8, True), ("1f1b", 2, 4, False)])
 def test_toy_pipeline_equals_autodiff(name, v, M, remat):
     mesh = make_mesh({"data": 1, "stage": 4, "tensor": 1}, jax.devices()[:4])
-    (loss, grads), (ref_loss, ref_grads) = toy(mesh, schedules.make(name, 4, M, v), remat)
+    (loss, grads), (ref_loss, ref_grads) = toy(mesh, pipeline.table(name, 4, M, v), remat)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     assert_trees_close(grads, ref_grads)
 
@@ -90,7 +90,7 @@ def _ticks(sched, lane):
 
 @pytest.mark.parametrize("S,M", [(2, 2), (2, 9), (4, 4), (4, 16), (8, 8), (8, 40)])
 def test_tick_tables_keep_dependencies_and_meet_theory(S, M):
-    one, zb = schedules.one_f_one_b(S, M), schedules.zb_h1(S, M)
+    one, zb = pipeline.one_f_one_b(S, M), pipeline.zb_h1(S, M)
     for sched in (one, zb):
         F, B = _ticks(sched, "f"), _ticks(sched, "b")
         assert (F[1:] > F[:-1]).all() and (B[:-1] > B[1:]).all() and (B > F).all()
@@ -101,7 +101,7 @@ def test_tick_tables_keep_dependencies_and_meet_theory(S, M):
     # f = b = w = 1: 1F1B (M + S - 1)/M of the ideal 3M (Narayanan et al. 2021); ZB-H1 (M + (S - 1)/3)/M (Qi et al.)
     assert one.ticks == M + 2 * S - 1 and one.time() == 3 * (M + S - 1)
     assert zb.time() == 3 * M + S - 1
-    assert schedules.zb_h1(S, M, cap=lambda s: S - s).time() == 3 * M + 2 * (S - 1)
+    assert pipeline.zb_h1(S, M, cap=lambda s: S - s).time() == 3 * M + 2 * (S - 1)
     # O(S) in flight per stage, whatever M
     assert (one.in_flight() <= 2 * (S - np.arange(S)) - 1).all()
     assert (zb.in_flight() <= 2 * S - 1 - np.arange(S)).all()
@@ -110,7 +110,7 @@ def test_tick_tables_keep_dependencies_and_meet_theory(S, M):
 
 @pytest.mark.parametrize("S,v,M", [(2, 2, 4), (4, 2, 8), (4, 2, 32), (4, 3, 12), (8, 2, 16)])
 def test_interleaved_1f1b_table(S, v, M):
-    sched = schedules.one_f_one_b(S, M, v)
+    sched = pipeline.one_f_one_b(S, M, v)
     F, B = sched.chunk_ticks("f"), sched.chunk_ticks("b")  # [v·S, M]: chunk c on stage c mod S
     assert (F >= 0).all() and (B >= 0).all()
     assert (F[1:] > F[:-1]).all() and (B[:-1] > B[1:]).all() and (B > F).all()

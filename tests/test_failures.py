@@ -141,3 +141,29 @@ def test_divisibility_hints_give_the_nearest_sizes_on_both_sides(over, hint):
 def test_checkpoint_keep_0_fails_in_validate():
     with pytest.raises(ConfigError, match="checkpoint.keep=0"):
         validate(tiny_config(**{"checkpoint.keep": 0}), 8)
+
+
+BAD_VALUES = [("optim.lr", -1e-3), ("optim.min_lr_ratio", 1.5), ("optim.weight_decay", -0.1), ("optim.b1", 1.0),
+              ("optim.b2", -0.1), ("optim.eps", 0.0), ("optim.clip_norm", 0.0), ("model.dropout_embed", 1.0),
+              ("model.dropout_resid", -0.5), ("model.vocab_size", -1), ("model.mlp", -64), ("model.heads", 0),
+              ("train.seed", -1), ("train.global_batch_size", 0), ("eval.batches", 0), ("data.val_fraction", 0.0),
+              ("data.bpe_vocab_size", 256), ("data.tokenizer", ""), ("log.profile_steps", (-1, 3)),
+              ("pipeline.virtual_stages", 0)]
+
+
+@pytest.mark.parametrize("key,value", BAD_VALUES)
+def test_out_of_range_values_fail_in_validate_naming_the_key(key, value):
+    with pytest.raises(ConfigError) as e:
+        validate(tiny_config(**{key: value}), 8)
+    line = next(ln for ln in str(e.value).splitlines() if f"{key}=" in ln)
+    assert repr(value) in line and "must be" in line
+
+
+def test_an_out_of_range_value_fails_in_trainer_run_and_writes_nothing(corpus, tmp_path):
+    from helpers import run_config
+    from jaxpar import trainer
+
+    wd = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"optim.b2=1.0 must be a number in \[0, 1\)"):
+        trainer.run(run_config(corpus, tmp_path, **{"optim.b2": 1.0}), str(wd))
+    assert not wd.exists() and not (tmp_path / "cache").exists()

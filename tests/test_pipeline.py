@@ -152,7 +152,7 @@ def test_schedule_bubble_matches_theory(S, v, M):
     np.testing.assert_allclose(sched.bubble_fraction(), (S - 1) / (v * M + S - 1))
     # every (microbatch, pass) runs exactly once on every stage, passes in order
     for s in range(S):
-        work = [(sched.rep[t, s], sched.mb[t, s]) for t in range(sched.ticks) if sched.valid[t, s]]
+        work = [(sched.rep["f"][t, s], sched.mb["f"][t, s]) for t in range(sched.ticks) if sched.ok["f"][t, s]]
         assert work == [(r, i) for r in range(v) for i in range(M)]
 
 

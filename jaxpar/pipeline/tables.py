@@ -1,11 +1,19 @@
-"""Tick tables of the pipeline schedules that run the backward pass inside the loop: 1F1B and zero-bubble ZB-H1.
+"""Pipeline schedules as tick tables: pure numpy, no JAX; the engines, the registry, the tests and the bench read them.
 
-A `LoopSchedule` says, for tick t and stage s, which microbatch each of three lanes works on: F (forward), B
-(backward; with `split`, only the input gradient) and W (weight gradient, only with `split`). Every stage runs its
-lanes in that order within a tick; activations go to stage s + 1 and cotangents to stage s - 1 at the end of the tick,
-usable from the next one. Pure numpy, no JAX: the engine (`jaxpar/pipeline_1f1b.py`), the tests and the bench read
-the same tables.
+One table type, `Schedule`: for tick t and stage s, per lane, which microbatch (`mb`), which of the stage's local
+chunks (`rep`) and whether there is work (`ok`). Forward tables (GPipe, circular) have the lane F only: their backward
+pass is autodiff of the loop (`jaxpar/pipeline/autodiff.py`). Loop tables (1F1B, ZB-H1) have F (forward), B
+(backward; with `split`, only the input gradient) and W (weight gradient, only with `split`), run in that order
+within a tick (`jaxpar/pipeline/loop.py`). Activations go to the next chunk's stage and cotangents to the previous
+one's at the end of a tick (`Schedule.sends`), usable from the next one.
 
+Chunk placement (all schedules): with v chunks of Lc layers per stage, global chunk c = r·S + s is local chunk r of
+stage s (`Schedule.chunk`), so stage s holds chunks s, s + S, ...; the layer order that gives each stage its chunks
+as one contiguous block is `to_stage_major`.
+
+- `gpipe(S, M)` (Huang et al. 2019): M + S - 1 ticks; `circular(S, v, M)` (interleaved virtual stages: Narayanan
+  et al. 2021, sec. 2.2; GSPMD's "circular repeat", Xu et al. 2021, sec. 3.3): v·M + S - 1 ticks, so the bubble
+  fraction falls from (S-1)/(M+S-1) to (S-1)/(v·M+S-1).
 - `one_f_one_b(S, M)`: the lockstep 1F1B of PipeDream-Flush / Megatron-LM (Narayanan et al. 2021, sec. 2.2):
   forward of microbatch i on stage s at tick i + s, its backward at tick i + 2S - 1 - s (the tick after the cotangent
   arrives), M + 2S - 1 ticks; with F and B·W costing f and b + w, the critical path is (M + S - 1)(f + b + w), the
@@ -23,13 +31,13 @@ import dataclasses
 import numpy as np
 
 LANES = ("f", "b", "w")
-NAMES = ("1f1b", "zb_h1")
+SEND = {"f": +1, "b": -1}  # lane -> the stage its output goes to: activations forward, cotangents backward
 
 
 @dataclasses.dataclass(frozen=True)
-class LoopSchedule:
-    """Per lane (`f`, `b`, `w`): `mb[lane]` (microbatch), `rep[lane]` (the stage's local chunk r: global chunk
-    r·S + s) and `ok[lane]` (work or idle), int32/bool `[ticks, stages]`."""
+class Schedule:
+    """Per lane (`f`; loop tables also `b`, `w`): `mb[lane]` (microbatch), `rep[lane]` (the stage's local chunk r:
+    global chunk `chunk(r, s)`) and `ok[lane]` (work or bubble), int32/bool `[ticks, stages]`."""
     name: str
     stages: int
     virtual: int
@@ -37,11 +45,40 @@ class LoopSchedule:
     mb: dict
     rep: dict
     ok: dict
-    split: bool  # True: B is the input gradient only and W the weight gradient; False: B does both, W idle
+    split: bool = False  # True: B is the input gradient only and W the weight gradient; False: B does both
+
+    @property
+    def lanes(self) -> tuple:
+        return tuple(self.ok)
 
     @property
     def ticks(self) -> int:
         return self.ok["f"].shape[0]
+
+    # ---- chunk placement, written once: global chunk c = r·S + s ----------------------------------------------
+    def chunk(self, r, s):
+        """Global chunk index of local chunk r on stage s (ints or traced int32)."""
+        return chunk(r, s, self.stages)
+
+    def local(self, c):
+        """Local chunk index (on its stage `c mod S`) of global chunk c."""
+        return c // self.stages
+
+    def chunks_of(self, s: int) -> range:
+        """The global chunks stage s holds, in local order."""
+        return range(s, self.virtual * self.stages, self.stages)
+
+    def sends(self, lane: str, ring: bool | None = None) -> list[tuple[int, int]]:
+        """`ppermute` pairs (source stage, target stage) for what `lane` hands on at the end of a tick; round the ring
+        of stages when there are virtual stages (`ring` None), else from stage to stage."""
+        S, step = self.stages, SEND[lane]
+        ring = self.virtual > 1 if ring is None else ring
+        return [(j, (j + step) % S) for j in (range(S) if ring else (range(S - 1) if step > 0 else range(1, S)))]
+
+    # ---- derived quantities ---------------------------------------------------------------------------------
+    def bubble_fraction(self) -> float:
+        """Idle forward slots / all slots: (S - 1) / (v·M + S - 1) for GPipe and circular."""
+        return 1.0 - float(self.ok["f"].mean())
 
     def time(self, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
         """Critical path of the lockstep schedule: sum over ticks of the busiest stage's work (a fused B costs b + w;
@@ -60,10 +97,9 @@ class LoopSchedule:
 
     def chunk_ticks(self, lane: str) -> np.ndarray:
         """`[v·S, M]`: the tick at which global chunk c runs microbatch i in `lane` (-1 if never)."""
-        S = self.stages
-        out = np.full((self.virtual * S, self.microbatches), -1)
+        out = np.full((self.virtual * self.stages, self.microbatches), -1)
         for t, s in zip(*np.nonzero(self.ok[lane])):
-            out[self.rep[lane][t, s] * S + s, self.mb[lane][t, s]] = t
+            out[self.chunk(self.rep[lane][t, s], s), self.mb[lane][t, s]] = t
         return out
 
     def key(self, i, r):
@@ -96,18 +132,20 @@ class LoopSchedule:
         else:
             raise ValueError(f"unknown buffer kind {kind!r}")
         for R in range(1, v * M + 1):
-            ok = True
-            for s in range(S):
-                cs = [c for c in range(s, C, S) if live[c]]  # this stage's chunks, keys r·M + i
-                keys = [self.key(i, c // S) for c in cs for i in range(M)]
-                w = [write[c, i] for c in cs for i in range(M)]
-                r = [read[c, i] for c in cs for i in range(M)]
-                if _collides(keys, w, r, R):
-                    ok = False
-                    break
-            if ok:
+            if not any(self._collides(s, write, read, live, R) for s in range(S)):
                 return R
         raise AssertionError("unreachable: R = v·M never collides")
+
+    def _collides(self, s, write, read, live, R) -> bool:
+        """On stage s, an entry written (end of tick write[c, i]) into a live entry's slot before it is read."""
+        cells = [(c, i) for c in self.chunks_of(s) if live[c] for i in range(self.microbatches)]
+        keys = [self.key(i, self.local(c)) for c, i in cells]
+        return _collides(keys, [write[c] for c in cells], [read[c] for c in cells], R)
+
+
+def chunk(r, s, stages: int):
+    """The chunk placement: local chunk r of stage s is global chunk r·S + s (ints or traced int32)."""
+    return r * stages + s
 
 
 def _collides(keys, write, read, R) -> bool:
@@ -129,7 +167,7 @@ def _table(S, ops) -> tuple[dict, dict, dict]:
     return mb, rep, ok
 
 
-def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> LoopSchedule:
+def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """Lockstep 1F1B. v = 1: F(i, s) at tick i + s, B(i, s) (input and weight gradient) at tick i + 2S - 1 - s.
 
     v > 1, interleaved (Narayanan et al. 2021, sec. 2.2): stage s holds chunks s, s + S, ..., and runs its forwards
@@ -144,7 +182,7 @@ def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> LoopSchedul
     if v == 1:
         ops = [(i + s, s, "f", i, 0) for i in range(M) for s in range(S)]
         ops += [(i + 2 * S - 1 - s, s, "b", i, 0) for i in range(M) for s in range(S)]
-        return LoopSchedule("1f1b", S, 1, M, *_table(S, ops), split=False)
+        return Schedule("1f1b", S, 1, M, *_table(S, ops))
     if M % S:
         raise ValueError(f"interleaved 1F1B needs microbatches divisible by stages; got M={M}, S={S}")
     C, cap = v * S, (v + 1) * S
@@ -159,25 +197,25 @@ def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> LoopSchedul
         for s in range(S):
             if nxt["f"][s] < v * M and nxt["f"][s] - nxt["b"][s] < cap:
                 i, r = order["f"][s][nxt["f"][s]]
-                c = r * S + s
+                c = chunk(r, s, S)
                 if c == 0 or done["f"][c - 1, i] < t:
                     chosen.append((s, "f", i, r))
             if nxt["b"][s] < v * M:
                 i, r = order["b"][s][nxt["b"][s]]
-                c = r * S + s
+                c = chunk(r, s, S)
                 if done["f"][c, i] < t and (c == C - 1 or done["b"][c + 1, i] < t):
                     chosen.append((s, "b", i, r))
         for s, lane, i, r in chosen:
-            done[lane][r * S + s, i] = t
+            done[lane][chunk(r, s, S), i] = t
             nxt[lane][s] += 1
             ops.append((t, s, lane, i, r))
         t += 1
         if t > 10 * v * (M + 2 * S):
             raise AssertionError(f"interleaved 1F1B made no progress (S={S}, M={M}, v={v})")
-    return LoopSchedule("1f1b", S, v, M, *_table(S, ops), split=False)
+    return Schedule("1f1b", S, v, M, *_table(S, ops))
 
 
-def zb_h1(stages: int, microbatches: int, cap=None) -> LoopSchedule:
+def zb_h1(stages: int, microbatches: int, cap=None) -> Schedule:
     """ZB-H1 by list scheduling, one op per stage per tick: B when its cotangent has arrived, else F when its input
     has arrived and the stage holds fewer than `cap(s)` microbatches, else the oldest pending W.
 
@@ -204,12 +242,48 @@ def zb_h1(stages: int, microbatches: int, cap=None) -> LoopSchedule:
         t += 1
         if t > 10 * (3 * M + 2 * S):
             raise ValueError(f"zb_h1: no progress with stages={S}, microbatches={M}; is cap(s) >= 1?")
-    return LoopSchedule("zb_h1", S, 1, M, *_table(S, ops), split=True)
+    return Schedule("zb_h1", S, 1, M, *_table(S, ops), split=True)
 
 
-def make(name: str, stages: int, microbatches: int, virtual: int = 1) -> LoopSchedule:
-    if name == "1f1b":
-        return one_f_one_b(stages, microbatches, virtual)
-    if name == "zb_h1" and virtual == 1:
-        return zb_h1(stages, microbatches)
-    raise ValueError(f"unknown backward-in-loop schedule {name!r}")
+def circular(stages: int, virtual: int, microbatches: int, name: str = "circular") -> Schedule:
+    """Stage s works at tick t on slot k = t - s: microbatch k mod M, pass (local chunk) k div M, valid while
+    k < v·M.
+
+    Microbatch i leaves the last stage after pass r at tick r·M + i + S - 1 and is needed back on stage 0 at
+    tick (r+1)·M + i, so M >= S is required (validated in config).
+
+    Raises:
+      ValueError: M < S with v > 1.
+    """
+    S, v, M = stages, virtual, microbatches
+    if v > 1 and M < S:
+        raise ValueError(f"circular schedule needs microbatches >= stages; got M={M}, S={S}")
+    t = np.arange(v * M + S - 1)[:, None]
+    k = t - np.arange(S)[None, :]
+    valid = (k >= 0) & (k < v * M)
+    kc = np.clip(k, 0, v * M - 1)
+    return Schedule(name, S, v, M, {"f": (kc % M).astype(np.int32)}, {"f": (kc // M).astype(np.int32)},
+                    {"f": valid})
+
+
+def gpipe(stages: int, microbatches: int) -> Schedule:
+    return circular(stages, 1, microbatches, name="gpipe")
+
+
+def to_stage_major(x, stages: int, virtual: int):
+    """Layer axis 0 in canonical order -> the order whose contiguous split over `stages` gives stage s its chunks
+    s, s + S, ..., s + (v-1)·S (the placement c = r·S + s). Identity for v = 1."""
+    if virtual == 1:
+        return x
+    L = x.shape[0]
+    c = x.reshape(virtual, stages, L // (virtual * stages), *x.shape[1:])  # [v, S, Lc, ...]: chunk r·S + s
+    return c.swapaxes(0, 1).reshape(x.shape)
+
+
+def from_stage_major(x, stages: int, virtual: int):
+    """Inverse of `to_stage_major`."""
+    if virtual == 1:
+        return x
+    L = x.shape[0]
+    c = x.reshape(stages, virtual, L // (virtual * stages), *x.shape[1:])
+    return c.swapaxes(0, 1).reshape(x.shape)

@@ -1,0 +1,128 @@
+"""Gradient strategies: the loss and its gradients over one step's microbatches, three ways, chosen once per layout.
+
+Each takes the microbatched inputs `xs` (leaves `[M, batch / M, ...]`: x, y int32 `[.., seq]`, w float32 mask,
+ids int32 global row index) and offers
+
+    loss_and_grads(params, xs, norm, rng) -> (loss_sum, grads of norm · loss_sum)   (float32; before `grad_sharding`)
+    loss(params, xs) -> (loss_sum, token_count)                                    (evaluation: no dropout)
+
+- `Accumulate` (no pipeline): a scan over the microbatches on each data shard; ZeRO's reductions by hand
+  (`zero.DataParallel`).
+- `PipelineAutodiff` (GPipe, circular): the backward pass is autodiff of the pipeline's forward tick loop.
+- `PipelineLoop` (1F1B, ZB-H1): the backward pass runs inside the tick loop; evaluation runs the circular forward
+  loop over the same stage-major layer order.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar import model as gpt
+from jaxpar import pipeline
+from jaxpar.logical import activation_rules
+from jaxpar.manual import vary
+
+PIPE_MANUAL = ("stage", "data")  # the pipelines' shard_map is manual over these
+
+
+class Accumulate:
+    """Microbatches accumulated in a `lax.scan` under `DataParallel.run` (manual over `data` when it has > 1 device).
+
+    ZeRO-3 gathers each layer's params inside the layer scan and the shared ones once per microbatch."""
+
+    def __init__(self, fwd: gpt.Forward, dp, rules, mesh):
+        self.fwd, self.dp, self.rules, self.mesh = fwd, dp, rules, mesh
+        self.gather_layer = dp.layer_gather(lambda tree: gpt.split_params(tree)[1])
+
+    def loss_and_grads(self, params, xs, norm, rng):
+        extras = {"norm": norm, "rng": None if rng is None else jax.random.key_data(rng)}
+        return self.dp.run(self._per_shard, params, xs, extras)
+
+    def _per_shard(self, params, xs, ex):
+        """On one data shard: grads of sum(loss) · norm over M microbatches, reduced as the ZeRO stage says."""
+        rng = None if ex["rng"] is None else jax.random.wrap_key_data(ex["rng"])
+        fwd, dp = self.fwd, self.dp
+
+        def grad_mb(mb):
+            def f(p):
+                s, _ = fwd.loss(dp.gather_shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
+                                prepare=self.gather_layer)
+                return s * ex["norm"], s
+
+            g, s = jax.grad(f, has_aux=True)(params)
+            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(gpt.at_least_f32(a.dtype)), g)), s
+
+        def body(carry, mb):
+            gacc, lsum = carry
+            g, s = grad_mb(mb)
+            return (jax.tree.map(jnp.add, gacc, g), lsum + s), None
+
+        with activation_rules(self.rules, None if dp.manual else self.mesh, manual=dp.manual):
+            shapes = jax.eval_shape(grad_mb, jax.tree.map(lambda a: a[0], xs))[0]
+            zeros = lambda a: vary(jnp.zeros(a.shape, a.dtype))
+            (grads, lsum), _ = jax.lax.scan(body, (jax.tree.map(zeros, shapes), zeros(jnp.zeros(()))), xs)
+        return lsum, grads
+
+    def loss(self, params, xs):
+        def body(acc, mb):
+            s, n = self.fwd.loss(params, mb["x"], mb["y"], mb["w"])
+            return (acc[0] + s, acc[1] + n), None
+
+        (s, n), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), xs)
+        return s, n
+
+
+class PipelineAutodiff:
+    """The pipeline over `stage` (GPipe, circular); grads by autodiff of its tick loop.
+
+    The pipeline's shard_map is manual over `stage` and `data`: the data-parallel gradient reduction is one psum per
+    step, after the tick loop. The params enter and the grads leave the tick loop unsharded over `data` (ZeRO-3
+    gathers the stage's params once, before the loop; ZeRO-2 scatters after it): a `data` collective that the
+    compiler would place inside a stage's `cond` is one the devices of other stages never join."""
+
+    def __init__(self, fwd: gpt.Forward, table, forward_table, mesh, rules, unsharded, remat: bool,
+                 skip_bubbles: bool):
+        self.fwd, self.table, self.forward_table, self.mesh, self.rules = fwd, table, forward_table, mesh, rules
+        self.unsharded, self.remat, self.skip_bubbles = unsharded, remat, skip_bubbles
+
+    def fence(self, tree):
+        return jax.lax.with_sharding_constraint(tree, self.unsharded)
+
+    def _ends(self, params, rng):
+        """(shared params, layer params, the pipeline's first and last functions over one microbatch)."""
+        shared, layers = gpt.split_params(params)
+        first = lambda sh, mb: self.fwd.embed(sh, mb["x"], rng, mb["ids"])
+        last = lambda sh, a, mb: self.fwd.head_loss(sh, a, mb["y"], mb["w"])
+        return shared, layers, first, last
+
+    def _forward(self, params, xs, rng):
+        """(loss_sum, count, per-microbatch sums) of all microbatches through the forward tick loop."""
+        tab = self.forward_table
+        Lc = self.fwd.cfg.layers // (tab.stages * tab.virtual)
+        shared, layers, first, last = self._ends(params, rng)
+        stage = lambda chunk, a, cid, mb: self.fwd.layers(chunk, a, rng, mb["ids"], first_layer=cid * Lc)
+        with activation_rules(self.rules, None, manual=PIPE_MANUAL):
+            return pipeline.run(first, stage, last, shared, layers, xs, tab, self.mesh, remat=self.remat,
+                                skip_bubbles=self.skip_bubbles)
+
+    def loss_and_grads(self, params, xs, norm, rng):
+        f = lambda p: (lambda s: (s * norm, s))(self._forward(self.fence(p), xs, rng)[0])
+        grads, lsum = jax.grad(f, has_aux=True)(params)
+        return lsum, self.fence(jax.tree.map(lambda a: a.astype(jnp.float32), grads))
+
+    def loss(self, params, xs):
+        return self._forward(self.fence(params), xs, None)[:2]
+
+
+class PipelineLoop(PipelineAutodiff):
+    """The pipeline with the backward pass inside the tick loop (1F1B, ZB-H1)."""
+
+    def loss_and_grads(self, params, xs, norm, rng):
+        shared, layers, first, last = self._ends(self.fence(params), rng)
+        layer = lambda p, a, index, mb: self.fwd.block(p, a, rng, mb["ids"], index)
+        with activation_rules(self.rules, None, manual=PIPE_MANUAL):
+            lsum, _, _, dshared, dlayers = pipeline.run_loop(
+                first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm, jnp.float32),
+                remat=self.remat)
+        grads = gpt.join_params(dshared, dlayers)
+        return lsum, self.fence(jax.tree.map(lambda a: a.astype(jnp.float32), grads))

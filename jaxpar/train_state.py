@@ -1,0 +1,58 @@
+"""The train state and where it lives: a fresh state from a seed, and the shardings of the state, the float32
+gradient buffer and the batch for a layout (logical axis rules + the ZeRO stage, `jaxpar/sharding.py`).
+
+The state is `{"params", "opt_state", "step": int32 [], "rng": uint32 key data, "loss_scale": LossScaleState,
+"nonfinite": int32 [], "first_nonfinite": int32 []}`; the same tree whatever the layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar import loss_scale
+from jaxpar import model as gpt
+from jaxpar import sharding as shd
+
+
+def init_state(cfg: gpt.GPTConfig, optimizer, seed: int, ls_cfg=loss_scale.LossScaleConfig()) -> dict:
+    """A fresh train state; its values depend only on `seed` and `cfg` (not on the layout).
+
+    Keys: params, opt_state, step (int32, updates done), rng (uint32 key data), loss_scale (`LossScaleState`, used
+    with float16 compute, kept in every state so checkpoints move between precisions), nonfinite (int32 count of
+    steps with a non-finite loss or grads) and first_nonfinite (int32, the first such step, or -1)."""
+    key = jax.random.key(seed)
+    params = gpt.init_params(cfg, jax.random.fold_in(key, 0))
+    i32 = lambda v: jnp.full((), v, jnp.int32)
+    return {"params": params, "opt_state": optimizer.init(params), "step": i32(0),
+            "rng": jax.random.key_data(jax.random.fold_in(key, 1)), "loss_scale": loss_scale.init(ls_cfg),
+            "nonfinite": i32(0), "first_nonfinite": i32(-1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Specs and shardings of one layout. ZeRO stage z shards over `data`: params from z >= 3, the float32 gradient
+    buffer from z >= 2, the optimizer state from z >= 1 (Rajbhandari et al. 2020, sec. 5)."""
+    names: dict  # logical axis names per param leaf
+    param_specs: dict
+    grad_specs: dict
+    state: dict  # NamedShardings of the train state
+    grads: dict  # NamedShardings of the float32 gradient buffer
+    unsharded: dict  # the params' NamedShardings without ZeRO's `data` axis
+    batch: NamedSharding  # `[global_batch, ...]` split over `data`
+    replicated: NamedSharding
+
+
+def layout(cfg: gpt.GPTConfig, optimizer, rules, mesh, zero_stage: int) -> Layout:
+    names = gpt.logical_axes(cfg)
+    pshapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
+    specs = lambda zero: shd.param_specs(names, pshapes, rules, mesh, zero=zero)
+    pspecs, gspecs = specs(zero_stage >= 3), specs(zero_stage >= 2)
+    ospecs = shd.opt_state_specs(optimizer, jax.eval_shape(optimizer.init, pshapes), specs(zero_stage >= 1))
+    state = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P(),
+             "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P()}
+    return Layout(names=names, param_specs=pspecs, grad_specs=gspecs, state=shd.named(mesh, state),
+                  grads=shd.named(mesh, gspecs), unsharded=shd.named(mesh, specs(False)),
+                  batch=NamedSharding(mesh, P("data")), replicated=NamedSharding(mesh, P()))
