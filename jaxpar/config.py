@@ -69,7 +69,7 @@ def base_config() -> ml_collections.ConfigDict:
     ))
 
     c.pipeline = ml_collections.ConfigDict(dict(
-        schedule="gpipe",  # gpipe | circular | 1f1b | zb_h1
+        schedule="gpipe",  # a name in jaxpar.pipeline.SCHEDULES: gpipe, circular (GPipe family), 1f1b, zb_h1
         virtual_stages=1,  # chunks per stage with the circular or 1f1b (interleaved) schedule
         remat=True,  # recompute each stage's layers in the backward pass (1f1b with False: keep vjp residuals)
         skip_bubbles=True,  # skip the compute of bubble slots (False: compute and discard; for measurements)

@@ -16,6 +16,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 _RULES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_rules", default=None)
 
 
+def mesh_axes(entry) -> tuple:
+    """One `PartitionSpec` entry (None, a mesh axis name, or a tuple of names) or rule target -> a tuple of names."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def spec(names, rules, skip=()) -> P:
     """Logical names -> `PartitionSpec`; each mesh axis is used at most once (first come), `skip` axes never.
 
@@ -30,9 +35,7 @@ def spec(names, rules, skip=()) -> P:
             continue
         if n not in table:
             raise KeyError(f"logical axis {n!r} has no rule; add ({n!r}, mesh_axis_or_None) to config.rules")
-        ax = table[n]
-        axes = (ax,) if isinstance(ax, str) else tuple(ax or ())
-        axes = tuple(a for a in axes if a not in used)
+        axes = tuple(a for a in mesh_axes(table[n]) if a not in used)
         used.update(axes)
         out.append(axes[0] if len(axes) == 1 else (axes or None))
     return P(*out)

@@ -7,21 +7,20 @@ not already sharded.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpar.logical import spec
+from jaxpar.logical import mesh_axes, spec
 
 
 def _fits(p: P, shape, mesh) -> P:
     """Drop mesh axes that do not divide their dimension."""
     out = []
     for dim, ax in zip(shape, tuple(p) + (None,) * (len(shape) - len(p))):
-        axes = () if ax is None else ((ax,) if isinstance(ax, str) else tuple(ax))
-        size = 1
-        for a in axes:
-            size *= mesh.shape[a]
+        size = math.prod(mesh.shape[a] for a in mesh_axes(ax))
         out.append(ax if dim % size == 0 else None)
     return P(*out)
 
@@ -31,16 +30,13 @@ def add_data_axis(p: P, shape, mesh, skip=()) -> P:
     the dimensions in `skip` (the `layers` axis, so ZeRO-3 can gather one layer at a time)."""
     d = mesh.shape["data"]
     parts = list(tuple(p) + (None,) * (len(shape) - len(p)))
-    if d == 1 or any(a == "data" or (isinstance(a, tuple) and "data" in a) for a in parts):
+    if d == 1 or any("data" in mesh_axes(a) for a in parts):
         return P(*parts)
     for i, (dim, ax) in enumerate(zip(shape, parts)):
         if i in skip:
             continue
-        axes = () if ax is None else ((ax,) if isinstance(ax, str) else tuple(ax))
-        size = d
-        for a in axes:
-            size *= mesh.shape[a]
-        if dim % size == 0:
+        axes = mesh_axes(ax)
+        if dim % (d * math.prod(mesh.shape[a] for a in axes)) == 0:
             parts[i] = ("data",) + axes if axes else "data"
             return P(*parts)
     return P(*parts)

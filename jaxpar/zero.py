@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.logical import mesh_axes
 from jaxpar.manual import vary
 
 AXIS = "data"
@@ -29,7 +30,7 @@ LAYERS = "layers"  # the logical axis of stacked per-layer params (scanned over,
 def data_dim(spec: P):
     """Index of the dimension a `PartitionSpec` shards over `data`, or None."""
     for i, ax in enumerate(spec):
-        if ax == AXIS or (isinstance(ax, tuple) and AXIS in ax):
+        if AXIS in mesh_axes(ax):
             return i
     return None
 
