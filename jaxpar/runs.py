@@ -50,7 +50,7 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
     config = read_config(workdir)
     tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
     cfg = model_config(config, max(int(config.model.vocab_size), tok.vocab_size), int(config.mesh.tensor))
-    optimizer = make_optimizer(config)
+    optimizer = make_optimizer(config, cfg)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # the Checkpointer would create it
         raise FileNotFoundError(f"no checkpoints in {workdir}: train.py has not saved one yet.")
     ckpt = Checkpointer(workdir, 1, 1, async_save=False, read_only=True)

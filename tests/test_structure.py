@@ -23,3 +23,11 @@ def test_only_the_model_names_the_layer_subtree():
             if f.name != "model.py" and f.parent.name != "model"
             for i, line in enumerate(f.read_text().splitlines(), 1) if '"blocks"' in line or "'blocks'" in line]
     assert not hits, hits
+
+
+def test_every_subpackage_is_installed():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to pyproject.toml's packages"
