@@ -20,7 +20,7 @@ stage; `1f1b` and `zb_h1`, whose backward runs inside the loop), on a tiny GPT:
                   t_b are measured on one device (jitted `Forward.layers` and the pullback of its `jax.vjp`); a
                   backward tick costs t_b, plus t_f when `pipeline.remat` recomputes the forward. Ideal: v·M chunks
                   each way with no waiting. Next to it: theory_ratio = (v·M + S - 1) / (v·M), and the schedule's
-                  bubble fraction (S - 1) / (v·M + S - 1). For 1f1b and zb_h1: the `LoopSchedule.time` of the
+                  bubble fraction (S - 1) / (v·M + S - 1). For 1f1b and zb_h1: the `Schedule.time` of the
                   tick table with equal F, B and W costs over the ideal 3M, next to theory_ratio = (M + S - 1) / M
                   (1F1B) and (M + (S - 1)/3) / M (ZB-H1, Qi et al. 2023, sec. 3).
   peak_bytes      per device, from the compiled train step's memory analysis: argument + output + temp - alias.
@@ -48,6 +48,7 @@ from jaxpar import pipeline  # noqa: E402
 from common import m_axis, write_results  # noqa: E402
 from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.model import split_params  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
 from jaxpar.step import build, map_blocks  # noqa: E402
 
@@ -92,7 +93,8 @@ class Runner:
     def __init__(self, config, devices, canonical_state):
         shape = validate(config, len(devices))
         steps = build(config, make_mesh(shape, devices), _VOCAB.value)
-        S, v = shape["stage"], int(config.pipeline.virtual_stages) if config.pipeline.schedule == "circular" else 1
+        S = shape["stage"]
+        v = pipeline.virtual_stages(config.pipeline.schedule, S, int(config.pipeline.virtual_stages))
         B, T = int(config.train.global_batch_size), int(config.model.seq_len)
         tokens = np.random.default_rng(0).integers(0, _VOCAB.value, (B, T + 1), dtype=np.int32)
         self.batch = {"tokens": jax.device_put(tokens, steps.batch_sharding)}
@@ -186,7 +188,7 @@ def sweep() -> list[dict]:
         log(f"S=1 M={M:3d}: step {step_s * 1e3:8.2f} ms, peak {r.mem.get('peak', 0) / 2**20:.2f} MiB, "
             f"compile {r.compile_s:.1f} s")
 
-    blocks = canonical["params"]["blocks"]
+    blocks = split_params(canonical["params"])[1]
     for S, name in combos:
         v = 2 if name == "circular" else 1
         Lc = _LAYERS.value // (S * v)

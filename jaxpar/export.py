@@ -161,7 +161,7 @@ _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (s
 def _gpt_config(meta: dict, where: str):
     """GPTConfig from model_config.json's fields, type-checked; ValueError naming the first bad field."""
     from jaxpar.config import DTYPES
-    from jaxpar.model import GPTConfig
+    from jaxpar.model import SHAPE_FIELDS, GPTConfig
 
     kw = {}
     for f in dataclasses.fields(GPTConfig):
@@ -174,7 +174,7 @@ def _gpt_config(meta: dict, where: str):
             raise ValueError(f"{where}: field {f.name!r} is {v!r}; expected {str(f.type)}.")
         kw[f.name] = v
     cfg = GPTConfig(**kw)
-    for name in ("vocab_size", "vocab_real", "seq_len", "layers", "embed", "heads", "mlp"):
+    for name in (f for f in SHAPE_FIELDS if f != "tie_embeddings"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)}; expected >= 1.")
     if cfg.embed % cfg.heads:

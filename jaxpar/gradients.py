@@ -3,7 +3,7 @@
 Each takes the microbatched inputs `xs` (leaves `[M, batch / M, ...]`: x, y int32 `[.., seq]`, w float32 mask,
 ids int32 global row index) and offers
 
-    loss_and_grads(params, xs, norm, rng) -> (loss_sum, grads of norm · loss_sum)   (float32; before `grad_sharding`)
+    loss_and_grads(params, xs, norm, rng) -> (loss_sum, grads of norm · loss_sum)   (float32)
     loss(params, xs) -> (loss_sum, token_count)                                    (evaluation: no dropout)
 
 - `Accumulate` (no pipeline): a scan over the microbatches on each data shard; ZeRO's reductions by hand
@@ -80,9 +80,8 @@ class PipelineAutodiff:
     gathers the stage's params once, before the loop; ZeRO-2 scatters after it): a `data` collective that the
     compiler would place inside a stage's `cond` is one the devices of other stages never join."""
 
-    def __init__(self, fwd: gpt.Forward, table, forward_table, mesh, rules, unsharded, remat: bool,
-                 skip_bubbles: bool):
-        self.fwd, self.table, self.forward_table, self.mesh, self.rules = fwd, table, forward_table, mesh, rules
+    def __init__(self, fwd: gpt.Forward, forward_table, mesh, rules, unsharded, remat: bool, skip_bubbles: bool):
+        self.fwd, self.forward_table, self.mesh, self.rules = fwd, forward_table, mesh, rules
         self.unsharded, self.remat, self.skip_bubbles = unsharded, remat, skip_bubbles
 
     def fence(self, tree):
@@ -115,7 +114,11 @@ class PipelineAutodiff:
 
 
 class PipelineLoop(PipelineAutodiff):
-    """The pipeline with the backward pass inside the tick loop (1F1B, ZB-H1)."""
+    """The pipeline with the backward pass inside the tick loop (1F1B, ZB-H1); `table` is its loop tick table."""
+
+    def __init__(self, fwd: gpt.Forward, table, forward_table, *args):
+        super().__init__(fwd, forward_table, *args)
+        self.table = table
 
     def loss_and_grads(self, params, xs, norm, rng):
         shared, layers, first, last = self._ends(self.fence(params), rng)

@@ -182,7 +182,8 @@ class KVCache(NamedTuple):
         cv = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.pos, 1)
         qpos = self.pos + jnp.arange(t)[:, None]
         mask = (jnp.arange(S)[None, :] <= qpos)[None, None]  # [1, 1, t, S]: causal over filled positions
-        return attention(q, ck, cv, mask), KVCache(ck, cv, self.pos + t)
+        f32 = lambda a: a.astype(jnp.float32)  # sampling attends in float32 on every backend
+        return attention(f32(q), f32(ck), f32(cv), mask).astype(q.dtype), KVCache(ck, cv, self.pos + t)
 
 
 class GPT(nnx.Module):

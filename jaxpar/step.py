@@ -119,9 +119,11 @@ def strategy(st: StepSettings, fwd: gpt.Forward, lay, mesh):
         dp = DataParallel(mesh, lay.param_specs, lay.grad_specs, st.zero_stage, lay.names)
         return gradients.Accumulate(fwd, dp, st.rules, mesh)
     M, v = st.microbatches, st.virtual_stages
-    table, fwd_table = pipeline.table(st.schedule, S, M, v), pipeline.forward_table(st.schedule, S, M, v)
-    kind = gradients.PipelineLoop if pipeline.SCHEDULES[st.schedule].engine == "loop" else gradients.PipelineAutodiff
-    return kind(fwd, table, fwd_table, mesh, st.rules, lay.unsharded, st.pipeline_remat, st.skip_bubbles)
+    common = (pipeline.forward_table(st.schedule, S, M, v), mesh, st.rules, lay.unsharded, st.pipeline_remat,
+              st.skip_bubbles)
+    if pipeline.SCHEDULES[st.schedule].engine == "loop":
+        return gradients.PipelineLoop(fwd, pipeline.table(st.schedule, S, M, v), *common)
+    return gradients.PipelineAutodiff(fwd, *common)
 
 
 def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):

@@ -215,7 +215,7 @@ def run(config, workdir: str, devices=None) -> dict:
     try:
         abstract = steps.abstract_state()
         state, start = restore_or_init(config, steps, ckpt, train_data, abstract)
-        loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract)
+        loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, state, start)
         return loop.run(state, start)
     finally:
         ckpt.close()
@@ -268,7 +268,7 @@ class Loop:
     """The train loop of one run: steps, and at their cadences logs, evaluation and checkpoints; SIGTERM stops it at
     a step boundary with a checkpoint; the step watchdog is armed while it runs."""
 
-    def __init__(self, config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract):
+    def __init__(self, config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, state, start):
         self.config, self.steps, self.ckpt, self.fp = config, steps, ckpt, fp
         self.train_data, self.val_data = train_data, val_data
         self.B, self.T = int(config.train.global_batch_size), int(config.model.seq_len)
@@ -276,11 +276,15 @@ class Loop:
         self.rows = data.process_rows(steps.batch_sharding, self.B)
         self.flops_tok = gpt.flops_per_token(steps.cfg)
         self.peak, self.ndev = metrics.peak_flops(devices[0].device_kind), len(devices)
-        self.devices, self.workdir = devices, workdir
         is_main = jax.process_index() == 0
         self.writer = monitor.MetricsWriter(workdir, is_main)
         self.profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
-        self.console = None
+        self.console = monitor.Console(is_main, self.total, start, bool(config.log.progress))
+        if is_main:
+            self.console.print(
+                f"jaxpar: mesh {dict(steps.mesh.shape)} on {self.ndev} {devices[0].platform} devices, "
+                f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "
+                f"start step {start}, workdir {workdir}")
         # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
         tokens = jax.ShapeDtypeStruct((self.B, self.T + 1), np.int32, sharding=steps.batch_sharding)
         self.eval_step = steps.evaluate.lower(abstract["params"], {"tokens": tokens}).compile()
@@ -296,15 +300,8 @@ class Loop:
         return tot / max(n, 1.0)
 
     def run(self, state, start: int) -> dict:
-        is_main, mesh = jax.process_index() == 0, self.steps.mesh
-        self.console = monitor.Console(is_main, self.total, start, bool(self.config.log.progress))
-        if is_main:
-            self.console.print(
-                f"jaxpar: mesh {dict(mesh.shape)} on {self.ndev} {self.devices[0].platform} devices, "
-                f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "
-                f"start step {start}, workdir {self.workdir}")
         preemption = PreemptionWatch()
-        dist = self.config.dist  # from the end of the first step (compiled) on; evaluation and saves count as the step's
+        dist = self.config.dist  # from the end of the first step (compiled) on; evaluation and saves count too
         watchdog.arm_steps(float(dist.step_timeout_s), float(dist.step_timeout_min_s), float(dist.step_timeout_factor))
         try:
             last = self._steps(state, start, preemption)

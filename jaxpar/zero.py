@@ -48,7 +48,7 @@ class DataParallel:
       names: the params tree of logical axis names (tuples), for the ZeRO-3 gathers.
     """
 
-    def __init__(self, mesh, param_specs, grad_specs, zero_stage: int, names=None):
+    def __init__(self, mesh, param_specs, grad_specs, zero_stage: int, names):
         self.mesh, self.names = mesh, names
         self.size = mesh.shape[AXIS]  # with a 1-device axis there is nothing to reduce: no shard_map at all
         self.manual = (AXIS,) if self.size > 1 else ()  # mesh axes that are manual inside `run`

@@ -48,3 +48,23 @@ def test_old_checkpoint_restores_bitwise_and_resumes(old_run):
         losses = {r["step"]: r["loss"] for r in map(json.loads, f)}
     assert sorted(losses) == [3]  # resumed at step 2, not restarted
     np.testing.assert_allclose(losses[3], expected["loss_step_3"], rtol=1e-6)
+
+
+OLD_FP = {"model.seq_len": 16, "model.layers": 4, "model.embed": 32, "model.heads": 8, "model.mlp": 0,
+          "model.tie_embeddings": True, "train.global_batch_size": 16, "vocab_real": 259, "mlp_width": 128,
+          "tokenizer": "byte", "data": "d"}  # as checkpoints before the model spec wrote it (mlp 0 = 4 x embed)
+
+
+def now_fp(**over):
+    fp = {"model.vocab_real": 259, "model.seq_len": 16, "model.layers": 4, "model.embed": 32, "model.heads": 8,
+          "model.mlp": 128, "model.tie_embeddings": True, "train.global_batch_size": 16, "tokenizer": "byte",
+          "data": "d"}
+    return {**fp, **over}
+
+
+def test_old_fingerprint_resumes_the_same_model_and_refuses_another():
+    trainer.check_resume(OLD_FP, now_fp())  # the same model: no error
+    with pytest.raises(trainer.ConfigError, match=r"model.mlp: checkpoint 128 vs now 256"):
+        trainer.check_resume(OLD_FP, now_fp(**{"model.mlp": 256}))
+    with pytest.raises(trainer.ConfigError, match=r"model.vocab_real: checkpoint 259 vs now 300"):
+        trainer.check_resume(OLD_FP, now_fp(**{"model.vocab_real": 300}))

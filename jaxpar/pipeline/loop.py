@@ -1,12 +1,12 @@
 """The pipeline with the backward pass inside the loop: 1F1B and ZB-H1 over the mesh axis `stage`, one SPMD program.
 
-GPipe through autodiff (`jaxpar/pipeline/autodiff.py`) keeps what every in-flight microbatch needs for its backward pass until
-the loop ends, O(M). Here each tick of a `lax.scan` runs up to three lanes per stage, from a loop table
-(`jaxpar/pipeline/tables.py`): F (forward), B (backward by `jax.vjp`; the input gradient only when the schedule splits it)
-and W (the weight gradient of a split schedule), each on one microbatch and one of the stage's v chunks of layers
-(interleaved 1F1B: v > 1). Activations travel to the next chunk's stage and cotangents to the previous one's with
-`ppermute` at the end of every tick (round the ring of stages when v > 1). A stage keeps, in fixed-size ring buffers
-indexed by `Schedule.key(microbatch, chunk)` mod R (R read off the table: O(v·S), never O(M)):
+GPipe through autodiff (`jaxpar/pipeline/autodiff.py`) keeps what every in-flight microbatch needs for its backward
+pass until the loop ends, O(M). Here each tick of a `lax.scan` runs up to three lanes per stage, from a loop table
+(`jaxpar/pipeline/tables.py`): F (forward), B (backward by `jax.vjp`; the input gradient only when the schedule
+splits it) and W (the weight gradient of a split schedule), each on one microbatch and one of the stage's v chunks
+of layers (interleaved 1F1B: v > 1). Activations travel to the next chunk's stage and cotangents to the previous
+one's with `ppermute` at the end of every tick (round the ring of stages when v > 1). A stage keeps, in fixed-size
+ring buffers indexed by `Schedule.key(microbatch, chunk)` mod R (R read off the table: O(v·S), never O(M)):
 
 - its stage inputs until their B (`remat=True`: B recomputes the stage's forward from them), or the vjp residuals
   of the stage's layers (`remat=False`: no recompute);
@@ -53,7 +53,7 @@ def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
       microbatches and the `data` axis (one all-reduce per step), grads shaped like `shared` / `stacked`.
     """
     if not remat and schedule.split:
-        raise ValueError("remat=False (keep vjp residuals) is implemented for 1f1b only; zb_h1 recomputes")
+        raise ValueError(f"remat=False with the split schedule {schedule.name!r} (see pipeline.registry.errors)")
     tables = {k: (jnp.asarray(schedule.mb[k]), jnp.asarray(schedule.rep[k]), jnp.asarray(schedule.ok[k]))
               for k in LANES}
     engine = _Engine(first_fn, layer_fn, last_fn, schedule, remat)

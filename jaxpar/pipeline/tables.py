@@ -48,10 +48,6 @@ class Schedule:
     split: bool = False  # True: B is the input gradient only and W the weight gradient; False: B does both
 
     @property
-    def lanes(self) -> tuple:
-        return tuple(self.ok)
-
-    @property
     def ticks(self) -> int:
         return self.ok["f"].shape[0]
 
@@ -132,11 +128,11 @@ class Schedule:
         else:
             raise ValueError(f"unknown buffer kind {kind!r}")
         for R in range(1, v * M + 1):
-            if not any(self._collides(s, write, read, live, R) for s in range(S)):
+            if not any(self._stage_collides(s, write, read, live, R) for s in range(S)):
                 return R
         raise AssertionError("unreachable: R = v·M never collides")
 
-    def _collides(self, s, write, read, live, R) -> bool:
+    def _stage_collides(self, s, write, read, live, R) -> bool:
         """On stage s, an entry written (end of tick write[c, i]) into a live entry's slot before it is read."""
         cells = [(c, i) for c in self.chunks_of(s) if live[c] for i in range(self.microbatches)]
         keys = [self.key(i, self.local(c)) for c, i in cells]
