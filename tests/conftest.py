@@ -5,6 +5,12 @@ import re
 _flags = os.environ.get("XLA_FLAGS", "")  # kept: e.g. --xla_cpu_max_isa=AVX2 to try another instruction set
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+# XLA:CPU's backend optimization level 0 (LLVM -O0): the suite's programs are tiny, so compiling them is most of its
+# time, and -O0 compiles ~40 % faster (measured: a 1F1B train step on 8 devices 12.9 s -> 8.9 s). Only the machine
+# code changes (as on another CPU); JAXPAR_TEST_XLA_OPT=default keeps XLA's default level.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"] and \
+        os.environ.get("JAXPAR_TEST_XLA_OPT", "0") != "default":
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
