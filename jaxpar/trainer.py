@@ -215,7 +215,7 @@ def run(config, workdir: str, devices=None) -> dict:
     try:
         abstract = steps.abstract_state()
         state, start = restore_or_init(config, steps, ckpt, train_data, abstract)
-        loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, state, start)
+        loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, start)
         return loop.run(state, start)
     finally:
         ckpt.close()
@@ -268,7 +268,7 @@ class Loop:
     """The train loop of one run: steps, and at their cadences logs, evaluation and checkpoints; SIGTERM stops it at
     a step boundary with a checkpoint; the step watchdog is armed while it runs."""
 
-    def __init__(self, config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, state, start):
+    def __init__(self, config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, start):
         self.config, self.steps, self.ckpt, self.fp = config, steps, ckpt, fp
         self.train_data, self.val_data = train_data, val_data
         self.B, self.T = int(config.train.global_batch_size), int(config.model.seq_len)
@@ -283,7 +283,7 @@ class Loop:
         if is_main:
             self.console.print(
                 f"jaxpar: mesh {dict(steps.mesh.shape)} on {self.ndev} {devices[0].platform} devices, "
-                f"{sum(np.prod(v.shape) for v in jax.tree.leaves(state['params'])):,} params, "
+                f"{sum(np.prod(v.shape) for v in jax.tree.leaves(abstract['params'])):,} params, "
                 f"start step {start}, workdir {workdir}")
         # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
         tokens = jax.ShapeDtypeStruct((self.B, self.T + 1), np.int32, sharding=steps.batch_sharding)
