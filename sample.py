@@ -10,7 +10,7 @@ from absl import app, flags, logging
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py, or an export.")
 _PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")
-_NEW = flags.DEFINE_integer("new_tokens", 200, "Tokens to generate (prompt + new <= model.seq_len).")
+_NEW = flags.DEFINE_integer("new_tokens", 200, "Tokens to generate (prompt + new <= the model's max_positions).")
 _TEMP = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
 _TOPK = flags.DEFINE_integer("top_k", 40, "Keep the k most likely tokens; 0 = all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
@@ -34,9 +34,9 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     ids = tok.encode(_PROMPT.value)
-    room = fwd.cfg.seq_len - len(ids)
+    room = fwd.cfg.max_positions - len(ids)
     if room < 1:
-        sys.exit(f"error: the prompt has {len(ids)} tokens; model.seq_len is {fwd.cfg.seq_len}.")
+        sys.exit(f"error: the prompt has {len(ids)} tokens; the model's max_positions is {fwd.cfg.max_positions}.")
     new = min(_NEW.value, room)
     prompt = jnp.asarray([ids] * _NUM.value, jnp.int32)
     out = jax.jit(generate, static_argnums=(0, 3, 5, 6))(

@@ -16,6 +16,7 @@ DEFAULT_RULES = (
     ("batch", "data"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # llama's KV heads: split when tensor divides them, else replicated (see validate)
     ("mlp", "tensor"),
     ("kv", None),
     ("embed", None),
@@ -42,8 +43,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.rules = DEFAULT_RULES
 
     c.model = ml_collections.ConfigDict(dict(
+        arch="gpt2",  # gpt2 (LayerNorm, learned positions, GELU MLP, biases) | llama (RMSNorm, RoPE, GQA, SwiGLU)
         vocab_size=0,  # 0: taken from the tokenizer; padded to a multiple of 128 and of mesh.tensor
-        seq_len=256, layers=4, embed=128, heads=4, mlp=0,  # mlp 0: 4 * embed
+        seq_len=256, layers=4, embed=128, heads=4,
+        mlp=0,  # the MLP's hidden width (llama: HF's intermediate_size); 0: 4 * embed
+        kv_heads=0,  # llama: grouped-query KV heads, dividing heads; 0: = heads
+        max_positions=0,  # gpt2: rows of the position table; llama: context the model is made for; 0: = seq_len
+        norm_eps=1e-5,
+        rope_theta=10000.0,  # llama: RoPE base
+        rope_scaling="none",  # llama: none | llama3 (Llama 3.1/3.2's frequency scaling with the rope_* keys below)
+        rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
         dropout_embed=0.0, dropout_resid=0.0,
         tie_embeddings=True,
         remat="none",  # none | full | dots (save matmul outputs) | attention (save attention outputs)
@@ -170,6 +179,14 @@ _RANGES = (
     ("model.embed", True, "an integer >= 1", lambda v: v >= 1),
     ("model.heads", True, "an integer >= 1", lambda v: v >= 1),
     ("model.mlp", True, "an integer >= 0 (0: 4 x model.embed)", lambda v: v >= 0),
+    ("model.kv_heads", True, "an integer >= 0 (0: = model.heads)", lambda v: v >= 0),
+    ("model.max_positions", True, "an integer >= 0 (0: = model.seq_len)", lambda v: v >= 0),
+    ("model.norm_eps", False, "a number > 0", lambda v: 0 < v < _INF),
+    ("model.rope_theta", False, "a number > 0", lambda v: 0 < v < _INF),
+    ("model.rope_factor", False, "a number >= 1", lambda v: 1 <= v < _INF),
+    ("model.rope_low_freq_factor", False, "a number > 0", lambda v: 0 < v < _INF),
+    ("model.rope_high_freq_factor", False, "a number > model.rope_low_freq_factor", lambda v: 0 < v < _INF),
+    ("model.rope_original_max_len", True, "an integer >= 1", lambda v: v >= 1),
     ("model.dropout_embed", False, "a number in [0, 1)", lambda v: 0 <= v < 1),
     ("model.dropout_resid", False, "a number in [0, 1)", lambda v: 0 <= v < 1),
     ("train.global_batch_size", True, "an integer >= 1", lambda v: v >= 1),
@@ -216,7 +233,7 @@ def _check_ranges(config) -> list[str]:
 def _check_kinds(config) -> list[str]:
     """Strings, the profile window and the rules table: the keys that are neither a number nor a bool."""
     defaults, errs = base_config(), []
-    for key in ("name", "init_from", "data.cache_dir"):
+    for key in ("name", "init_from", "data.cache_dir", "model.arch", "model.rope_scaling"):
         v = _get(config, key)
         if not isinstance(v, str):
             errs.append(f"{key}={v!r} must be a string; set --config.{key}='...' (default {_get(defaults, key)!r}).")
@@ -245,6 +262,45 @@ def _check_kinds(config) -> list[str]:
     return errs
 
 
+def _check_model(m, t: int, mlp: int) -> list[str]:
+    """The model's shape against itself and the tensor size `t` (MLP width `mlp`); both families."""
+    from jaxpar.model import ARCHS, ROPE_SCALINGS
+
+    errs = []
+    if m.arch not in ARCHS:
+        errs.append(f"model.arch={m.arch!r}: pick one of {ARCHS}.")
+    if m.heads >= 1 and m.embed % m.heads:
+        errs.append(f"model.embed={m.embed} is not divisible by model.heads={m.heads}; pick heads dividing "
+                    f"{m.embed} (head size = embed / heads).")
+    if m.heads % t:
+        errs.append(f"model.heads={m.heads} is not divisible by mesh.tensor={t}; use heads a multiple of {t} "
+                    f"(the nearest: {nearest_multiples(m.heads, t)}) or a tensor size dividing {m.heads}.")
+    if mlp % t:
+        errs.append(f"MLP width {mlp} is not divisible by mesh.tensor={t}; set model.mlp to a "
+                    f"multiple of {t} (the nearest: {nearest_multiples(mlp, t)}).")
+    if m.max_positions and m.seq_len > m.max_positions:
+        errs.append(f"model.seq_len={m.seq_len} > model.max_positions={m.max_positions}: the model has no positions "
+                    f"past {m.max_positions}; train with --config.model.seq_len={m.max_positions} or less.")
+    if m.arch != "llama":
+        return errs
+    kv = m.kv_heads or m.heads
+    if kv >= 1 and m.heads % kv:
+        errs.append(f"model.kv_heads={kv} does not divide model.heads={m.heads}: each KV head serves a whole group "
+                    f"of query heads; pick kv_heads among the divisors of {m.heads}.")
+    elif kv >= 1 and kv % t and t % kv:
+        errs.append(f"model.kv_heads={kv} and mesh.tensor={t}: the KV heads split over tensor when kv_heads is a "
+                    f"multiple of it, and are replicated when tensor is a multiple of kv_heads; neither holds. Use a "
+                    f"tensor size dividing {kv} or a multiple of it.")
+    if m.heads >= 1 and (m.embed // m.heads) % 2:
+        errs.append(f"model.embed / model.heads = {m.embed // m.heads}: RoPE needs an even head size.")
+    if m.rope_scaling not in ROPE_SCALINGS:
+        errs.append(f"model.rope_scaling={m.rope_scaling!r}: pick one of {ROPE_SCALINGS}.")
+    if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        errs.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed model.rope_low_freq_factor="
+                    f"{m.rope_low_freq_factor} (Llama 3.1: 4 and 1).")
+    return errs
+
+
 def validate(config, num_devices: int) -> dict[str, int]:
     """Check every rule before anything compiles. Returns the resolved mesh shape.
 
@@ -263,15 +319,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
             f"train.global_batch_size={B} is not divisible by mesh.data={d} x train.microbatches={M} = {d * M}; "
             f"use a batch that is a multiple of {d * M} (the nearest: {nearest_multiples(B, d * M)}) or change the "
             f"layout.")
-    if m.heads >= 1 and m.embed % m.heads:
-        errs.append(f"model.embed={m.embed} is not divisible by model.heads={m.heads}; pick heads dividing "
-                    f"{m.embed} (head size = embed / heads).")
-    if m.heads % t:
-        errs.append(f"model.heads={m.heads} is not divisible by mesh.tensor={t}; use heads a multiple of {t} "
-                    f"(the nearest: {nearest_multiples(m.heads, t)}) or a tensor size dividing {m.heads}.")
-    if mlp_width(config) % t:
-        errs.append(f"MLP width {mlp_width(config)} is not divisible by mesh.tensor={t}; set model.mlp to a "
-                    f"multiple of {t} (the nearest: {nearest_multiples(mlp_width(config), t)}).")
+    errs += _check_model(m, t, mlp_width(config))
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
         errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "

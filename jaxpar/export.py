@@ -161,7 +161,7 @@ _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (s
 def _gpt_config(meta: dict, where: str):
     """GPTConfig from model_config.json's fields, type-checked; ValueError naming the first bad field."""
     from jaxpar.config import DTYPES
-    from jaxpar.model import SHAPE_FIELDS, GPTConfig
+    from jaxpar.model import ARCHS, SHAPE_FIELDS, GPTConfig
 
     kw = {}
     for f in dataclasses.fields(GPTConfig):
@@ -174,11 +174,15 @@ def _gpt_config(meta: dict, where: str):
             raise ValueError(f"{where}: field {f.name!r} is {v!r}; expected {str(f.type)}.")
         kw[f.name] = v
     cfg = GPTConfig(**kw)
-    for name in (f for f in SHAPE_FIELDS if f != "tie_embeddings"):
+    counts = [f for f in SHAPE_FIELDS if type(getattr(cfg, f)) is int]  # noqa: E721 (bool is an int subclass)
+    for name in counts:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)}; expected >= 1.")
-    if cfg.embed % cfg.heads:
-        raise ValueError(f"{where}: embed={cfg.embed} is not divisible by heads={cfg.heads}.")
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"{where}: arch={cfg.arch!r}; expected one of {ARCHS}.")
+    if cfg.embed % cfg.heads or cfg.heads % cfg.kv_heads:
+        raise ValueError(f"{where}: embed={cfg.embed}, heads={cfg.heads}, kv_heads={cfg.kv_heads}: heads must divide "
+                         f"embed and kv_heads heads.")
     if cfg.vocab_real > cfg.vocab_size:
         raise ValueError(f"{where}: vocab_real={cfg.vocab_real} > vocab_size={cfg.vocab_size}.")
     for name in ("param_dtype", "compute_dtype"):

@@ -1,8 +1,8 @@
 """Autoregressive sampling with a KV cache (temperature, top-k), on the params dict of `jaxpar.model`.
 
-Shapes: prompt `[batch, prompt_len]` int32; cache per layer `[batch, seq_len, heads, head_dim]` (compute dtype);
-output `[batch, prompt_len + new_tokens]` int32. The total length is bounded by the model's `seq_len` (learned
-position embeddings).
+Shapes: prompt `[batch, prompt_len]` int32; cache per layer `[batch, prompt_len + new_tokens, kv_heads, head_dim]`
+(compute dtype); output `[batch, prompt_len + new_tokens]` int32. The total length is bounded by the model's
+`max_positions` (gpt2's position table; llama's context).
 """
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ def generate(fwd: Forward, params, prompt, new_tokens: int, key, temperature: fl
     """Prefill the prompt, then sample `new_tokens` one at a time from the cache. Jit-compatible.
 
     Raises:
-      ValueError: prompt_len + new_tokens > seq_len.
+      ValueError: prompt_len + new_tokens > max_positions.
     """
     cfg = fwd.cfg
     b, p = prompt.shape
-    if p + new_tokens > cfg.seq_len or p < 1:
-        raise ValueError(f"prompt of {p} tokens + {new_tokens} new > model.seq_len={cfg.seq_len}; "
+    if p + new_tokens > cfg.max_positions or p < 1:
+        raise ValueError(f"prompt of {p} tokens + {new_tokens} new > the model's max_positions={cfg.max_positions}; "
                          f"shorten the prompt or ask for fewer tokens.")
-    logits, caches = fwd.decode(params, prompt, fwd.init_cache(b))
+    logits, caches = fwd.decode(params, prompt, fwd.init_cache(b, p + new_tokens))
 
     def step(carry, k):
         logits, caches = carry

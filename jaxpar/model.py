@@ -1,4 +1,5 @@
-"""GPT-2-style decoder in Flax NNX, with logical axis names on every parameter and no knowledge of meshes.
+"""The decoder of both families (`arch`: gpt2 or llama; their blocks are `jaxpar/nn.py`) in Flax NNX, with logical
+axis names on every parameter and no knowledge of meshes.
 
 Parameters live as a plain nested dict (`params`), the same tree whatever the layout; the block parameters are
 stacked on a leading `layers` axis. `GPT` (NNX modules) defines and initialises them; `Forward` applies them as pure
@@ -18,22 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.logical import constrain
+from jaxpar.nn import BLOCKS, LOGICAL, NORMS, ROLE, KVCache, at_least_f32, attention, param  # noqa: F401
 
-LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per dimension
-ROLE = "role"  # the Param metadata key holding its role: weight | bias | norm | embedding | position
 _LAYERS = "blocks"  # the per-layer subtree of the params (leaves stacked on a leading `layers` axis)
+ARCHS = tuple(BLOCKS)  # model families: "gpt2", "llama"
+ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
+    """One decoder of either family (`arch`); fields a family does not use keep their defaults."""
     vocab_size: int  # padded: a multiple of 128 and of the tensor size
     vocab_real: int  # symbols the tokenizer has; logits at ids >= vocab_real never count
     seq_len: int
@@ -47,20 +48,53 @@ class GPTConfig:
     remat: str = "none"
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
+    arch: str = "gpt2"  # gpt2 | llama
+    kv_heads: int = 0  # llama's grouped-query KV heads (0: = heads); gpt2 has heads
+    max_positions: int = 0  # gpt2: rows of the position table; llama: longest context (0: = seq_len)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # llama
+    rope_scaling: str = "none"  # llama: none | llama3 (Llama 3.1's frequency scaling, the four fields below)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+
+    def __post_init__(self):
+        if self.kv_heads == 0 or self.arch == "gpt2":
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.max_positions == 0:
+            object.__setattr__(self, "max_positions", self.seq_len)
 
     @property
     def head_dim(self) -> int:
         return self.embed // self.heads
 
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        if self.rope_scaling != "llama3":
+            return None
+        return {"factor": self.rope_factor, "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor, "original_max_len": self.rope_original_max_len}
+
 
 # What defines a model: a resume must find these equal in the checkpoint, an export in its model_config.json (with
 # `vocab_size`, the padded table, there); the rest of `GPTConfig` (dropout, remat, dtypes) may change between runs.
-IDENTITY_FIELDS = ("vocab_real", "seq_len", "layers", "embed", "heads", "mlp", "tie_embeddings")
-SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape
+IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "embed", "heads", "kv_heads", "mlp",
+                   "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                   "rope_high_freq_factor", "rope_original_max_len")
+SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
 
 
 def identity(cfg: GPTConfig) -> dict:
     return {f: getattr(cfg, f) for f in IDENTITY_FIELDS}
+
+
+def identity_defaults(saved: dict) -> dict:
+    """The identity fields a model saved before they existed had, given its saved `seq_len` and `heads` (every such
+    model was a gpt2 with the defaults)."""
+    d = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in IDENTITY_FIELDS
+         and f.default is not dataclasses.MISSING}
+    return {**d, "kv_heads": saved.get("heads"), "max_positions": saved.get("seq_len")}
 
 
 def config_from(config, vocab_real: int, tensor: int) -> GPTConfig:
@@ -69,140 +103,39 @@ def config_from(config, vocab_real: int, tensor: int) -> GPTConfig:
     from jaxpar.config import mlp_width, padded_vocab
 
     m = config.model
+    rope = {k: m[k] for k in ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                              "rope_high_freq_factor", "rope_original_max_len")}
     return GPTConfig(
         vocab_size=padded_vocab(vocab_real, tensor), vocab_real=vocab_real, seq_len=m.seq_len, layers=m.layers,
         embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
         dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
-        param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype)
+        param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch=m.arch,
+        kv_heads=m.kv_heads, max_positions=m.max_positions, norm_eps=m.norm_eps, **rope)
 
 
 def has_dropout(cfg: GPTConfig) -> bool:
     return cfg.dropout_embed > 0 or cfg.dropout_resid > 0
 
 
-def at_least_f32(dtype):
-    """float32 for float32 and narrower dtypes, float64 for float64 (reference runs): where statistics, logits and
-    gradient sums are computed."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _param(key, shape, std, names, dtype, role="weight"):
-    # float64 (reference runs) draws in float32 and casts, so it starts from the float32 run's numbers
-    draw = jnp.float32 if jnp.dtype(dtype) == jnp.float64 else dtype
-    init = jnp.zeros(shape, dtype) if std == 0 else (std * jax.random.normal(key, shape, draw)).astype(dtype)
-    return nnx.Param(init, **{LOGICAL: names, ROLE: role})
-
-
-class LayerNorm(nnx.Module):
-    def __init__(self, dim: int, dtype):
-        self.scale = nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: ("embed",), ROLE: "norm"})
-        self.bias = nnx.Param(jnp.zeros((dim,), dtype), **{LOGICAL: ("embed",), ROLE: "norm"})
-
-    def __call__(self, x):
-        """Statistics in float32 (float64 for float64 x; eps 1e-5, as GPT-2); output in x's dtype."""
-        xf = x.astype(at_least_f32(x.dtype))
-        mean = xf.mean(-1, keepdims=True)
-        var = jnp.square(xf - mean).mean(-1, keepdims=True)
-        y = (xf - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
-        return y.astype(x.dtype)
-
-
-class Block(nnx.Module):
-    """Pre-LayerNorm transformer block: x + Attn(LN(x)), then x + MLP(LN(x)).
-
-    QKV and MLP-in are column-parallel (output split on `heads` / `mlp`), attention-out and MLP-out row-parallel
-    (input split), Megatron-LM's pattern (Shoeybi et al. 2019, sec. 3). No bias on the key projection: softmax is
-    invariant to a per-query shift, so its exact gradient is zero.
-    """
-
-    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
-        d, h, hd, f = cfg.embed, cfg.heads, cfg.head_dim, cfg.mlp
-        dt = jnp.dtype(cfg.param_dtype)
-        resid_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2 (Radford et al. 2019, sec. 2.3)
-        self.ln1 = LayerNorm(d, dt)
-        self.wqkv = _param(rngs.params(), (d, 3, h, hd), 0.02, ("embed", "qkv", "heads", "kv"), dt)
-        self.bqv = _param(None, (2, h, hd), 0, ("qkv", "heads", "kv"), dt, "bias")  # biases of q and v; none for k
-        self.wo = _param(rngs.params(), (h, hd, d), resid_std, ("heads", "kv", "embed"), dt)
-        self.bo = _param(None, (d,), 0, ("embed",), dt, "bias")
-        self.ln2 = LayerNorm(d, dt)
-        self.w_in = _param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
-        self.b_in = _param(None, (f,), 0, ("mlp",), dt, "bias")
-        self.w_out = _param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
-        self.b_out = _param(None, (d,), 0, ("embed",), dt, "bias")
-
-    def __call__(self, x, cfg: GPTConfig, drop=None, cache=None):
-        """x `[batch, seq, embed]` -> same. `drop(x, site)` applies residual dropout; `cache` is for decoding."""
-        cdt = x.dtype
-        h = self.ln1(x)
-        qkv = jnp.einsum("btd,dkhe->btkhe", h, self.wqkv[...].astype(cdt))
-        q = qkv[:, :, 0] + self.bqv[0].astype(cdt)
-        k = qkv[:, :, 1]
-        v = qkv[:, :, 2] + self.bqv[1].astype(cdt)
-        q, k, v = (constrain(a, ("batch", "seq", "heads", "kv")) for a in (q, k, v))
-        if cache is None:
-            a = attention(q, k, v)
-        else:
-            a, cache = cache.attend(q, k, v)
-        a = checkpoint_name(a, "attention")
-        o = jnp.einsum("bthe,hed->btd", a, self.wo[...].astype(cdt)) + self.bo[...].astype(cdt)
-        x = x + (drop(o, 0) if drop else o)
-        x = constrain(x, ("batch", "seq", "embed"))
-        h = self.ln2(x)
-        u = jnp.einsum("btd,df->btf", h, self.w_in[...].astype(cdt)) + self.b_in[...].astype(cdt)
-        u = constrain(jax.nn.gelu(u, approximate=True), ("batch", "seq", "mlp"))
-        o = jnp.einsum("btf,fd->btd", u, self.w_out[...].astype(cdt)) + self.b_out[...].astype(cdt)
-        x = x + (drop(o, 1) if drop else o)
-        return constrain(x, ("batch", "seq", "embed")), cache
-
-
-def attention(q, k, v, mask=None):
-    """Multi-head attention: q `[batch, t, heads, head_dim]`, k and v `[batch, s, heads, head_dim]` -> like q.
-
-    Causal (query i sees keys <= i) when `mask` is None, else `mask` (bool, broadcastable to `[batch, heads, t, s]`,
-    True = attend). Softmax in float32 (upcast)."""
-    dt = q.dtype
-    if jax.default_backend() == "cpu" and dt not in (jnp.float32, jnp.float64):
-        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
-    if mask is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask).astype(dt)
-
-
-class KVCache(NamedTuple):
-    """Keys and values of one layer for positions [0, pos); `attend` appends and attends causally. Stacked over
-    layers (a leading `[layers]` axis on every field) between decode steps."""
-    k: jax.Array  # [batch, max_len, heads, head_dim], compute dtype
-    v: jax.Array
-    pos: jax.Array  # int32 scalar: number of positions filled
-
-    def attend(self, q, k, v):
-        """q, k, v `[batch, t, heads, head_dim]` for positions pos..pos+t -> (attention output, updated cache)."""
-        t, S = q.shape[1], self.k.shape[1]
-        ck = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), self.pos, 1)
-        cv = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.pos, 1)
-        qpos = self.pos + jnp.arange(t)[:, None]
-        mask = (jnp.arange(S)[None, :] <= qpos)[None, None]  # [1, 1, t, S]: causal over filled positions
-        f32 = lambda a: a.astype(jnp.float32)  # sampling attends in float32 on every backend
-        return attention(f32(q), f32(ck), f32(cv), mask).astype(q.dtype), KVCache(ck, cv, self.pos + t)
-
-
 class GPT(nnx.Module):
-    """Token + position embeddings, `layers` stacked blocks, final LayerNorm, LM head (tied to `wte` by default)."""
+    """Token embeddings (+ gpt2's position table), `layers` stacked blocks of the family, final norm, LM head (tied to
+    `wte` by default)."""
 
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.param_dtype)
-        self.wte = _param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt, "embedding")
-        self.wpe = _param(rngs.params(), (cfg.seq_len, cfg.embed), 0.02, ("seq", "embed"), dt, "position")
+        self.wte = param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt, "embedding")
+        if cfg.arch == "gpt2":
+            self.wpe = param(rngs.params(), (cfg.max_positions, cfg.embed), 0.02, ("seq", "embed"), dt, "position")
 
         @nnx.split_rngs(splits=cfg.layers)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_blocks(r):
-            return Block(cfg, r)
+            return BLOCKS[cfg.arch](cfg, r)
 
         self.blocks = make_blocks(rngs)
-        self.ln_f = LayerNorm(cfg.embed, dt)
+        self.ln_f = NORMS[cfg.arch](cfg.embed, dt, cfg.norm_eps)
         if not cfg.tie_embeddings:
-            self.lm_head = _param(rngs.params(), (cfg.embed, cfg.vocab_size), 0.02, ("embed", "vocab"), dt)
+            self.lm_head = param(rngs.params(), (cfg.embed, cfg.vocab_size), 0.02, ("embed", "vocab"), dt)
 
 
 def init_params(cfg: GPTConfig, key: jax.Array) -> dict:
@@ -240,13 +173,15 @@ def decay_mask(cfg: GPTConfig) -> dict:
 
 
 def flops_per_token(cfg: GPTConfig) -> float:
-    """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`metrics.model_flops_per_token`), N = every parameter
-    but the position table (a lookup and an add; the token table counts once, as the tied LM head's matmul)."""
+    """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`metrics.model_flops_per_token`), N = the parameters that
+    take part in a matmul: every weight, and the token table only as the tied LM head (as an input table it is a
+    lookup, as TorchTitan counts); no norm, bias or position table."""
     from jaxpar.metrics import model_flops_per_token
 
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    matmul = ("weight", "embedding") if cfg.tie_embeddings else ("weight",)
     n = sum(math.prod(a.shape) for a, r in zip(jax.tree.leaves(shapes), jax.tree.leaves(param_roles(cfg)))
-            if r != "position")
+            if r in matmul)
     return model_flops_per_token(n, cfg.layers, cfg.embed, cfg.seq_len)
 
 
@@ -281,7 +216,8 @@ class Forward:
 
     def __init__(self, cfg: GPTConfig):
         self.cfg = cfg
-        self.block_def = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(params=0))))
+        self.block_def = nnx.graphdef(nnx.eval_shape(lambda: BLOCKS[cfg.arch](cfg, nnx.Rngs(params=0))))
+        self.norm_def = nnx.graphdef(NORMS[cfg.arch](1, jnp.float32, cfg.norm_eps))
         self.cdt = jnp.dtype(cfg.compute_dtype)
 
     def embed(self, params, tokens, rng=None, seq_ids=None, pos0=0):
@@ -290,8 +226,9 @@ class Forward:
         # one-hot matmul: a vocab-parallel lookup that partitions cleanly over a `vocab`-sharded table
         onehot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=self.cdt)
         x = jnp.einsum("btv,vd->btd", onehot, params["wte"].astype(self.cdt))
-        pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)
-        x = x + pos.astype(self.cdt)[None]
+        if "wpe" in params:  # gpt2's learned positions; llama rotates q and k in each block instead
+            pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)
+            x = x + pos.astype(self.cdt)[None]
         if rng is not None and self.cfg.dropout_embed > 0:
             x = dropout(x, self.cfg.dropout_embed, jax.random.fold_in(rng, 0), seq_ids)
         return constrain(x, ("batch", "seq", "embed"))
@@ -327,7 +264,7 @@ class Forward:
     def logits(self, params, x):
         """x `[batch, seq, embed]` -> float32 logits `[batch, seq, vocab]`, padded ids set to -inf."""
         cfg = self.cfg
-        h = nnx.merge(nnx.graphdef(LayerNorm(1, jnp.float32)), params["ln_f"])(x)
+        h = nnx.merge(self.norm_def, params["ln_f"])(x)
         w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
         z = jnp.einsum("btd,dv->btv", h, w.astype(self.cdt), preferred_element_type=at_least_f32(self.cdt))
         z = constrain(z, ("batch", "seq", "vocab"))
@@ -352,10 +289,11 @@ class Forward:
         x = self.layers(params[_LAYERS], x, rng, seq_ids, prepare=prepare)
         return self.head_loss(params, x, targets, mask)
 
-    def init_cache(self, batch: int) -> KVCache:
-        """An empty KV cache for `batch` sequences of up to seq_len tokens, every layer (leading `[layers]` axis)."""
+    def init_cache(self, batch: int, length: int | None = None) -> KVCache:
+        """An empty KV cache for `batch` sequences of up to `length` tokens (default max_positions), every layer
+        (leading `[layers]` axis), `kv_heads` heads."""
         cfg = self.cfg
-        shape = (cfg.layers, batch, cfg.seq_len, cfg.heads, cfg.head_dim)
+        shape = (cfg.layers, batch, length or cfg.max_positions, cfg.kv_heads, cfg.head_dim)
         return KVCache(jnp.zeros(shape, self.cdt), jnp.zeros(shape, self.cdt), jnp.zeros((cfg.layers,), jnp.int32))
 
     def decode(self, params, tokens, caches: KVCache):

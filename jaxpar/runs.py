@@ -10,13 +10,15 @@ import ml_collections
 
 from jaxpar import data
 from jaxpar.checkpoint import Checkpointer
+from jaxpar.config import base_config
 from jaxpar.model import Forward
 from jaxpar.optim import make_optimizer
 from jaxpar.step import init_state, model_config
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
-    """The resolved config train.py wrote to WORKDIR/config.json.
+    """The resolved config train.py wrote to WORKDIR/config.json; keys added since it was written take their
+    defaults.
 
     Raises:
       FileNotFoundError: WORKDIR has no config.json (not a jaxpar run directory).
@@ -25,7 +27,21 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by train.py.")
     with open(path) as f:
-        return ml_collections.ConfigDict(json.load(f))
+        config = ml_collections.ConfigDict(json.load(f))
+    defaults = base_config()
+    _add_missing(config, defaults)
+    named = {r[0] for r in config.rules}
+    config.rules = tuple(tuple(r) for r in config.rules) + tuple(r for r in defaults.rules if r[0] not in named)
+    return config
+
+
+def _add_missing(config, defaults) -> None:
+    """Give `config` every key of `defaults` it lacks (a run written before the key existed ran with its default)."""
+    for k, v in defaults.items():
+        if k not in config:
+            config[k] = v
+        elif isinstance(v, ml_collections.ConfigDict) and isinstance(config[k], ml_collections.ConfigDict):
+            _add_missing(config[k], v)
 
 
 class Run(NamedTuple):

@@ -72,12 +72,16 @@ def fingerprint(config, info, steps) -> dict:
 
 
 def upgrade_fingerprint(saved: dict) -> dict:
-    """A fingerprint as checkpoints before the model spec wrote it (`model.mlp` the config's value, 0 meaning 4 x
-    embed, with the width under `mlp_width`; `vocab_real` without a prefix) -> today's keys."""
-    if "mlp_width" not in saved:
-        return saved
-    out = {k: v for k, v in saved.items() if k not in ("mlp_width", "vocab_real")}
-    out.update({"model.mlp": saved["mlp_width"], "model.vocab_real": saved.get("vocab_real")})
+    """A fingerprint as older checkpoints wrote it -> today's keys: before the model spec (`model.mlp` the config's
+    value, 0 meaning 4 x embed, with the width under `mlp_width`; `vocab_real` without a prefix), and before the
+    llama family (no `model.arch`, `model.kv_heads`, ...: a gpt2 with the defaults)."""
+    out = dict(saved)
+    if "mlp_width" in saved:
+        out = {k: v for k, v in saved.items() if k not in ("mlp_width", "vocab_real")}
+        out.update({"model.mlp": saved["mlp_width"], "model.vocab_real": saved.get("vocab_real")})
+    if "model.arch" not in out and "model.heads" in out:
+        old = {k[len("model."):]: v for k, v in out.items() if k.startswith("model.")}
+        out.update({f"model.{k}": v for k, v in gpt.identity_defaults(old).items() if f"model.{k}" not in out})
     return out
 
 

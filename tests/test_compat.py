@@ -15,6 +15,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.mesh import make_mesh
 from jaxpar.config import validate
 from jaxpar.step import build
+from jaxpar.model import identity_defaults
 
 OLD = os.path.join(os.path.dirname(__file__), "fixtures", "old_run")
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
@@ -59,6 +60,7 @@ def now_fp(**over):
     fp = {"model.vocab_real": 259, "model.seq_len": 16, "model.layers": 4, "model.embed": 32, "model.heads": 8,
           "model.mlp": 128, "model.tie_embeddings": True, "train.global_batch_size": 16, "tokenizer": "byte",
           "data": "d"}
+    fp.update({f"model.{k}": v for k, v in identity_defaults({"heads": 8, "seq_len": 16}).items()})
     return {**fp, **over}
 
 
@@ -68,3 +70,5 @@ def test_old_fingerprint_resumes_the_same_model_and_refuses_another():
         trainer.check_resume(OLD_FP, now_fp(**{"model.mlp": 256}))
     with pytest.raises(trainer.ConfigError, match=r"model.vocab_real: checkpoint 259 vs now 300"):
         trainer.check_resume(OLD_FP, now_fp(**{"model.vocab_real": 300}))
+    with pytest.raises(trainer.ConfigError, match=r"model.arch: checkpoint 'gpt2' vs now 'llama'"):
+        trainer.check_resume(OLD_FP, now_fp(**{"model.arch": "llama"}))

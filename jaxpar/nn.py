@@ -1,0 +1,247 @@
+"""The building blocks of both model families, Flax NNX, mesh-free: norms, rotary embeddings, attention with a KV
+cache, and one transformer block per family.
+
+`gpt2`: pre-LayerNorm block, fused QKV with biases, GELU (tanh) MLP (Radford et al. 2019). `llama`: pre-RMSNorm block,
+rotary position embeddings, grouped-query attention, SwiGLU MLP, no biases (Touvron et al. 2023; Dubey et al. 2024
+for Llama 3's RoPE frequency scaling). Both: column-parallel in (QKV, MLP-in: output split on `heads` / `mlp`),
+row-parallel out (attention-out, MLP-out: input split), Megatron-LM's pattern (Shoeybi et al. 2019, sec. 3).
+
+Shapes: activations `[batch, seq, embed]`; q `[batch, seq, heads, head_dim]`; k, v `[batch, seq, kv_heads, head_dim]`
+(kv_heads = heads for gpt2). Statistics (norms, softmax, RoPE angles) in float32, float64 for float64 inputs.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.logical import constrain
+
+LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per dimension
+ROLE = "role"  # the Param metadata key holding its role: weight | bias | norm | embedding | position
+
+
+def at_least_f32(dtype):
+    """float32 for float32 and narrower dtypes, float64 for float64 (reference runs): where statistics, logits and
+    gradient sums are computed."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def param(key, shape, std, names, dtype, role="weight"):
+    """A Param drawn from N(0, std²) (zeros for std 0), with its logical names and role as metadata."""
+    # float64 (reference runs) draws in float32 and casts, so it starts from the float32 run's numbers
+    draw = jnp.float32 if jnp.dtype(dtype) == jnp.float64 else dtype
+    init = jnp.zeros(shape, dtype) if std == 0 else (std * jax.random.normal(key, shape, draw)).astype(dtype)
+    return nnx.Param(init, **{LOGICAL: names, ROLE: role})
+
+
+def _ones(dim, dtype):
+    return nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: ("embed",), ROLE: "norm"})
+
+
+class LayerNorm(nnx.Module):
+    """x `[..., dim]` -> same dtype: (x - mean) / sqrt(var + eps) · scale + bias, statistics in float32."""
+
+    def __init__(self, dim: int, dtype, eps: float = 1e-5):
+        self.scale = _ones(dim, dtype)
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype), **{LOGICAL: ("embed",), ROLE: "norm"})
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(at_least_f32(x.dtype))
+        mean = xf.mean(-1, keepdims=True)
+        var = jnp.square(xf - mean).mean(-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """x `[..., dim]` -> same dtype: x / sqrt(mean(x²) + eps) · scale (Zhang & Sennrich 2019), statistics in float32;
+    normalised x is cast to x's dtype before the scale, as Llama's reference code does."""
+
+    def __init__(self, dim: int, dtype, eps: float = 1e-5):
+        self.scale = _ones(dim, dtype)
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(at_least_f32(x.dtype))
+        y = (xf * jax.lax.rsqrt(jnp.square(xf).mean(-1, keepdims=True) + self.eps)).astype(x.dtype)
+        return y * self.scale[...].astype(x.dtype)
+
+
+# ---- rotary position embeddings (Su et al. 2021), rotate-half convention (as Hugging Face's Llama stores q, k) ----
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """Inverse frequencies `[head_dim / 2]` float32: theta^(-2i / head_dim), then Llama 3's scaling if given.
+
+    `scaling` (Llama 3.1's `apply_scaling`, Dubey et al. 2024): {factor, low_freq_factor, high_freq_factor,
+    original_max_len}; wavelengths above original_max_len / low_freq_factor are divided by factor, those below
+    original_max_len / high_freq_factor kept, the band between interpolated linearly in original_max_len / wavelength.
+    """
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
+    if not scaling:
+        return inv.astype(np.float32)
+    f, lo, hi, n = (scaling[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_len"))
+    wavelen = 2 * math.pi / inv
+    smooth = (n / wavelen - lo) / (hi - lo)
+    scaled = np.where(wavelen > n / lo, inv / f, inv)
+    medium = (wavelen >= n / hi) & (wavelen <= n / lo)
+    return np.where(medium, (1 - smooth) * scaled / f + smooth * scaled, scaled).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x `[batch, seq, heads, head_dim]`, positions `[seq]` or `[batch, seq]` int32 -> x rotated, x's dtype.
+
+    Pair (x_i, x_{i + head_dim/2}) turns by angle position · inv_freq_i."""
+    f = at_least_f32(x.dtype)
+    ang = jnp.asarray(positions).astype(f)[..., None] * jnp.asarray(inv_freq, f)  # [(batch,) seq, head_dim/2]
+    ang = ang[None] if ang.ndim == 2 else ang
+    cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
+    x1, x2 = jnp.split(x.astype(f), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+# ---- attention --------------------------------------------------------------------------------------------------
+
+def attention(q, k, v, mask=None):
+    """Multi-head attention: q `[batch, t, heads, head_dim]`, k and v `[batch, s, heads, head_dim]` -> like q.
+
+    Causal (query i sees keys <= i) when `mask` is None, else `mask` (bool, broadcastable to `[batch, heads, t, s]`,
+    True = attend). Scale 1/sqrt(head_dim); softmax in float32 (upcast)."""
+    dt = q.dtype
+    if jax.default_backend() == "cpu" and dt not in (jnp.float32, jnp.float64):
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
+    if mask is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask).astype(dt)
+
+
+class KVCache(NamedTuple):
+    """Keys and values of one layer for positions [0, pos) (post-RoPE for llama), `kv_heads` of them. Stacked over
+    layers (a leading `[layers]` axis on every field) between decode steps."""
+    k: jax.Array  # [batch, max_len, kv_heads, head_dim], compute dtype
+    v: jax.Array
+    pos: jax.Array  # int32 scalar: number of positions filled
+
+    def append(self, k, v):
+        """k, v `[batch, t, kv_heads, head_dim]` for positions pos..pos+t -> (all keys, all values, the causal mask
+        `[1, 1, t, max_len]` over the filled positions, updated cache)."""
+        t, S = k.shape[1], self.k.shape[1]
+        ck = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), self.pos, 1)
+        cv = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.pos, 1)
+        mask = (jnp.arange(S)[None, :] <= self.pos + jnp.arange(t)[:, None])[None, None]
+        return ck, cv, mask, KVCache(ck, cv, self.pos + t)
+
+
+def self_attention(q, k, v, cache: KVCache | None = None):
+    """Causal self-attention with grouped-query heads: q `[b, t, heads, hd]`, k, v `[b, t, kv_heads, hd]` ->
+    (`[b, t, heads, hd]` in q's dtype, cache). Query head j reads KV head j // (heads / kv_heads), as Hugging Face's
+    `repeat_kv`. With a cache, attends over the cache's filled positions in float32 (on every backend)."""
+    mask = None
+    if cache is not None:
+        k, v, mask, cache = cache.append(k, v)
+        dt, q, k, v = q.dtype, *(a.astype(jnp.float32) for a in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:  # under tensor parallelism each device then slices its own heads (KV heads split or replicated)
+        k, v = (jnp.repeat(a, rep, axis=2) for a in (k, v))
+    k, v = (constrain(a, ("batch", "seq", "heads", "kv")) for a in (k, v))
+    a = attention(q, k, v, mask)
+    return checkpoint_name(a if cache is None else a.astype(dt), "attention"), cache
+
+
+# ---- blocks -----------------------------------------------------------------------------------------------------
+
+class _PreNormBlock(nnx.Module):
+    """x + Attn(norm1(x)), then x + MLP(norm2(x)); a family fills in `qkv`, `attn_out` and `mlp`."""
+
+    def __call__(self, x, cfg, drop=None, cache=None, positions=None):
+        """x `[batch, seq, embed]` -> (same, cache). `drop(y, site)` applies residual dropout; `positions` `[seq]` or
+        `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for decoding."""
+        if positions is None:
+            positions = (0 if cache is None else cache.pos) + jnp.arange(x.shape[1])
+        q, k, v = self.qkv(self.ln1(x), positions)
+        q = constrain(q, ("batch", "seq", "heads", "kv"))
+        a, cache = self_attention(q, k, v, cache)
+        o = self.attn_out(a)
+        x = constrain(x + (drop(o, 0) if drop else o), ("batch", "seq", "embed"))
+        o = self.mlp(self.ln2(x))
+        x = x + (drop(o, 1) if drop else o)
+        return constrain(x, ("batch", "seq", "embed")), cache
+
+
+def _mm(spec, x, w):
+    return jnp.einsum(spec, x, w[...].astype(x.dtype))
+
+
+class GPT2Block(_PreNormBlock):
+    """GPT-2's block. No bias on the key projection: softmax is invariant to a per-query shift, so its exact gradient
+    is zero (Hugging Face's `c_attn` key bias is dropped on import, written as zeros on export)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, h, hd, f = cfg.embed, cfg.heads, cfg.head_dim, cfg.mlp
+        dt = jnp.dtype(cfg.param_dtype)
+        resid_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2 (Radford et al. 2019, sec. 2.3)
+        self.ln1 = LayerNorm(d, dt, cfg.norm_eps)
+        self.wqkv = param(rngs.params(), (d, 3, h, hd), 0.02, ("embed", "qkv", "heads", "kv"), dt)
+        self.bqv = param(None, (2, h, hd), 0, ("qkv", "heads", "kv"), dt, "bias")  # biases of q and v; none for k
+        self.wo = param(rngs.params(), (h, hd, d), resid_std, ("heads", "kv", "embed"), dt)
+        self.bo = param(None, (d,), 0, ("embed",), dt, "bias")
+        self.ln2 = LayerNorm(d, dt, cfg.norm_eps)
+        self.w_in = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
+        self.b_in = param(None, (f,), 0, ("mlp",), dt, "bias")
+        self.w_out = param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
+        self.b_out = param(None, (d,), 0, ("embed",), dt, "bias")
+
+    def qkv(self, h, positions):
+        qkv = _mm("btd,dkhe->btkhe", h, self.wqkv)
+        b = self.bqv[...].astype(h.dtype)
+        return qkv[:, :, 0] + b[0], qkv[:, :, 1], qkv[:, :, 2] + b[1]
+
+    def attn_out(self, a):
+        return _mm("bthe,hed->btd", a, self.wo) + self.bo[...].astype(a.dtype)
+
+    def mlp(self, h):
+        u = _mm("btd,df->btf", h, self.w_in) + self.b_in[...].astype(h.dtype)
+        u = constrain(jax.nn.gelu(u, approximate=True), ("batch", "seq", "mlp"))
+        return _mm("btf,fd->btd", u, self.w_out) + self.b_out[...].astype(h.dtype)
+
+
+class LlamaBlock(_PreNormBlock):
+    """Llama's block: RMSNorm, RoPE on q and k, `kv_heads` KV heads (`kv_heads` splits over `tensor` when it divides
+    it, else each device holds them all and keeps its heads' share), SwiGLU MLP down(silu(gate(x)) · up(x))."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        d, h, kv, hd, f = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp
+        dt = jnp.dtype(cfg.param_dtype)
+        resid_std = 0.02 / math.sqrt(2 * cfg.layers)
+        self.ln1 = RMSNorm(d, dt, cfg.norm_eps)
+        self.wq = param(rngs.params(), (d, h, hd), 0.02, ("embed", "heads", "kv"), dt)
+        self.wk = param(rngs.params(), (d, kv, hd), 0.02, ("embed", "kv_heads", "kv"), dt)
+        self.wv = param(rngs.params(), (d, kv, hd), 0.02, ("embed", "kv_heads", "kv"), dt)
+        self.wo = param(rngs.params(), (h, hd, d), resid_std, ("heads", "kv", "embed"), dt)
+        self.ln2 = RMSNorm(d, dt, cfg.norm_eps)
+        self.w_gate = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
+        self.w_up = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
+        self.w_down = param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
+        self.inv_freq = tuple(float(x) for x in rope_frequencies(hd, cfg.rope_theta, cfg.rope_scaling_dict))
+
+    def qkv(self, h, positions):
+        q, k, v = (_mm("btd,dhe->bthe", h, w) for w in (self.wq, self.wk, self.wv))
+        inv = np.asarray(self.inv_freq, np.float32)
+        return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
+
+    def attn_out(self, a):
+        return _mm("bthe,hed->btd", a, self.wo)
+
+    def mlp(self, h):
+        u = jax.nn.silu(_mm("btd,df->btf", h, self.w_gate)) * _mm("btd,df->btf", h, self.w_up)
+        return _mm("btf,fd->btd", constrain(u, ("batch", "seq", "mlp")), self.w_down)
+
+
+BLOCKS = {"gpt2": GPT2Block, "llama": LlamaBlock}
+NORMS = {"gpt2": LayerNorm, "llama": RMSNorm}
