@@ -1,0 +1,79 @@
+"""The llama family under every kind of layout: each equals the 1-device run ("equal" as in test_pipeline: loss 1e-6,
+gradients 1e-5 relative L2, params after 3 AdamW steps within `assert_params_close`'s bound); KV-cache decoding equals
+the uncached forward, token by token, for both families, with grouped-query attention."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import assert_params_close, assert_trees_close, batch, float64_params, tiny_config
+from jaxpar import model as gpt
+from jaxpar.config import ConfigError, validate
+from jaxpar.generate import generate
+from test_pipeline import VOCAB, pipe_config, run
+
+# heads 8, kv_heads 2: four query heads per KV head; at tensor 2 the KV heads split, at tensor 4 each is replicated
+LLAMA = {"model.arch": "llama", "model.kv_heads": 2, "model.tie_embeddings": False}
+CASES = [((2, 2, 2), "gpipe", {}), ((2, 1, 4), "1f1b", {}), ((1, 2, 4), "zb_h1", {}),
+         ((4, 2, 1), "gpipe", {"optim.zero_stage": 3}), ((2, 2, 2), "1f1b", {"pipeline.virtual_stages": 2}),
+         ((2, 4, 1), "gpipe", {}), ((2, 2, 2), "1f1b", {"model.dropout_resid": 0.1, "model.dropout_embed": 0.1})]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {}
+
+
+@pytest.mark.parametrize("layout,schedule,over", CASES, ids=lambda x: str(x))
+def test_llama_layout_equals_one_device(references, layout, schedule, over):
+    d, t, s = layout
+    M = 8 if 16 % (d * 8) == 0 else 16 // d
+    key = (M, tuple(sorted(k for k in over if k.startswith("model."))))
+    model_over = {k: v for k, v in over.items() if k.startswith("model.")}
+    if key not in references:
+        references[key] = run(pipe_config(M=M, **LLAMA, **model_over))
+    ref = references[key]
+    loss0, grads, losses, params = run(pipe_config(d, t, s, schedule, over.get("pipeline.virtual_stages", 1), M=M,
+                                                   **LLAMA, **over))
+    np.testing.assert_allclose(loss0, ref[0], rtol=1e-6)
+    assert_trees_close(grads, ref[1])
+    np.testing.assert_allclose(losses, ref[2], rtol=1e-6)
+    if not model_over:  # (dropout: the float64 reference would need the same masks; loss and grads are the check)
+        assert_params_close(params, ref[3], float64_params(pipe_config(**LLAMA), VOCAB, [batch(16, 16, VOCAB)] * 3))
+
+
+def test_kv_heads_that_neither_split_nor_replicate_are_refused():
+    c = tiny_config(**{**LLAMA, "model.embed": 48, "model.heads": 12, "model.mlp": 96, "model.kv_heads": 4,
+                       "mesh.data": 1, "mesh.tensor": 6})
+    with pytest.raises(ConfigError, match=r"model.kv_heads=4 and mesh.tensor=6: .* neither holds"):
+        validate(c, 6)
+    c = tiny_config(**{**LLAMA, "model.kv_heads": 3, "mesh.data": 1})
+    with pytest.raises(ConfigError, match=r"model.kv_heads=3 does not divide model.heads=8"):
+        validate(c, 1)
+    for kv, t in ((8, 8), (2, 8), (1, 4)):  # split, replicated 4-way, multi-query replicated
+        assert validate(tiny_config(**{**LLAMA, "model.kv_heads": kv, "mesh.data": 1, "mesh.tensor": t}), t)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_cached_decoding_equals_the_uncached_forward(arch):
+    """Greedy tokens and each step's logits from the KV cache equal an argmax over the whole sequence recomputed
+    without a cache (fp32: logits within 1e-5 of their scale)."""
+    c = tiny_config(**({**LLAMA, "model.rope_scaling": "llama3", "model.rope_original_max_len": 8,
+                        "model.rope_factor": 4.0} if arch == "llama" else {}))
+    cfg = gpt.config_from(c, VOCAB, 1)
+    fwd, params = gpt.Forward(cfg), gpt.init_params(cfg, jax.random.key(1))
+    assert cfg.kv_heads == (2 if arch == "llama" else 8)
+    prompt = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 5)), jnp.int32)
+    out = jax.jit(generate, static_argnums=(0, 3, 5, 6))(fwd, params, prompt, 8, jax.random.key(0), 0.0, 0)
+    assert fwd.init_cache(2, 13).k.shape == (cfg.layers, 2, 13, cfg.kv_heads, cfg.head_dim)
+
+    # uncached: the whole sequence at once; by causality its logits at position i - 1 are those of out[:, :i]
+    full = jax.jit(lambda t: fwd.logits(params, fwd.layers(params["blocks"], fwd.embed(params, t))))(out)
+    full = np.asarray(full)[:, :, :VOCAB]
+    decode = jax.jit(fwd.decode)
+    z, caches = decode(params, prompt, fwd.init_cache(2, 13))
+    for i in range(5, 13):
+        want = full[:, i - 1]
+        np.testing.assert_allclose(np.asarray(z)[:, :VOCAB], want, atol=1e-5 * np.abs(want).max())
+        assert (np.argmax(want, -1) == np.asarray(out[:, i])).all()
+        z, caches = decode(params, out[:, i:i + 1], caches)
