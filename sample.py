@@ -1,14 +1,15 @@
 """Generate text from a trained run: `python sample.py --workdir DIR --prompt TEXT [--new_tokens N]`.
 
-DIR is a run directory (its config, tokenizer and latest checkpoint are loaded, whatever layout trained it) or an
-export written by `python -m jaxpar.export` (it holds model_config.json).
+DIR is a run directory (its config, tokenizer and latest checkpoint are loaded, whatever layout trained it), an
+export written by `python -m jaxpar.export` (it holds model_config.json), or `hf:DIR`, a Hugging Face directory
+(GPT-2 or Llama; float32 on one device).
 """
 import os
 import sys
 
 from absl import app, flags, logging
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py, or an export.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py, an export, or hf:DIR.")
 _PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")
 _NEW = flags.DEFINE_integer("new_tokens", 200, "Tokens to generate (prompt + new <= the model's max_positions).")
 _TEMP = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
@@ -27,16 +28,21 @@ def main(argv):
     from jaxpar.generate import generate
     from jaxpar.runs import load_params
 
-    load = load_export if os.path.isfile(os.path.join(_WORKDIR.value, CONFIG_FILE)) else load_params
+    from jaxpar import hf
+
+    where = hf.directory_of(_WORKDIR.value) or _WORKDIR.value
+    load = hf.load if hf.directory_of(_WORKDIR.value) else (
+        load_export if os.path.isfile(os.path.join(where, CONFIG_FILE)) else load_params)
     try:
-        fwd, params, tok = load(_WORKDIR.value)
+        fwd, params, tok = load(where)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     ids = tok.encode(_PROMPT.value)
     room = fwd.cfg.max_positions - len(ids)
     if room < 1:
-        sys.exit(f"error: the prompt has {len(ids)} tokens; the model's max_positions is {fwd.cfg.max_positions}.")
+        sys.exit(f"error: the prompt has {len(ids)} tokens; the model's max_positions is "
+                 f"{fwd.cfg.max_positions}.")
     new = min(_NEW.value, room)
     prompt = jnp.asarray([ids] * _NUM.value, jnp.int32)
     out = jax.jit(generate, static_argnums=(0, 3, 5, 6))(

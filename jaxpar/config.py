@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.name = "jaxpar"
-    c.init_from = ""  # an export directory (python -m jaxpar.export) to fine-tune from
+    c.init_from = ""  # weights to start from: an export directory (python -m jaxpar.export), or hf:DIR (Hugging Face)
 
     c.mesh = ml_collections.ConfigDict(dict(data=-1, tensor=1, stage=1))
     c.rules = DEFAULT_RULES

@@ -1,8 +1,11 @@
 """Export a run's parameters as safetensors + JSON, and load such an export back.
 
-    python -m jaxpar.export --workdir DIR --out OUT [--step N] [--force]
+    python -m jaxpar.export --workdir DIR --out OUT [--step N] [--force] [--format jaxpar|hf] [--dtype D]
+                            [--max_shard_size 5GB]
 
-writes, from WORKDIR's latest (or given) checkpoint, whatever layout trained it:
+`--format hf` writes a Hugging Face directory (`jaxpar.hf`: config.json, model.safetensors or shards with their
+index, tokenizer.json) that transformers' `from_pretrained` loads with no custom code. The default, `jaxpar`, writes,
+from WORKDIR's latest (or given) checkpoint, whatever layout trained it:
 
   OUT/model.safetensors   every parameter under a flat dotted key (`wte`, `blocks.wqkv`, `ln_f.scale`, ...), the
                           canonical layout-free tree the checkpoints hold (block leaves stacked on a leading
@@ -89,23 +92,28 @@ def unflatten(flat: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------------- export
 
-def export(workdir: str, out: str, step: int | None = None, force: bool = False) -> dict:
-    """Write WORKDIR's latest (or `step`'s) checkpoint params as an export in OUT (layout above).
+def export(workdir: str, out: str, step: int | None = None, force: bool = False, fmt: str = "jaxpar",
+           dtype: str | None = None, max_shard_bytes: int = 5 * 10 ** 9) -> dict:
+    """Write WORKDIR's latest (or `step`'s) checkpoint params as an export in OUT: jaxpar's layout above (`fmt`
+    "jaxpar"), or a Hugging Face directory for the run's family (`fmt` "hf": `jaxpar.hf.save`, weights in `dtype`,
+    default the param dtype, in shards of at most `max_shard_bytes`).
 
     The params are restored onto the host CPU (no accelerator memory is used). Either everything is written or
     nothing is: the files are built in a temporary sibling of OUT, then moved in.
 
     Returns:
-      the dict written to OUT/model_config.json.
+      the export's metadata (for "jaxpar": the dict written to OUT/model_config.json).
 
     Raises:
       FileNotFoundError: WORKDIR, its config.json, tokenizer or a complete checkpoint (for `step`) is missing.
       FileExistsError: OUT exists and is not an empty directory, and `force` is False (or OUT is a file).
-      ValueError: the checkpoint does not match config.json's model; the tokenizer is unreadable.
+      ValueError: the checkpoint does not match config.json's model; the tokenizer is unreadable; a bad `fmt`/`dtype`.
     """
     from jaxpar.runs import load_run  # the training stack (optax, orbax) only for exporting, not for loading
 
     workdir, out = os.path.abspath(os.fspath(workdir)), os.path.abspath(os.fspath(out))
+    if fmt not in ("jaxpar", "hf") or (dtype is not None and dtype not in _ST_DTYPES):
+        raise ValueError(f"--format {fmt!r} / --dtype {dtype!r}: pick jaxpar or hf, and a dtype of {list(_ST_DTYPES)}.")
     if not os.path.isdir(workdir):
         raise FileNotFoundError(f"--workdir {workdir} does not exist or is not a directory.")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -113,36 +121,56 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False)
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise FileExistsError(f"--out {out} exists and is not empty; pass --force to replace an export in it.")
     run = load_run(workdir, step, device=_host_device())
-    flat = flatten(run.params)
-    meta = {"format": FORMAT, **dataclasses.asdict(run.fwd.cfg), "step": int(run.step),
+    meta = {"format": FORMAT if fmt == "jaxpar" else "hf", **dataclasses.asdict(run.fwd.cfg), "step": int(run.step),
             "tokenizer_kind": run.tokenizer.kind, "tokenizer_vocab_size": int(run.tokenizer.vocab_size)}
+    if fmt == "hf":
+        from jaxpar import hf
 
+        fill = lambda tmp: hf.save(jax.device_get(run.params), run.fwd.cfg, run.tokenizer, tmp,
+                                   dtype or run.fwd.cfg.param_dtype, max_shard_bytes)
+    else:
+        fill = lambda tmp: _write_jaxpar(tmp, run, workdir, meta)
+    _write_atomically(out, fill)
+    return meta
+
+
+def _write_jaxpar(tmp: str, run, workdir: str, meta: dict) -> list[str]:
     from safetensors.numpy import save_file
 
+    save_file(flatten(run.params), os.path.join(tmp, WEIGHTS_FILE),
+              metadata={"jaxpar_format": FORMAT, "step": str(run.step)})
+    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
+        f.write("\n")
+    shutil.copytree(os.path.join(workdir, TOKENIZER_DIR), os.path.join(tmp, TOKENIZER_DIR))
+    return [WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_DIR]
+
+
+def _write_atomically(out: str, fill) -> None:
+    """`fill(tmp)` writes the export into a temporary sibling of OUT and returns the names it wrote; they then move
+    into OUT (a new OUT, or an existing one whose entries of those names, and any older weight shards, are
+    replaced; other files stay)."""
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
     try:
-        save_file(flat, os.path.join(tmp, WEIGHTS_FILE), metadata={"jaxpar_format": FORMAT, "step": str(run.step)})
-        with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
-            json.dump(meta, f, indent=2)
-            f.write("\n")
-        shutil.copytree(os.path.join(workdir, TOKENIZER_DIR), os.path.join(tmp, TOKENIZER_DIR))
+        names = fill(tmp)
         if not os.path.isdir(out):
             os.rename(tmp, out)
-        else:  # empty, or --force: replace our entries only
-            for name in (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_DIR):
-                dst = os.path.join(out, name)
-                if os.path.isdir(dst) and not os.path.islink(dst):
-                    shutil.rmtree(dst)
-                elif os.path.lexists(dst):
-                    os.remove(dst)
+            return
+        stale = [n for n in os.listdir(out) if n.startswith("model-") and n.endswith(".safetensors")]
+        for name in sorted(set(names) | set(stale) | {WEIGHTS_FILE, "model.safetensors.index.json"}):
+            dst = os.path.join(out, name)
+            if os.path.isdir(dst) and not os.path.islink(dst):
+                shutil.rmtree(dst)
+            elif os.path.lexists(dst):
+                os.remove(dst)
+            if name in names:
                 os.rename(os.path.join(tmp, name), dst)
-            os.rmdir(tmp)
+        os.rmdir(tmp)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
-    return meta
 
 
 def _host_device():
@@ -273,6 +301,18 @@ def load_export(directory: str, device=None):
 
 # -------------------------------------------------------------------------------------------------- CLI
 
+def parse_size(text: str) -> int:
+    """"5GB" -> 5·10⁹ bytes, "200MiB" -> 200·2²⁰ (transformers' `max_shard_size` spelling); ValueError otherwise."""
+    import re
+
+    units = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20,
+             "GIB": 2 ** 30}
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in units:
+        raise ValueError(f"--max_shard_size {text!r}: give a size such as 5GB, 200MB or 1GiB.")
+    return int(float(m.group(1)) * units[m.group(2).upper()])
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m jaxpar.export ...`; returns the exit code: 0 done, 2 bad input (one line on stderr)."""
     ap = argparse.ArgumentParser(prog="python -m jaxpar.export",
@@ -281,12 +321,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="export directory to write (must not exist or be empty)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
     ap.add_argument("--force", action="store_true", help="replace an export already in --out")
+    ap.add_argument("--format", default="jaxpar", choices=("jaxpar", "hf"),
+                    help="jaxpar (model.safetensors + model_config.json) or hf (a transformers directory)")
+    ap.add_argument("--dtype", default=None, choices=sorted(_ST_DTYPES), help="hf: weight dtype (default: param dtype)")
+    ap.add_argument("--max_shard_size", default="5GB", help="hf: largest weight file, e.g. 5GB, 200MB")
     args = ap.parse_args(argv)
     from absl import logging as absl_logging
 
     absl_logging.set_verbosity(absl_logging.WARNING)
     try:
-        meta = export(args.workdir, args.out, args.step, args.force)
+        meta = export(args.workdir, args.out, args.step, args.force, args.format, args.dtype,
+                      parse_size(args.max_shard_size))
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
@@ -104,6 +105,8 @@ class Steps:
     grads: callable  # (params, batch) -> (loss, grads in canonical order); no update
     to_canonical: callable  # state in this layout's layer order -> canonical order (what checkpoints hold)
     from_canonical: callable  # the inverse
+    layer_order: tuple  # position p of the layer axis in this layout holds canonical layer layer_order[p]
+    init_with: callable  # (params in this layout's order, seed) -> a fresh state holding them (donates them)
 
     def abstract_state(self):
         """The state as `jax.ShapeDtypeStruct`s carrying this layout's shardings (an Orbax restore target)."""
@@ -208,4 +211,7 @@ def build_steps(st: StepSettings, cfg: gpt.GPTConfig, mesh) -> Steps:
         evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], lay.batch), out_shardings=(repl, repl)),
         grads=jax.jit(grads, in_shardings=(state_sh["params"], lay.batch)),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
+        layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
+        init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=p),
+                          static_argnums=1, out_shardings=state_sh, donate_argnums=0),
     )

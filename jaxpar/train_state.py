@@ -17,14 +17,15 @@ from jaxpar import model as gpt
 from jaxpar import sharding as shd
 
 
-def init_state(cfg: gpt.GPTConfig, optimizer, seed: int, ls_cfg=loss_scale.LossScaleConfig()) -> dict:
-    """A fresh train state; its values depend only on `seed` and `cfg` (not on the layout).
+def init_state(cfg: gpt.GPTConfig, optimizer, seed: int, ls_cfg=loss_scale.LossScaleConfig(), params=None) -> dict:
+    """A fresh train state; its values depend only on `seed` and `cfg` (not on the layout); `params`, if given,
+    replace the drawn ones (a start from imported weights).
 
     Keys: params, opt_state, step (int32, updates done), rng (uint32 key data), loss_scale (`LossScaleState`, used
     with float16 compute, kept in every state so checkpoints move between precisions), nonfinite (int32 count of
     steps with a non-finite loss or grads) and first_nonfinite (int32, the first such step, or -1)."""
     key = jax.random.key(seed)
-    params = gpt.init_params(cfg, jax.random.fold_in(key, 0))
+    params = gpt.init_params(cfg, jax.random.fold_in(key, 0)) if params is None else params
     i32 = lambda v: jnp.full((), v, jnp.int32)
     return {"params": params, "opt_state": optimizer.init(params), "step": i32(0),
             "rng": jax.random.key_data(jax.random.fold_in(key, 1)), "loss_scale": loss_scale.init(ls_cfg),

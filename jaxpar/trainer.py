@@ -13,7 +13,7 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import data, distributed, metrics, monitor, watchdog
+from jaxpar import data, distributed, hf, metrics, monitor, watchdog
 from jaxpar import model as gpt
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, validate
@@ -172,6 +172,7 @@ def dry_run(config, workdir: str) -> dict:
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied)."""
     from jaxpar import report
 
+    hf.apply(config)
     shape = validate(config, jax.device_count())
     vocab = max(int(config.model.vocab_size), 0) or distributed.process_0_first(
         lambda: data.prepare(config), "jaxpar/prepare").vocab_size
@@ -204,6 +205,7 @@ def run(config, workdir: str, devices=None) -> dict:
     `devices`: the devices to lay the mesh over (default: all, `jax.devices()`); a subset (e.g. one device of a
     process that has eight) is meant for tests and single-process runs."""
     devices = list(jax.devices() if devices is None else devices)
+    hf.apply(config)  # init_from=hf:DIR: the model's shape and tokenizer are DIR's
     shape = validate(config, len(devices))
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
@@ -237,7 +239,10 @@ def check_before_writing(config, workdir: str, fp: dict, steps) -> None:
             check_resume(probe.read_meta(latest).get("fingerprint", {}), fp, bool(config.train.allow_batch_change))
         probe.close()
     if config.init_from and latest is None:
-        check_export(config.init_from, steps.cfg)
+        if hf.directory_of(config.init_from) is not None:
+            hf.check(hf.directory_of(config.init_from), steps.cfg)
+        else:
+            check_export(config.init_from, steps.cfg)
     distributed.barrier("jaxpar/resume_check")  # every process looked (isdir) before process 0 creates the folder
 
 
@@ -262,6 +267,10 @@ def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, in
         # continue the order, whatever the batch size
         train_data.resume_at(start, samples_consumed(meta, start, int(config.train.global_batch_size)))
         return state, start
+    hf_dir = hf.directory_of(config.init_from)
+    if hf_dir is not None:  # weights straight onto this layout's shardings; fresh optimizer state, step 0
+        params = hf.load_params(hf_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order)
+        return steps.init_with(params, int(config.train.seed)), 0
     state = steps.init(int(config.train.seed))
     if config.init_from:  # fine-tuning: params from an export, fresh optimizer state, step 0
         state = init_from_export(config.init_from, steps, state)

@@ -18,8 +18,11 @@ def tiny_config(**over):
     c.train.update(global_batch_size=16, microbatches=1, steps=3)
     c.optim.update(lr=1e-3, warmup_steps=0, decay_steps=10, clip_norm=1.0)
     for k, v in over.items():
-        sect, key = k.split(".")
-        c[sect][key] = v
+        if "." in k:
+            sect, key = k.split(".")
+            c[sect][key] = v
+        else:
+            c[k] = v
     return c
 
 

@@ -22,6 +22,8 @@ class Tokenizer(Protocol):
 
     def save(self, directory: str | os.PathLike) -> None: ...
 
+    def to_hf(self): ...  # the same ids as a Hugging Face `tokenizers.Tokenizer` (what an HF export writes)
+
 
 class ByteTokenizer:
     """The UTF-8 bytes of the text: 256 ids, nothing to train or download. Saved as `byte_tokenizer.json`."""
@@ -40,6 +42,21 @@ class ByteTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         write_json(Path(directory) / self.FILENAME, {"kind": "byte", "vocab_size": 256, "encoding": "utf-8"})
+
+    @staticmethod
+    def to_hf():
+        """The same ids as a Hugging Face `tokenizers.Tokenizer` (byte-level BPE without merges: byte b is id b),
+        for exports that `transformers` loads."""
+        from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+        # GPT-2's byte -> printable character table (Radford et al. 2019's encoder.py, `bytes_to_unicode`)
+        keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        chars = {b: chr(b) for b in keep}
+        chars.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in chars)})
+        tok = HFTokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
 
 
 class BPETokenizer:
@@ -86,6 +103,9 @@ class BPETokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         self.hf.save(str(Path(directory) / self.FILENAME))
+
+    def to_hf(self):
+        return self.hf
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -1,0 +1,192 @@
+"""Hugging Face checkpoints in and out: a directory as transformers' `save_pretrained` writes it (`config.json`,
+`model.safetensors` or its shards with `model.safetensors.index.json`, `tokenizer.json`) for `GPT2LMHeadModel` and
+`LlamaForCausalLM`.
+
+In: `settings(dir)` -> the run config's `model.*` keys and tokenizer; `check(dir, cfg)` reads only the headers and
+refuses a missing, truncated or misshapen tensor; `load_params(dir, cfg, shardings, layer_order)` places every
+tensor straight onto the run's shardings, each process reading only the slices its devices hold, one layer at a
+time (host memory: about one HF tensor). `load(dir)` -> (Forward, params, tokenizer) on one device, for sampling.
+Out: `save(params, cfg, tokenizer, out, dtype, max_shard_bytes)` (`python -m jaxpar.export --format hf`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.export import _items, unflatten
+from jaxpar.hf import files, keys
+from jaxpar.hf.config import arch_of, hf_config, model_settings, read_json
+from jaxpar.hf.files import HFError
+from jaxpar.model import Forward, GPTConfig, init_params
+
+PREFIX = "hf:"
+TOKENIZER = "tokenizer.json"
+
+
+def directory_of(init_from: str) -> str | None:
+    """`hf:DIR` -> DIR; anything else -> None."""
+    return init_from[len(PREFIX):] if isinstance(init_from, str) and init_from.startswith(PREFIX) else None
+
+
+def settings(directory: str) -> dict:
+    """{config key: value}: the `model.*` shape keys from config.json and `data.tokenizer` = DIR/tokenizer.json.
+
+    Raises:
+      HFError: no config.json or tokenizer.json, an unsupported architecture or feature, a tokenizer with more symbols
+        than the embedding has rows.
+    """
+    where = os.path.join(directory, "config.json")
+    out = {f"model.{k}": v for k, v in model_settings(read_json(directory), where).items()}
+    tok_path = os.path.join(directory, TOKENIZER)
+    if not os.path.isfile(tok_path):
+        raise HFError(f"{tok_path} not found; save the tokenizer with transformers (`AutoTokenizer.from_pretrained"
+                      f"(DIR).save_pretrained(DIR)` writes it) or copy it next to config.json.")
+    from jaxpar.data import BPETokenizer
+
+    n = BPETokenizer.from_file(tok_path).vocab_size
+    if n > out["model.vocab_size"]:
+        raise HFError(f"{tok_path} has {n} symbols but the embedding has only vocab_size={out['model.vocab_size']} "
+                      f"rows ({where}); use the tokenizer the model was trained with.")
+    return {**out, "data.tokenizer": tok_path}
+
+
+def apply(config) -> None:
+    """With `init_from = hf:DIR`, set the config's model shape and tokenizer to DIR's (model.seq_len stays)."""
+    directory = directory_of(config.init_from)
+    if directory is None:
+        return
+    for key, v in settings(directory).items():
+        sect, name = key.split(".")
+        config[sect][name] = v
+
+
+def maps(cfg, directory: str | None = None) -> list[keys.Map]:
+    if cfg.arch == "llama":
+        return keys.llama_maps(cfg.tie_embeddings)
+    prefix = "transformer."
+    if directory is not None and "wte.weight" in files.tensors(directory):  # the original hub files: no prefix
+        prefix = ""
+    return keys.gpt2_maps(cfg.tie_embeddings, prefix)
+
+
+def _expected(cfg, mapping) -> dict:
+    """{HF name: (Map, one layer's jaxpar shape)} for `cfg`."""
+    shapes = dict(_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
+    out = {}
+    for m in mapping:
+        one = tuple(shapes[m.ours].shape[1:] if m.per_layer else shapes[m.ours].shape)
+        for i in range(cfg.layers) if m.per_layer else [None]:
+            out[m.hf.format(i=i)] = (m, one)
+    return out
+
+
+def check(directory: str, cfg) -> dict:
+    """Every tensor `cfg` needs is in DIR with the shape config.json implies, and DIR holds no other parameter.
+    Reads headers only. Returns {HF name: (file, dtype, shape)}.
+
+    Raises:
+      HFError: naming the first missing, misshapen or unexpected tensor, or the missing or truncated file.
+    """
+    have, mapping = files.tensors(directory), maps(cfg, directory)
+    want = _expected(cfg, mapping)
+    for name, (m, one) in want.items():
+        shape = keys.hf_shape(m, one, cfg.vocab_real)
+        if name not in have:
+            raise HFError(f"{directory}: tensor {name!r} {list(shape)} is missing; the checkpoint is incomplete or "
+                          f"not a {arch_of(read_json(directory), directory)} of this shape.")
+        if have[name][2] != shape:
+            raise HFError(f"{have[name][0]}: tensor {name!r} is {list(have[name][2])}, but config.json implies "
+                          f"{list(shape)}; the weights and config.json disagree.")
+    tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    extra = sorted(k for k in have if k not in want and k not in tied_head and not k.endswith(keys.IGNORED_SUFFIXES))
+    if extra:
+        raise HFError(f"{have[extra[0]][0]}: unexpected tensor {extra[0]!r}: the model config.json describes has no "
+                      f"such parameter.")
+    return have
+
+
+_set_layer = jax.jit(lambda buf, x, j: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0), donate_argnums=0)
+
+
+def _place(reader, m, one, shape, dtype, sharding, order, rows):
+    """One jaxpar leaf of `shape` (with the layers axis for per-layer leaves) as a jax.Array with `sharding`, from
+    the slices this process's devices hold; devices holding the same slice share one read."""
+    per_device = sharding.addressable_devices_indices_map(shape)
+    groups: dict = {}
+    for dev, idx in per_device.items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+        groups.setdefault(key, []).append(dev)
+    out = {}
+    for key, devs in groups.items():
+        idx = tuple(slice(a, b) for a, b in key)
+        if not m.per_layer:
+            block = keys.block_of(m, one, idx, lambda box: reader.read(m.hf, box), rows).astype(dtype)
+            out.update({d: jax.device_put(block, d) for d in devs})
+            continue
+        bufs = {d: jnp.zeros(tuple(b - a for a, b in key), dtype, device=d) for d in devs}
+        for j, pos in enumerate(range(*key[0])):
+            name = m.hf.format(i=order[pos])
+            part = keys.block_of(m, one, idx[1:], lambda box: reader.read(name, box), rows).astype(dtype)
+            bufs = {d: _set_layer(b, jax.device_put(part[None], d), j) for d, b in bufs.items()}
+        out.update(bufs)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [out[d] for d in per_device])
+
+
+def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
+    """DIR's weights as jaxpar's params tree (param dtype of `cfg`), each leaf placed with its `shardings` leaf and
+    the layer axis in `layer_order` (position -> canonical layer; default canonical). Checks first (`check`)."""
+    have = check(directory, cfg)
+    order = list(range(cfg.layers)) if layer_order is None else list(layer_order)
+    sh = dict(_items(shardings))
+    shapes = dict(_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
+    reader, flat = files.Reader(have), {}
+    try:
+        for m in maps(cfg, directory):
+            s = shapes[m.ours]
+            one = tuple(s.shape[1:] if m.per_layer else s.shape)
+            flat[m.ours] = _place(reader, m, one, s.shape, s.dtype, sh[m.ours], order, cfg.vocab_real)
+    finally:
+        reader.close()
+    return unflatten(flat)
+
+
+def load(directory: str, device=None, param_dtype: str = "float32"):
+    """-> (Forward, params on one device, tokenizer) of DIR, for sampling (float32 params and compute)."""
+    from jaxpar import data
+
+    s = settings(directory)
+    m = {k[len("model."):]: v for k, v in s.items() if k.startswith("model.")}
+    vocab = m.pop("vocab_size")
+    cfg = GPTConfig(vocab_size=-(-vocab // 128) * 128, vocab_real=vocab, seq_len=m["max_positions"],
+                    param_dtype=param_dtype, compute_dtype=param_dtype, **m)
+    single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    shard = jax.tree.map(lambda _: single, jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    return Forward(cfg), load_params(directory, cfg, shard), data.load_tokenizer(s["data.tokenizer"])
+
+
+def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> list[str]:
+    """Write host params (canonical layer order) of `cfg` as an HF directory in `out` (which exists): config.json,
+    the weights in `dtype`, tokenizer.json and tokenizer_config.json. Returns the names written."""
+    flat = dict(_items(params))
+    np_dtype = jnp.dtype(dtype)
+
+    def tensors():
+        for m in maps(cfg):
+            a = np.asarray(flat[m.ours])
+            for i in range(cfg.layers) if m.per_layer else [None]:
+                yield m.hf.format(i=i), keys.to_hf(m, a[i] if m.per_layer else a, cfg.vocab_real).astype(np_dtype)
+
+    names = files.write(out, tensors(), max_shard_bytes)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config(cfg, dtype, tokenizer), f, indent=2)
+    tokenizer.to_hf().save(os.path.join(out, TOKENIZER))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_positions}, f)
+    return names + ["config.json", TOKENIZER, "tokenizer_config.json"]
+
+
+__all__ = ["HFError", "PREFIX", "apply", "check", "directory_of", "load", "load_params", "save", "settings"]

@@ -1,0 +1,125 @@
+"""A Hugging Face checkpoint directory's tensors: `model.safetensors`, or shards `model-0000k-of-0000n.safetensors`
+named by `model.safetensors.index.json`; read header-first and lazily, written in shards.
+
+safetensors layout (huggingface/safetensors README): an 8-byte little-endian header length N, N bytes of JSON
+`{name: {dtype, shape, data_offsets: [begin, end]}}` (offsets from the end of the header), then the data. A file
+shorter than its header says is truncated: `tensors` refuses it before anything is read.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+from jaxpar.config import ConfigError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+TAGS = {v: k for k, v in DTYPES.items()}
+
+
+class HFError(ConfigError):
+    """A Hugging Face directory jaxpar cannot use; the message names the file and the fix."""
+
+
+def _header(path: str) -> dict:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise HFError(f"{path}: not a complete safetensors file ({size} bytes; the header says {8 + n}); "
+                          f"copy it again.")
+        try:
+            head = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HFError(f"{path}: unreadable safetensors header ({e}); copy the file again.") from e
+    head.pop("__metadata__", None)
+    end = max((int(v["data_offsets"][1]) for v in head.values()), default=0)
+    if 8 + n + end > size:
+        raise HFError(f"{path} is truncated: {size} bytes, its header needs {8 + n + end}; copy the file again.")
+    return head
+
+
+def tensors(directory: str) -> dict[str, tuple[str, str, tuple]]:
+    """{tensor name: (file path, dtype name, shape)} of every tensor in the directory, from the headers only.
+
+    Raises:
+      HFError: no weights, a shard the index names is missing or truncated, a tensor the index places in a file that
+        lacks it, an unsupported dtype.
+    """
+    single, index = os.path.join(directory, SINGLE), os.path.join(directory, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+    elif os.path.isfile(single):
+        weight_map, files = None, [SINGLE]
+    else:
+        raise HFError(f"{directory} has neither {SINGLE} nor {INDEX}: not a Hugging Face checkpoint in safetensors "
+                      f"(a PyTorch .bin checkpoint can be converted with transformers' save_pretrained).")
+    out = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise HFError(f"{path} is missing ({INDEX} names it); copy every shard of the checkpoint.")
+        for key, v in _header(path).items():
+            if v["dtype"] not in DTYPES:
+                raise HFError(f"{path}: tensor {key!r} has dtype {v['dtype']}; jaxpar reads {sorted(DTYPES)}.")
+            out[key] = (path, DTYPES[v["dtype"]], tuple(v["shape"]))
+    for key, name in (weight_map or {}).items():
+        if key not in out:
+            raise HFError(f"{INDEX} places {key!r} in {name}, which does not hold it; the index and shards disagree.")
+    return out
+
+
+class Reader:
+    """Open safetensors files lazily; `read(name, index)` reads one tensor's box (a tuple of slices) as numpy."""
+
+    def __init__(self, where: dict):
+        self.where, self.open = where, {}
+
+    def read(self, name: str, index: tuple):
+        from safetensors import safe_open
+
+        path = self.where[name][0]
+        if path not in self.open:
+            self.open[path] = safe_open(path, framework="numpy")
+        return self.open[path].get_slice(name)[index]
+
+    def close(self):
+        self.open.clear()
+
+
+def write(directory: str, tensors_in_order, max_shard_bytes: int) -> list[str]:
+    """Write `(name, numpy array)` pairs into `model.safetensors`, or into shards of at most `max_shard_bytes`
+    (a tensor bigger than that gets a shard of its own) with `model.safetensors.index.json`, as
+    `save_pretrained(max_shard_size=...)` does. Holds one shard in memory at a time. Returns the file names."""
+    from safetensors.numpy import save_file
+
+    shards, cur, size, total = [], {}, 0, 0
+    for name, a in tensors_in_order:
+        if cur and size + a.nbytes > max_shard_bytes:
+            shards.append(_spill(directory, cur, len(shards), save_file))
+            cur, size = {}, 0
+        cur[name], size, total = a, size + a.nbytes, total + a.nbytes
+    if not shards:
+        save_file(cur, os.path.join(directory, SINGLE), metadata={"format": "pt"})
+        return [SINGLE]
+    shards.append(_spill(directory, cur, len(shards), save_file))
+    n, names, weight_map = len(shards), [], {}
+    for k, (tmp, keys) in enumerate(shards):
+        final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        os.rename(os.path.join(directory, tmp), os.path.join(directory, final))
+        names.append(final)
+        weight_map.update({key: final for key in keys})
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    return names + [INDEX]
+
+
+def _spill(directory, cur, k, save_file):
+    tmp = f"shard-{k}.tmp"
+    save_file(cur, os.path.join(directory, tmp), metadata={"format": "pt"})
+    return tmp, list(cur)
