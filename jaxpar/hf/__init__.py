@@ -86,7 +86,7 @@ def _expected(cfg, mapping) -> dict:
 
 def check(directory: str, cfg) -> dict:
     """Every tensor `cfg` needs is in DIR with the shape config.json implies, and DIR holds no other parameter.
-    Reads headers only. Returns {HF name: (file, dtype, shape)}.
+    Reads headers only. Returns {HF name: `files.Entry`}.
 
     Raises:
       HFError: naming the first missing, misshapen or unexpected tensor, or the missing or truncated file.
@@ -98,13 +98,13 @@ def check(directory: str, cfg) -> dict:
         if name not in have:
             raise HFError(f"{directory}: tensor {name!r} {list(shape)} is missing; the checkpoint is incomplete or "
                           f"not a {arch_of(read_json(directory), directory)} of this shape.")
-        if have[name][2] != shape:
-            raise HFError(f"{have[name][0]}: tensor {name!r} is {list(have[name][2])}, but config.json implies "
+        if have[name].shape != shape:
+            raise HFError(f"{have[name].path}: tensor {name!r} is {list(have[name].shape)}, but config.json implies "
                           f"{list(shape)}; the weights and config.json disagree.")
     tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
     extra = sorted(k for k in have if k not in want and k not in tied_head and not k.endswith(keys.IGNORED_SUFFIXES))
     if extra:
-        raise HFError(f"{have[extra[0]][0]}: unexpected tensor {extra[0]!r}: the model config.json describes has no "
+        raise HFError(f"{have[extra[0]].path}: unexpected tensor {extra[0]!r}: the model config.json describes has no "
                       f"such parameter.")
     return have
 
@@ -124,16 +124,27 @@ def _place(reader, m, one, shape, dtype, sharding, order, rows):
     for key, devs in groups.items():
         idx = tuple(slice(a, b) for a, b in key)
         if not m.per_layer:
-            block = keys.block_of(m, one, idx, lambda box: reader.read(m.hf, box), rows).astype(dtype)
+            block = keys.block_of(m, one, idx, lambda box: reader.read(m.hf, box), rows).astype(dtype, copy=False)
             out.update({d: jax.device_put(block, d) for d in devs})
             continue
         bufs = {d: jnp.zeros(tuple(b - a for a, b in key), dtype, device=d) for d in devs}
         for j, pos in enumerate(range(*key[0])):
             name = m.hf.format(i=order[pos])
-            part = keys.block_of(m, one, idx[1:], lambda box: reader.read(name, box), rows).astype(dtype)
+            part = keys.block_of(m, one, idx[1:], lambda box: reader.read(name, box), rows).astype(dtype, copy=False)
             bufs = {d: _set_layer(b, jax.device_put(part[None], d), j) for d, b in bufs.items()}
         out.update(bufs)
     return jax.make_array_from_single_device_arrays(shape, sharding, [out[d] for d in per_device])
+
+
+def _trim() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's `malloc_trim`; elsewhere nothing): the reads of one leaf,
+    freed, would otherwise stay in the process's resident memory while the next leaf is read."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
@@ -149,6 +160,7 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
             s = shapes[m.ours]
             one = tuple(s.shape[1:] if m.per_layer else s.shape)
             flat[m.ours] = _place(reader, m, one, s.shape, s.dtype, sh[m.ours], order, cfg.vocab_real)
+            _trim()
     finally:
         reader.close()
     return unflatten(flat)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from typing import NamedTuple
 
 from jaxpar.config import ConfigError
 
@@ -21,6 +22,13 @@ TAGS = {v: k for k, v in DTYPES.items()}
 
 class HFError(ConfigError):
     """A Hugging Face directory jaxpar cannot use; the message names the file and the fix."""
+
+
+class Entry(NamedTuple):
+    path: str
+    dtype: str  # numpy / jax dtype name
+    shape: tuple
+    offset: int  # of the tensor's first byte in the file
 
 
 def _header(path: str) -> dict:
@@ -39,11 +47,13 @@ def _header(path: str) -> dict:
     end = max((int(v["data_offsets"][1]) for v in head.values()), default=0)
     if 8 + n + end > size:
         raise HFError(f"{path} is truncated: {size} bytes, its header needs {8 + n + end}; copy the file again.")
+    for v in head.values():
+        v["data_offsets"] = [8 + n + int(x) for x in v["data_offsets"]]
     return head
 
 
-def tensors(directory: str) -> dict[str, tuple[str, str, tuple]]:
-    """{tensor name: (file path, dtype name, shape)} of every tensor in the directory, from the headers only.
+def tensors(directory: str) -> dict[str, Entry]:
+    """{tensor name: Entry} of every tensor in the directory, from the headers only.
 
     Raises:
       HFError: no weights, a shard the index names is missing or truncated, a tensor the index places in a file that
@@ -67,7 +77,7 @@ def tensors(directory: str) -> dict[str, tuple[str, str, tuple]]:
         for key, v in _header(path).items():
             if v["dtype"] not in DTYPES:
                 raise HFError(f"{path}: tensor {key!r} has dtype {v['dtype']}; jaxpar reads {sorted(DTYPES)}.")
-            out[key] = (path, DTYPES[v["dtype"]], tuple(v["shape"]))
+            out[key] = Entry(path, DTYPES[v["dtype"]], tuple(v["shape"]), v["data_offsets"][0])
     for key, name in (weight_map or {}).items():
         if key not in out:
             raise HFError(f"{INDEX} places {key!r} in {name}, which does not hold it; the index and shards disagree.")
@@ -75,21 +85,39 @@ def tensors(directory: str) -> dict[str, tuple[str, str, tuple]]:
 
 
 class Reader:
-    """Open safetensors files lazily; `read(name, index)` reads one tensor's box (a tuple of slices) as numpy."""
+    """`read(name, index)`: one tensor's part (a tuple of slices) as numpy, reading from its file only the rows that
+    part spans (plain reads, no memory map: host memory is the part read, and nothing stays resident after)."""
 
     def __init__(self, where: dict):
         self.where, self.open = where, {}
 
     def read(self, name: str, index: tuple):
-        from safetensors import safe_open
+        import numpy as np
 
-        path = self.where[name][0]
-        if path not in self.open:
-            self.open[path] = safe_open(path, framework="numpy")
-        return self.open[path].get_slice(name)[index]
+        e = self.where[name]
+        dtype = np.dtype(jnp_dtype(e.dtype)).newbyteorder("<")
+        rows = index[0].indices(e.shape[0]) if e.shape else (0, 1, 1)
+        row = dtype.itemsize * int(np.prod(e.shape[1:], dtype=np.int64))
+        if e.path not in self.open:
+            self.open[e.path] = open(e.path, "rb")
+        f = self.open[e.path]
+        f.seek(e.offset + rows[0] * row)
+        n = max(rows[1] - rows[0], 0)
+        part = np.frombuffer(f.read(n * row), dtype).reshape((n,) + tuple(e.shape[1:]))
+        rest = (slice(None, None, rows[2]),) + tuple(index[1:])
+        full = all(s == slice(None) or s.indices(k) == (0, k, 1) for s, k in zip(rest, part.shape))
+        return part if full else np.array(part[rest])  # a copy: drops the rows' buffer
 
     def close(self):
+        for f in self.open.values():
+            f.close()
         self.open.clear()
+
+
+def jnp_dtype(name: str):
+    import jax.numpy as jnp
+
+    return jnp.dtype(name)
 
 
 def write(directory: str, tensors_in_order, max_shard_bytes: int) -> list[str]:
