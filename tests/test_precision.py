@@ -38,8 +38,9 @@ def test_fp16_overflow_skips_update_and_lowers_scale_per_hysteresis(schedule):
     assert int(state["loss_scale"].overflows) == 3 and float(state["loss_scale"].scale) == 2.0 ** 38
 
 
-def five_steps(dtype):
-    c = tiny_config(**{"mesh.data": 4, "mesh.tensor": 2, "train.compute_dtype": dtype, "optim.lr": 3e-3})
+def five_steps(dtype, arch="gpt2"):
+    c = tiny_config(**{"mesh.data": 4, "mesh.tensor": 2, "train.compute_dtype": dtype, "optim.lr": 3e-3,
+                       "model.arch": arch, "model.kv_heads": 2 if arch == "llama" else 0})
     s = steps_for(c, VOCAB)
     state = s.init(0)
     b = place(s, batch(16, 16, VOCAB))
@@ -51,13 +52,21 @@ def five_steps(dtype):
 
 @pytest.fixture(scope="module")
 def fp32_loss():
-    return five_steps("float32")
+    cache = {}
+
+    def of(arch):
+        if arch not in cache:
+            cache[arch] = five_steps("float32", arch)
+        return cache[arch]
+
+    return of
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("dtype", ["bfloat16", pytest.param("float16", marks=pytest.mark.float16)])
-def test_low_precision_trains_close_to_fp32(fp32_loss, dtype):
-    loss = five_steps(dtype)
-    assert loss < 5.5 and abs(loss - fp32_loss) < 0.05
+def test_low_precision_trains_close_to_fp32(fp32_loss, dtype, arch):
+    loss = five_steps(dtype, arch)
+    assert loss < 5.5 and abs(loss - fp32_loss(arch)) < 0.05
 
 
 def metrics(wd):

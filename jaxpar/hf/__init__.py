@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.config import padded_vocab
 from jaxpar.export import _items, unflatten
 from jaxpar.hf import files, keys
 from jaxpar.hf.config import arch_of, hf_config, model_settings, read_json
@@ -173,7 +174,7 @@ def load(directory: str, device=None, param_dtype: str = "float32"):
     s = settings(directory)
     m = {k[len("model."):]: v for k, v in s.items() if k.startswith("model.")}
     vocab = m.pop("vocab_size")
-    cfg = GPTConfig(vocab_size=-(-vocab // 128) * 128, vocab_real=vocab, seq_len=m["max_positions"],
+    cfg = GPTConfig(vocab_size=padded_vocab(vocab, 1), vocab_real=vocab, seq_len=m["max_positions"],
                     param_dtype=param_dtype, compute_dtype=param_dtype, **m)
     single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     shard = jax.tree.map(lambda _: single, jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
