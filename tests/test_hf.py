@@ -174,6 +174,29 @@ def test_export_after_training_at_2_1_4_loads_in_transformers(models, corpus, tm
     assert auto(text, add_special_tokens=False)["input_ids"] == run.tokenizer.encode(text)
 
 
+def test_greedy_decoding_equals_transformers_generate_and_the_cli_samples(models):
+    """jaxpar's KV-cache greedy decoding of the imported llama (GQA, llama3 RoPE) gives transformers' `generate`
+    tokens; `sample.py --workdir hf:DIR` runs on it."""
+    import subprocess
+    import sys
+
+    from jaxpar.generate import generate
+
+    model, single, _ = models["llama"]
+    fwd, params, _ = hf.load(str(single))
+    prompt = TOKENS[:2, :5]
+    ours = jax.jit(generate, static_argnums=(0, 3, 5, 6))(fwd, params, jnp.asarray(prompt), 8, jax.random.key(0),
+                                                           0.0, 0)
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=8, min_new_tokens=8,
+                                do_sample=False)
+    np.testing.assert_array_equal(np.asarray(ours), theirs.numpy())
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "sample.py", "--workdir", f"hf:{single}", "--prompt", "ab", "--new_tokens", "6",
+                        "--temperature", "0"], cwd=repo, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("ab"), r.stderr[-2000:]
+
+
 def test_llama3_rope_frequencies_equal_transformers():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

@@ -113,7 +113,7 @@ def test_padded_vocab_loss_equals_unpadded_reference():
     # independent reference: plain numpy-free jnp on one device, softmax over the 250 real symbols only
     x, y, _ = split_batch({k: jnp.asarray(v) for k, v in b.items()})
     h = s.fwd.layers(params["blocks"], s.fwd.embed(params, x))
-    from jaxpar.model import LayerNorm
+    from jaxpar.nn import LayerNorm
     from flax import nnx
     h = nnx.merge(nnx.graphdef(LayerNorm(1, jnp.float32)), params["ln_f"])(h)
     logits = h @ params["wte"][:VOCAB].T  # never padded

@@ -26,6 +26,7 @@ class Map:
     transpose: bool = False
     pad: int | None = None  # the jaxpar axis (of one layer's shape) that is padded: the vocabulary
     special: str = ""  # "bqv": GPT-2's c_attn.bias -> the q and v biases
+    heads_first: bool = False  # the (transposed) HF tensor is [heads·head_dim, embed]: its first axis splits
 
     @property
     def per_layer(self) -> bool:
@@ -37,7 +38,7 @@ def gpt2_maps(tied: bool, prefix: str = "transformer.") -> list[Map]:
     maps = [Map("wte", p + "wte.weight", pad=0), Map("wpe", p + "wpe.weight"),
             Map("blocks.ln1.scale", h + "ln_1.weight"), Map("blocks.ln1.bias", h + "ln_1.bias"),
             Map("blocks.wqkv", h + "attn.c_attn.weight"), Map("blocks.bqv", h + "attn.c_attn.bias", special="bqv"),
-            Map("blocks.wo", h + "attn.c_proj.weight"), Map("blocks.bo", h + "attn.c_proj.bias"),
+            Map("blocks.wo", h + "attn.c_proj.weight", heads_first=True), Map("blocks.bo", h + "attn.c_proj.bias"),
             Map("blocks.ln2.scale", h + "ln_2.weight"), Map("blocks.ln2.bias", h + "ln_2.bias"),
             Map("blocks.w_in", h + "mlp.c_fc.weight"), Map("blocks.b_in", h + "mlp.c_fc.bias"),
             Map("blocks.w_out", h + "mlp.c_proj.weight"), Map("blocks.b_out", h + "mlp.c_proj.bias"),
@@ -50,7 +51,8 @@ def llama_maps(tied: bool) -> list[Map]:
     maps = [Map("wte", "model.embed_tokens.weight", pad=0),
             Map("blocks.ln1.scale", h + "input_layernorm.weight"),
             Map("blocks.wq", h + "self_attn.q_proj.weight", True), Map("blocks.wk", h + "self_attn.k_proj.weight", True),
-            Map("blocks.wv", h + "self_attn.v_proj.weight", True), Map("blocks.wo", h + "self_attn.o_proj.weight", True),
+            Map("blocks.wv", h + "self_attn.v_proj.weight", True),
+            Map("blocks.wo", h + "self_attn.o_proj.weight", True, heads_first=True),
             Map("blocks.ln2.scale", h + "post_attention_layernorm.weight"),
             Map("blocks.w_gate", h + "mlp.gate_proj.weight", True), Map("blocks.w_up", h + "mlp.up_proj.weight", True),
             Map("blocks.w_down", h + "mlp.down_proj.weight", True), Map("ln_f.scale", "model.norm.weight")]
@@ -76,11 +78,11 @@ def hf_shape(m: Map, ours: tuple, hf_rows: int) -> tuple:
 
 def _groups(m: Map, ours: tuple) -> list[list[int]]:
     """Which jaxpar axes each HF axis (after the transpose) becomes, for the tables above: a 2-D HF tensor's first
-    axis is one jaxpar axis, except where jaxpar splits it into heads ([h·hd, d] -> [h, hd, d]), and its second is the
-    rest."""
+    axis is one jaxpar axis and its second the rest ([d, 3·d] -> [d, 3, h, hd]), or, `heads_first`, its first is all
+    but the last ([h·hd, d] -> [h, hd, d])."""
     if len(ours) <= 1:
         return [list(range(len(ours)))]
-    if m.ours.endswith(".wo"):
+    if m.heads_first:
         return [list(range(len(ours) - 1)), [len(ours) - 1]]
     return [[0], list(range(1, len(ours)))]
 
