@@ -30,9 +30,12 @@ def main(argv):
 
     from jaxpar import hf
 
-    where = hf.directory_of(_WORKDIR.value) or _WORKDIR.value
-    load = hf.load if hf.directory_of(_WORKDIR.value) else (
-        load_export if os.path.isfile(os.path.join(where, CONFIG_FILE)) else load_params)
+    where = hf.directory_of(_WORKDIR.value)
+    if where is not None:
+        load = hf.load
+    else:
+        where = _WORKDIR.value
+        load = load_export if os.path.isfile(os.path.join(where, CONFIG_FILE)) else load_params
     try:
         fwd, params, tok = load(where)
     except (FileNotFoundError, ValueError) as e:

@@ -25,7 +25,7 @@ SHAPE = dict(embed=1024, layers=16, heads=16, kv_heads=4, mlp=4096, vocab=32000)
 
 def build(directory: str) -> None:
     from jaxpar.data import ByteTokenizer
-    from jaxpar.hf import files, hf_config, keys
+    from jaxpar.hf import files, hf_config, keys, layer_names
     from jaxpar.model import GPTConfig
 
     if os.path.isfile(os.path.join(directory, "config.json")):
@@ -45,9 +45,9 @@ def build(directory: str) -> None:
 
     def tensors():
         for m in keys.llama_maps(False):
-            for i in range(s["layers"]) if m.per_layer else [None]:
+            for name in layer_names(m, s["layers"]):
                 a = (rng.standard_normal(one[m.ours], np.float32) * 0.02).astype(np.float32)
-                yield m.hf.format(i=i), keys.to_hf(m, a, s["vocab"])
+                yield name, keys.to_hf(m, a, s["vocab"])
 
     files.write(directory, tensors(), 400 * 10 ** 6)
     with open(os.path.join(directory, "config.json"), "w") as f:
@@ -64,7 +64,6 @@ def measure(directory: str, mode: str) -> dict:
 
     from jaxpar import hf
     from jaxpar.config import base_config, validate
-    from jaxpar.export import _items, unflatten
     from jaxpar.hf import files
     from jaxpar.mesh import make_mesh
     from jaxpar.step import build as build_steps
@@ -116,7 +115,8 @@ def _whole(directory, cfg, shardings):
         one = tuple(shapes[m.ours].shape[1:] if m.per_layer else shapes[m.ours].shape)
         whole = tuple(slice(None) for _ in one)
         part = lambda name: keys.block_of(m, one, whole, lambda box: state[name][box], cfg.vocab_real)
-        full = np.stack([part(m.hf.format(i=i)) for i in range(cfg.layers)]) if m.per_layer else part(m.hf)
+        names = hf.layer_names(m, cfg.layers)
+        full = np.stack([part(n) for n in names]) if m.per_layer else part(names[0])
         flat[m.ours] = jax.device_put(full, sh[m.ours])
     return unflatten(flat)
 

@@ -262,7 +262,7 @@ def _check_kinds(config) -> list[str]:
     return errs
 
 
-def _check_model(m, t: int, mlp: int) -> list[str]:
+def check_model(m, t: int, mlp: int) -> list[str]:
     """The model's shape against itself and the tensor size `t` (MLP width `mlp`); both families."""
     from jaxpar.model import ARCHS, ROPE_SCALINGS
 
@@ -319,7 +319,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
             f"train.global_batch_size={B} is not divisible by mesh.data={d} x train.microbatches={M} = {d * M}; "
             f"use a batch that is a multiple of {d * M} (the nearest: {nearest_multiples(B, d * M)}) or change the "
             f"layout.")
-    errs += _check_model(m, t, mlp_width(config))
+    errs += check_model(m, t, mlp_width(config))
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
         errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "

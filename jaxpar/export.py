@@ -189,7 +189,7 @@ _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (s
 def _gpt_config(meta: dict, where: str):
     """GPTConfig from model_config.json's fields, type-checked; ValueError naming the first bad field."""
     from jaxpar.config import DTYPES
-    from jaxpar.model import ARCHS, SHAPE_FIELDS, GPTConfig
+    from jaxpar.model import SHAPE_FIELDS, GPTConfig
 
     kw = {}
     for f in dataclasses.fields(GPTConfig):
@@ -206,11 +206,14 @@ def _gpt_config(meta: dict, where: str):
     for name in counts:
         if getattr(cfg, name) < 1:
             raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)}; expected >= 1.")
-    if cfg.arch not in ARCHS:
-        raise ValueError(f"{where}: arch={cfg.arch!r}; expected one of {ARCHS}.")
-    if cfg.embed % cfg.heads or cfg.heads % cfg.kv_heads:
-        raise ValueError(f"{where}: embed={cfg.embed}, heads={cfg.heads}, kv_heads={cfg.kv_heads}: heads must divide "
-                         f"embed and kv_heads heads.")
+    import ml_collections
+
+    from jaxpar.config import base_config, check_model
+
+    model = ml_collections.ConfigDict({k: getattr(cfg, k) for k in base_config().model if hasattr(cfg, k)})
+    errs = check_model(model, 1, cfg.mlp)  # the model's rules, the ones `validate` applies to a run
+    if errs:
+        raise ValueError(f"{where}: {errs[0]}")
     if cfg.vocab_real > cfg.vocab_size:
         raise ValueError(f"{where}: vocab_real={cfg.vocab_real} > vocab_size={cfg.vocab_size}.")
     for name in ("param_dtype", "compute_dtype"):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.logical import constrain
-from jaxpar.nn import BLOCKS, LOGICAL, NORMS, ROLE, KVCache, at_least_f32, attention, param  # noqa: F401
+from jaxpar.nn import BLOCKS, LOGICAL, NORMS, ROLE, KVCache, at_least_f32, param  # noqa: F401 (re-exported)
 
 _LAYERS = "blocks"  # the per-layer subtree of the params (leaves stacked on a leading `layers` axis)
 ARCHS = tuple(BLOCKS)  # model families: "gpt2", "llama"

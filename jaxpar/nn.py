@@ -80,8 +80,9 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -
     """Inverse frequencies `[head_dim / 2]` float32: theta^(-2i / head_dim), then Llama 3's scaling if given.
 
     `scaling` (Llama 3.1's `apply_scaling`, Dubey et al. 2024): {factor, low_freq_factor, high_freq_factor,
-    original_max_len}; wavelengths above original_max_len / low_freq_factor are divided by factor, those below
-    original_max_len / high_freq_factor kept, the band between interpolated linearly in original_max_len / wavelength.
+    original_max_len}; frequencies whose wavelength is above original_max_len / low_freq_factor are divided by factor,
+    those below original_max_len / high_freq_factor kept, the band between interpolated linearly in
+    original_max_len / wavelength.
     """
     inv = 1.0 / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)))
     if not scaling:

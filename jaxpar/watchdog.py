@@ -14,6 +14,10 @@ ends them from C++ (an abort without a Python message). Here, instead:
 - **a lost collective** (`await_verdict`): a collective that failed because a peer closed its connection is
   certain evidence once that peer's heartbeat has stopped too (no change for 3 beats): exit at once, naming the
   process and the step, instead of waiting out the whole heartbeat timeout.
+- **a dead peer, seen directly**: each process listens on a TCP port of its own (published in the store). When the
+  watched neighbour's heartbeat has not changed for 3 beats, the watcher connects to that port: refused means the
+  process is gone (a killed process's port closes with it; a frozen one's kernel still accepts), so it exits at
+  once, also when no collective has failed yet (e.g. the survivor waits in a new communicator's rendezvous).
 - **abort**: whoever fails posts (code, message) under one key before exiting; every other process reads it within
   an interval and exits with the same code and the message, so no process waits on a dead collective. Process 0
   hosts the coordination service, so it lingers `2 * interval + 0.5` s before exiting, to let the others read it.
@@ -46,6 +50,8 @@ class _Watch:
         self.stop = threading.Event()
         self.exiting = threading.Lock()
         self.checker = None
+        self.port = None  # this process's liveness socket (listening; never accepts: the kernel's backlog answers)
+        self.peer_addr = None  # (host, port) of the watched neighbour's, once published
 
 
 _W = _Watch()
@@ -77,6 +83,15 @@ def _pulse() -> None:
             continue  # no answer: `rpc_ok` gets old and the checker reports it
         now = time.monotonic()
         _W.rpc_ok = now
+        if _W.peer_addr is None:
+            try:
+                addr = _try_get(f"jaxpar/alive/{neighbour}")
+                if addr:  # trusted only once it was reached: a firewall that rejects is no evidence of death
+                    host, port = addr.rsplit(":", 1)
+                    if _reached((host, int(port))):
+                        _W.peer_addr = (host, int(port))
+            except Exception:
+                pass
         if value == "done":
             _W.peer_done = True
         elif value != _W.peer_value:
@@ -93,6 +108,9 @@ def _check() -> None:
             _say(f"stopping: process {p['process']} failed: {p['message']}")
             _exit(int(p["code"]), linger=True)
         if _W.client is not None:
+            if not _W.peer_done and now - _W.peer_seen > 3 * _W.interval + 0.5 and _refused(_W.peer_addr):
+                fail(f"process {(_W.pid + 1) % _W.n} is gone: its heartbeat stopped {now - _W.peer_seen:.1f} s ago "
+                     f"and its liveness port refuses connections ({_after()}).", PEER_LOST_EXIT_CODE)
             if not _W.peer_done and now - _W.peer_seen > _W.timeout:
                 fail(f"process {(_W.pid + 1) % _W.n} sent no heartbeat for {_W.timeout:g} s ({_after()}): it died, "
                      f"hangs outside Python, or its host is unreachable (dist.heartbeat_timeout_s).",
@@ -112,6 +130,55 @@ def _check() -> None:
                  f"one.", STALLED_EXIT_CODE)
 
 
+def _listen(coordinator: str) -> None:
+    """Open this process's liveness socket and publish its address (this host as the coordinator reaches it)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("0.0.0.0", 0))
+    sock.listen(64)
+    _W.port = sock
+
+    def drain():  # accept and close each probe, so the backlog never fills while this process runs
+        while True:
+            try:
+                sock.accept()[0].close()
+            except OSError:
+                return
+
+    threading.Thread(target=drain, name="jaxpar-alive", daemon=True).start()
+    try:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # no packet is sent: it picks the outgoing address
+        probe.connect((coordinator.rsplit(":", 1)[0] or "127.0.0.1", 9))
+        host = probe.getsockname()[0]
+        probe.close()
+    except OSError:
+        host = "127.0.0.1"
+    _W.client.key_value_set(f"jaxpar/alive/{_W.pid}", f"{host}:{sock.getsockname()[1]}", allow_overwrite=True)
+
+
+def _connect(addr) -> str:
+    """"ok", "refused" or "unknown" (timeout, unreachable) for a TCP connect to `addr` (host, port)."""
+    import socket
+
+    try:
+        socket.create_connection(addr, timeout=1.0).close()
+        return "ok"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "unknown"
+
+
+def _reached(addr) -> bool:
+    return _connect(addr) == "ok"
+
+
+def _refused(addr) -> bool:
+    """True only if a TCP connect to a port once reached is now refused: that process no longer exists."""
+    return addr is not None and _connect(addr) == "refused"
+
+
 def _after() -> str:
     return "before the first step finished" if _W.step is None else f"after step {_W.step}"
 
@@ -127,6 +194,10 @@ def start_peers(client, process_id: int, num_processes: int, timeout_s: float, c
     _W.client, _W.pid, _W.n, _W.timeout, _W.coordinator = client, process_id, num_processes, timeout_s, coordinator
     _W.interval = min(1.0, max(0.2, timeout_s / 10))
     _W.peer_seen = _W.rpc_ok = time.monotonic()
+    try:
+        _listen(coordinator)
+    except Exception:  # noqa: BLE001 - no liveness port: dead peers are then found by the heartbeat timeout
+        pass
     threading.Thread(target=_pulse, name="jaxpar-pulse", daemon=True).start()
     _ensure_checker()
     atexit.register(stop)  # runs before JAX's own exit hook (atexit is last-in, first-out): quiet during shutdown

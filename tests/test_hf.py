@@ -247,6 +247,8 @@ def copy(src, dst):
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, r"RoPE type 'yarn'"),
     ({"num_key_value_heads": 3}, r"model.kv_heads=3 does not divide model.heads=4"),
     ({"vocab_size": 200}, r"has 256 symbols but the embedding has only vocab_size=200"),
+    ({"hidden_size": None}, r"config.json: a value of the wrong type"),
+    ({"num_attention_heads": 0}, r"num_attention_heads=0; jaxpar needs head_dim"),
     ({"intermediate_size": 64}, r"tensor 'model.layers.0.mlp.gate_proj.weight' is \[48, 32\], but config.json "
                                 r"implies \[64, 32\]"),
 ])

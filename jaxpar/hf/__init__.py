@@ -17,19 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.config import padded_vocab
 from jaxpar.export import _items, unflatten
 from jaxpar.hf import files, keys
 from jaxpar.hf.config import arch_of, hf_config, model_settings, read_json
 from jaxpar.hf.files import HFError
-from jaxpar.model import Forward, GPTConfig, init_params
+from jaxpar.model import Forward, init_params
 
 PREFIX = "hf:"
 TOKENIZER = "tokenizer.json"
 
 
 def directory_of(init_from: str) -> str | None:
-    """`hf:DIR` -> DIR; anything else -> None."""
+    """`hf:DIR` -> DIR (`hf:` alone -> ""); anything else -> None."""
     return init_from[len(PREFIX):] if isinstance(init_from, str) and init_from.startswith(PREFIX) else None
 
 
@@ -56,33 +55,44 @@ def settings(directory: str) -> dict:
 
 
 def apply(config) -> None:
-    """With `init_from = hf:DIR`, set the config's model shape and tokenizer to DIR's (model.seq_len stays)."""
+    """With `init_from = hf:DIR`, set the config's model shape and tokenizer to DIR's (model.seq_len stays); says
+    which keys it changed (process 0)."""
     directory = directory_of(config.init_from)
     if directory is None:
         return
+    changed = []
     for key, v in settings(directory).items():
         sect, name = key.split(".")
+        if config[sect][name] != v:
+            changed.append(f"{key}={v!r}")
         config[sect][name] = v
+    if changed and jax.process_index() == 0:
+        print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
 
 
-def maps(cfg, directory: str | None = None) -> list[keys.Map]:
+def maps(cfg, have: dict | None = None) -> list[keys.Map]:
+    """The tensor maps of `cfg`'s family; `have` (the directory's `files.tensors`) tells GPT-2's key prefix."""
     if cfg.arch == "llama":
         return keys.llama_maps(cfg.tie_embeddings)
-    prefix = "transformer."
-    if directory is not None and "wte.weight" in files.tensors(directory):  # the original hub files: no prefix
-        prefix = ""
+    prefix = "" if have is not None and "wte.weight" in have else "transformer."  # hub files have no prefix
     return keys.gpt2_maps(cfg.tie_embeddings, prefix)
+
+
+def _leaves(cfg) -> dict:
+    """{dotted param path: (its ShapeDtypeStruct, one layer's shape)} of `cfg`'s params."""
+    shapes = dict(_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
+    return {k: (s, tuple(s.shape[1:]) if k.startswith("blocks.") else tuple(s.shape)) for k, s in shapes.items()}
+
+
+def layer_names(m: keys.Map, layers: int):
+    """The HF names of map `m`: one per layer for a per-layer map."""
+    return [m.hf.format(i=i) for i in range(layers)] if m.per_layer else [m.hf]
 
 
 def _expected(cfg, mapping) -> dict:
     """{HF name: (Map, one layer's jaxpar shape)} for `cfg`."""
-    shapes = dict(_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
-    out = {}
-    for m in mapping:
-        one = tuple(shapes[m.ours].shape[1:] if m.per_layer else shapes[m.ours].shape)
-        for i in range(cfg.layers) if m.per_layer else [None]:
-            out[m.hf.format(i=i)] = (m, one)
-    return out
+    leaves = _leaves(cfg)
+    return {name: (m, leaves[m.ours][1]) for m in mapping for name in layer_names(m, cfg.layers)}
 
 
 def check(directory: str, cfg) -> dict:
@@ -92,13 +102,16 @@ def check(directory: str, cfg) -> dict:
     Raises:
       HFError: naming the first missing, misshapen or unexpected tensor, or the missing or truncated file.
     """
-    have, mapping = files.tensors(directory), maps(cfg, directory)
-    want = _expected(cfg, mapping)
+    have = files.tensors(directory)
+    want = _expected(cfg, maps(cfg, have))
     for name, (m, one) in want.items():
         shape = keys.hf_shape(m, one, cfg.vocab_real)
         if name not in have:
             raise HFError(f"{directory}: tensor {name!r} {list(shape)} is missing; the checkpoint is incomplete or "
                           f"not a {arch_of(read_json(directory), directory)} of this shape.")
+        if have[name].dtype not in files.DTYPES.values():
+            raise HFError(f"{have[name].path}: tensor {name!r} has dtype {have[name].dtype}; jaxpar reads "
+                          f"{sorted(files.DTYPES)}.")
         if have[name].shape != shape:
             raise HFError(f"{have[name].path}: tensor {name!r} is {list(have[name].shape)}, but config.json implies "
                           f"{list(shape)}; the weights and config.json disagree.")
@@ -153,13 +166,11 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
     the layer axis in `layer_order` (position -> canonical layer; default canonical). Checks first (`check`)."""
     have = check(directory, cfg)
     order = list(range(cfg.layers)) if layer_order is None else list(layer_order)
-    sh = dict(_items(shardings))
-    shapes = dict(_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
+    sh, leaves = dict(_items(shardings)), _leaves(cfg)
     reader, flat = files.Reader(have), {}
     try:
-        for m in maps(cfg, directory):
-            s = shapes[m.ours]
-            one = tuple(s.shape[1:] if m.per_layer else s.shape)
+        for m in maps(cfg, have):
+            s, one = leaves[m.ours]
             flat[m.ours] = _place(reader, m, one, s.shape, s.dtype, sh[m.ours], order, cfg.vocab_real)
             _trim()
     finally:
@@ -170,15 +181,20 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
 def load(directory: str, device=None, param_dtype: str = "float32"):
     """-> (Forward, params on one device, tokenizer) of DIR, for sampling (float32 params and compute)."""
     from jaxpar import data
+    from jaxpar.config import base_config, validate
+    from jaxpar.model import config_from
 
-    s = settings(directory)
-    m = {k[len("model."):]: v for k, v in s.items() if k.startswith("model.")}
-    vocab = m.pop("vocab_size")
-    cfg = GPTConfig(vocab_size=padded_vocab(vocab, 1), vocab_real=vocab, seq_len=m["max_positions"],
-                    param_dtype=param_dtype, compute_dtype=param_dtype, **m)
+    config = base_config()
+    config.init_from = PREFIX + directory
+    config.mesh.update(data=1, tensor=1, stage=1)
+    config.train.update(param_dtype=param_dtype, compute_dtype=param_dtype)
+    apply(config)
+    config.model.seq_len = config.model.max_positions
+    validate(config, 1)  # the model's own rules (heads, kv_heads, RoPE, ...), as for a run
+    cfg = config_from(config, config.model.vocab_size, 1)
     single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     shard = jax.tree.map(lambda _: single, jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
-    return Forward(cfg), load_params(directory, cfg, shard), data.load_tokenizer(s["data.tokenizer"])
+    return Forward(cfg), load_params(directory, cfg, shard), data.load_tokenizer(config.data.tokenizer)
 
 
 def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> list[str]:
@@ -190,8 +206,8 @@ def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> 
     def tensors():
         for m in maps(cfg):
             a = np.asarray(flat[m.ours])
-            for i in range(cfg.layers) if m.per_layer else [None]:
-                yield m.hf.format(i=i), keys.to_hf(m, a[i] if m.per_layer else a, cfg.vocab_real).astype(np_dtype)
+            for i, name in enumerate(layer_names(m, cfg.layers)):
+                yield name, keys.to_hf(m, a[i] if m.per_layer else a, cfg.vocab_real).astype(np_dtype)
 
     names = files.write(out, tensors(), max_shard_bytes)
     with open(os.path.join(out, "config.json"), "w") as f:

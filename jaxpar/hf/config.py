@@ -41,9 +41,21 @@ def arch_of(hf: dict, where: str) -> str:
 
 
 def model_settings(hf: dict, where: str) -> dict:
-    """config.json -> {`model.*` key: value} for jaxpar's config (the architecture's shape, norms, RoPE, tying)."""
+    """config.json -> {`model.*` key: value} for jaxpar's config (the architecture's shape, norms, RoPE, tying).
+
+    Raises:
+      HFError: another architecture, a feature jaxpar's blocks do not compute, a missing key or a value of the wrong
+        type (naming the key)."""
+    if not isinstance(hf, dict):
+        raise HFError(f"{where}: expected a JSON object, got {type(hf).__name__}.")
     arch = arch_of(hf, where)
-    return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, where)
+    try:
+        return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, where)
+    except KeyError as e:
+        raise HFError(f"{where}: no {e.args[0]!r}, which a {arch} config.json must have.") from e
+    except (TypeError, ValueError) as e:
+        raise HFError(f"{where}: a value of the wrong type ({e}); compare it with transformers' "
+                      f"{'GPT2Config' if arch == 'gpt2' else 'LlamaConfig'}.") from e
 
 
 def _gpt2(hf: dict, where: str) -> dict:
@@ -68,9 +80,9 @@ def _llama(hf: dict, where: str) -> dict:
     if hf.get("hidden_act", "silu") != "silu":
         raise HFError(f"{where}: hidden_act={hf['hidden_act']!r}; jaxpar's llama MLP is SwiGLU (silu).")
     d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    if hf.get("head_dim") not in (None, d // h) or d % h:
+    if h < 1 or hf.get("head_dim") not in (None, d // h) or d % h:
         raise HFError(f"{where}: head_dim={hf.get('head_dim')} with hidden_size={d}, num_attention_heads={h}; jaxpar "
-                      f"needs head_dim = hidden_size / num_attention_heads = {d / h:g}.")
+                      f"needs head_dim = hidden_size / num_attention_heads = {d / max(h, 1):g}.")
     out = {"arch": "llama", "layers": int(hf["num_hidden_layers"]), "embed": d, "heads": h,
            "kv_heads": int(hf.get("num_key_value_heads") or h), "mlp": int(hf["intermediate_size"]),
            "vocab_size": int(hf["vocab_size"]), "max_positions": int(hf["max_position_embeddings"]),
@@ -99,9 +111,8 @@ def hf_config(cfg, dtype: str, tokenizer=None) -> dict:
     """The config.json of a jaxpar model (`GPTConfig`) saved in `dtype`, for transformers 4.x and 5."""
     common = {"vocab_size": cfg.vocab_real, "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype,
               "torch_dtype": dtype, "use_cache": True}
-    eos = getattr(tokenizer, "eos_id", None)
-    if eos is not None:
-        common.update(bos_token_id=eos, eos_token_id=eos)
+    eos = getattr(tokenizer, "eos_id", None)  # explicit nulls: else transformers assumes GPT-2's / Llama's ids
+    common.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=None)
     if cfg.arch == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.embed,
                 "n_layer": cfg.layers, "n_head": cfg.heads, "n_inner": cfg.mlp, "n_positions": cfg.max_positions,

@@ -17,7 +17,6 @@ from jaxpar.config import ConfigError
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-TAGS = {v: k for k, v in DTYPES.items()}
 
 
 class HFError(ConfigError):
@@ -37,13 +36,17 @@ def _header(path: str) -> dict:
         raw = f.read(8)
         n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
         if n < 2 or 8 + n > size:
-            raise HFError(f"{path}: not a complete safetensors file ({size} bytes; the header says {8 + n}); "
+            raise HFError(f"{path}: not a complete safetensors file ({size} bytes, too short for its header); "
                           f"copy it again.")
         try:
             head = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HFError(f"{path}: unreadable safetensors header ({e}); copy the file again.") from e
+    if not isinstance(head, dict):
+        raise HFError(f"{path}: the safetensors header is not a JSON object; copy the file again.")
     head.pop("__metadata__", None)
+    for key, v in head.items():
+        _check_entry(path, key, v)
     end = max((int(v["data_offsets"][1]) for v in head.values()), default=0)
     if 8 + n + end > size:
         raise HFError(f"{path} is truncated: {size} bytes, its header needs {8 + n + end}; copy the file again.")
@@ -52,17 +55,38 @@ def _header(path: str) -> dict:
     return head
 
 
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _check_entry(path: str, key: str, v) -> None:
+    """One header entry: {dtype, shape, data_offsets [begin, end]} with end - begin = its bytes."""
+    ok = isinstance(v, dict) and isinstance(v.get("dtype"), str) and isinstance(v.get("shape"), list) and \
+        isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
+    if ok:
+        begin, end = v["data_offsets"]
+        count = 1
+        for n in v["shape"]:
+            count *= n
+        size = _ITEMSIZE.get(v["dtype"])
+        ok = 0 <= begin <= end and (size is None or end - begin == size * count)
+    if not ok:
+        raise HFError(f"{path}: tensor {key!r} has a malformed header entry {v!r}; copy the file again.")
+
+
 def tensors(directory: str) -> dict[str, Entry]:
     """{tensor name: Entry} of every tensor in the directory, from the headers only.
 
     Raises:
-      HFError: no weights, a shard the index names is missing or truncated, a tensor the index places in a file that
-        lacks it, an unsupported dtype.
+      HFError: no weights, an unreadable index, a shard the index names is missing, truncated or malformed, a
+        tensor the index places in a file that lacks it.
     """
     single, index = os.path.join(directory, SINGLE), os.path.join(directory, INDEX)
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise HFError(f"{index} is not a safetensors index (JSON with a weight_map): {e}.") from e
         files = sorted(set(weight_map.values()))
     elif os.path.isfile(single):
         weight_map, files = None, [SINGLE]
@@ -74,10 +98,8 @@ def tensors(directory: str) -> dict[str, Entry]:
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
             raise HFError(f"{path} is missing ({INDEX} names it); copy every shard of the checkpoint.")
-        for key, v in _header(path).items():
-            if v["dtype"] not in DTYPES:
-                raise HFError(f"{path}: tensor {key!r} has dtype {v['dtype']}; jaxpar reads {sorted(DTYPES)}.")
-            out[key] = Entry(path, DTYPES[v["dtype"]], tuple(v["shape"]), v["data_offsets"][0])
+        for key, v in _header(path).items():  # (a dtype jaxpar cannot read is refused where the tensor is wanted)
+            out[key] = Entry(path, DTYPES.get(v["dtype"], v["dtype"]), tuple(v["shape"]), v["data_offsets"][0])
     for key, name in (weight_map or {}).items():
         if key not in out:
             raise HFError(f"{INDEX} places {key!r} in {name}, which does not hold it; the index and shards disagree.")

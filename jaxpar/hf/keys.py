@@ -8,8 +8,8 @@ is HF tensor `hf` (`{i}` = the layer), transposed first if `transpose` (torch `L
 rows are zeros on import and dropped on export. GPT-2's `c_attn.bias` is the one tensor that is not a reshape (jaxpar
 has no key bias): `bqv_from_hf` / `bqv_to_hf`.
 
-`block_of(m, shape, index, read)` reads the part of one layer's tensor that a jaxpar index selects, reading from the
-file only the bounding box of that part (safetensors slices lazily).
+`block_of(m, shape, index, read, hf_rows)` returns the part of one layer's tensor that a jaxpar index selects, asking
+`read` for the bounding box of that part in the HF tensor's own axes (`files.Reader` reads the rows the box spans).
 """
 from __future__ import annotations
 
