@@ -54,9 +54,9 @@ def settings(directory: str) -> dict:
     return {**out, "data.tokenizer": tok_path}
 
 
-def apply(config) -> None:
-    """With `init_from = hf:DIR`, set the config's model shape and tokenizer to DIR's (model.seq_len stays); says
-    which keys it changed (process 0)."""
+def apply(config, say: bool = True) -> None:
+    """With `init_from = hf:DIR`, set the config's model shape and tokenizer to DIR's (model.seq_len stays); `say`:
+    print which keys it changed (process 0)."""
     directory = directory_of(config.init_from)
     if directory is None:
         return
@@ -66,7 +66,7 @@ def apply(config) -> None:
         if config[sect][name] != v:
             changed.append(f"{key}={v!r}")
         config[sect][name] = v
-    if changed and jax.process_index() == 0:
+    if say and changed and jax.process_index() == 0:
         print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
 
 
@@ -188,7 +188,7 @@ def load(directory: str, device=None, param_dtype: str = "float32"):
     config.init_from = PREFIX + directory
     config.mesh.update(data=1, tensor=1, stage=1)
     config.train.update(param_dtype=param_dtype, compute_dtype=param_dtype)
-    apply(config)
+    apply(config, say=False)
     config.model.seq_len = config.model.max_positions
     validate(config, 1)  # the model's own rules (heads, kv_heads, RoPE, ...), as for a run
     cfg = config_from(config, config.model.vocab_size, 1)
