@@ -141,8 +141,8 @@ def main():
         from common import write_results
 
         mib = lambda b: f"{b / 2 ** 20:,.0f}"
-        table = "\n".join(["| mode | checkpoint MiB | largest tensor MiB | on devices MiB | RSS before MiB | peak RSS MiB "
-                           "| import overhead MiB (x largest) |", "|---|---|---|---|---|---|---|"] + [
+        table = "\n".join(["| mode | checkpoint MiB | largest tensor MiB | on devices MiB | RSS before MiB "
+                           "| peak RSS MiB | import overhead MiB (x largest) |", "|---|---|---|---|---|---|---|"] + [
             f"| {r['mode']} | {mib(r['checkpoint_bytes'])} | {mib(r['largest_tensor_bytes'])} | "
             f"{mib(r['device_bytes'])} | {mib(r['rss_before_bytes'])} | {mib(r['peak_rss_bytes'])} | "
             f"{mib(r['import_overhead_bytes'])} ({r['overhead_over_largest_tensor']}) |" for r in rows])

@@ -305,7 +305,7 @@ def load_export(directory: str, device=None):
 # -------------------------------------------------------------------------------------------------- CLI
 
 def parse_size(text: str) -> int:
-    """"5GB" -> 5·10⁹ bytes, "200MiB" -> 200·2²⁰ (transformers' `max_shard_size` spelling); ValueError otherwise."""
+    """"5GB" -> 5·10⁹ bytes, "200MiB" -> 200·2²⁰ (transformers' `max_shard_size` spelling); else ValueError."""
     import re
 
     units = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20,

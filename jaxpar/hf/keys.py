@@ -50,7 +50,8 @@ def llama_maps(tied: bool) -> list[Map]:
     h = "model.layers.{i}."
     maps = [Map("wte", "model.embed_tokens.weight", pad=0),
             Map("blocks.ln1.scale", h + "input_layernorm.weight"),
-            Map("blocks.wq", h + "self_attn.q_proj.weight", True), Map("blocks.wk", h + "self_attn.k_proj.weight", True),
+            Map("blocks.wq", h + "self_attn.q_proj.weight", True),
+            Map("blocks.wk", h + "self_attn.k_proj.weight", True),
             Map("blocks.wv", h + "self_attn.v_proj.weight", True),
             Map("blocks.wo", h + "self_attn.o_proj.weight", True, heads_first=True),
             Map("blocks.ln2.scale", h + "post_attention_layernorm.weight"),
