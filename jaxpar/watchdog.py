@@ -50,7 +50,7 @@ class _Watch:
         self.stop = threading.Event()
         self.exiting = threading.Lock()
         self.checker = None
-        self.port = None  # this process's liveness socket (listening; never accepts: the kernel's backlog answers)
+        self.port = None  # this process's liveness socket (listening; a thread accepts and closes each probe)
         self.peer_addr = None  # (host, port) of the watched neighbour's, once published
 
 

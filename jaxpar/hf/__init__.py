@@ -78,10 +78,10 @@ def maps(cfg, have: dict | None = None) -> list[keys.Map]:
     return keys.gpt2_maps(cfg.tie_embeddings, prefix)
 
 
-def _leaves(cfg) -> dict:
-    """{dotted param path: (its ShapeDtypeStruct, one layer's shape)} of `cfg`'s params."""
+def _leaves(cfg, mapping) -> dict:
+    """{dotted param path: (its ShapeDtypeStruct, one layer's shape)} for the params `mapping` names."""
     shapes = dict(_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
-    return {k: (s, tuple(s.shape[1:]) if k.startswith("blocks.") else tuple(s.shape)) for k, s in shapes.items()}
+    return {m.ours: (shapes[m.ours], tuple(shapes[m.ours].shape[1 if m.per_layer else 0:])) for m in mapping}
 
 
 def layer_names(m: keys.Map, layers: int):
@@ -91,7 +91,7 @@ def layer_names(m: keys.Map, layers: int):
 
 def _expected(cfg, mapping) -> dict:
     """{HF name: (Map, one layer's jaxpar shape)} for `cfg`."""
-    leaves = _leaves(cfg)
+    leaves = _leaves(cfg, mapping)
     return {name: (m, leaves[m.ours][1]) for m in mapping for name in layer_names(m, cfg.layers)}
 
 
@@ -166,10 +166,11 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
     the layer axis in `layer_order` (position -> canonical layer; default canonical). Checks first (`check`)."""
     have = check(directory, cfg)
     order = list(range(cfg.layers)) if layer_order is None else list(layer_order)
-    sh, leaves = dict(_items(shardings)), _leaves(cfg)
+    mapping = maps(cfg, have)
+    sh, leaves = dict(_items(shardings)), _leaves(cfg, mapping)
     reader, flat = files.Reader(have), {}
     try:
-        for m in maps(cfg, have):
+        for m in mapping:
             s, one = leaves[m.ours]
             flat[m.ours] = _place(reader, m, one, s.shape, s.dtype, sh[m.ours], order, cfg.vocab_real)
             _trim()
