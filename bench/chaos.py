@@ -64,7 +64,7 @@ def command(args, workdir: str, corpus: str, cache: str, keep: int | None = None
     """train.py's arguments (run through bench/stuck_main.py, so SIGUSR1 stalls the main thread)."""
     return [os.path.join(ROOT, "bench", "stuck_main.py"), os.path.join(ROOT, "train.py"),
             "--config", os.path.join(ROOT, "configs/shakespeare.py"),
-            "--workdir", workdir, f"--config.data.corpus={corpus}", f"--config.data.cache_dir={cache}",
+            "--workdir", workdir, f"--config.data.sources={corpus}", f"--config.data.cache_dir={cache}",
             "--config.mesh.data=4", "--config.mesh.tensor=2", "--config.model.layers=2", "--config.model.embed=64",
             "--config.model.heads=4", "--config.model.mlp=256", "--config.model.seq_len=32",
             "--config.train.global_batch_size=8", f"--config.train.steps={args.steps}",

@@ -21,7 +21,7 @@ def get_config():
                    param_dtype="float32", compute_dtype="bfloat16")
     c.optim.update(lr=3e-4, min_lr_ratio=0.1, warmup_steps=2000, decay_steps=100_000, weight_decay=0.1,
                    b1=0.9, b2=0.95, clip_norm=1.0)
-    c.data.update(corpus="shakespeare", tokenizer="byte", val_fraction=0.01)
+    c.data.update(sources="shakespeare", tokenizer="byte", val_fraction=0.01)
     c.checkpoint.update(every_steps=500, keep=3)
     c.log.update(every_steps=10)
     c.eval.update(every_steps=500, batches=10)

@@ -13,7 +13,7 @@ def get_config():
                    param_dtype="float32", compute_dtype="float32")
     c.optim.update(lr=2e-3, min_lr_ratio=0.1, warmup_steps=100, decay_steps=1000, weight_decay=0.1,
                    b1=0.9, b2=0.99, clip_norm=1.0)
-    c.data.update(corpus="shakespeare", tokenizer="byte", val_fraction=0.05)
+    c.data.update(sources="shakespeare", tokenizer="byte", val_fraction=0.05)
     c.checkpoint.update(every_steps=250, keep=3)
     c.log.update(every_steps=25)
     c.eval.update(every_steps=100, batches=8)

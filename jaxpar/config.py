@@ -85,10 +85,20 @@ def base_config() -> ml_collections.ConfigDict:
     ))
 
     c.data = ml_collections.ConfigDict(dict(
-        corpus="shakespeare",  # "shakespeare" or a glob of text files
+        # one source or a blend "0.3 A 0.7 B" (Megatron's --data-path); a source is shakespeare, text:GLOB,
+        # jsonl:GLOB, parquet:GLOB, megatron:PREFIX or tokens:DIR (the kind is guessed from a bare path)
+        sources="shakespeare",
+        text_field="text",  # the JSONL field / Parquet column holding a document's text
+        doc_separator="",  # text files: "" = one document per file; e.g. "\\n\\n" = split at blank lines
         tokenizer="byte",  # byte | bpe | path to a tokenizer.json
-        bpe_vocab_size=4096,
-        val_fraction=0.05,
+        bpe_vocab_size=4096,  # with tokenizer=bpe: trained on the first bpe_sample_mb MB of the text sources
+        bpe_sample_mb=64,
+        val_fraction=0.05,  # the last fraction of each source's documents is its validation split
+        val_split="documents",  # documents | tokens (the last val_fraction of the tokens: runs from before)
+        packing="concat",  # concat: windows over the documents back to back | documents: attention within each
+        workers=1,  # tokenizer processes (1: in this process, on tokenizers' own threads)
+        unit_mb=64,  # a worker's share of one big file (MB)
+        prefetch=4,  # batches read ahead in a background thread
         cache_dir="",  # "": $JAXPAR_CACHE or ~/.cache/jaxpar
     ))
 
@@ -199,9 +209,13 @@ _RANGES = (
     ("optim.eps", False, "a finite number > 0", lambda v: 0 < v < _INF),
     ("optim.clip_norm", False, "a number > 0 (the global-norm clip; inf: no clipping)", lambda v: v > 0),
     ("pipeline.virtual_stages", True, "an integer >= 1", lambda v: v >= 1),
-    ("data.val_fraction", False, "a number in (0, 1) (that last fraction of the tokens is the validation split)",
+    ("data.val_fraction", False, "a number in (0, 1) (that last fraction of the documents is the validation split)",
      lambda v: 0 < v < 1),
-    ("data.bpe_vocab_size", True, "an integer > 256 (byte-level BPE starts from 256 bytes)", lambda v: v > 256),
+    ("data.bpe_vocab_size", True, "an integer > 257 (256 bytes and the end-of-text token)", lambda v: v > 257),
+    ("data.bpe_sample_mb", True, "an integer >= 1 (MB of text the BPE tokenizer trains on)", lambda v: v >= 1),
+    ("data.workers", True, "an integer >= 1 (tokenizer processes)", lambda v: v >= 1),
+    ("data.unit_mb", True, "an integer >= 1 (MB of one file per worker task)", lambda v: v >= 1),
+    ("data.prefetch", True, "an integer >= 0 (batches read ahead; 0: none)", lambda v: v >= 0),
     ("eval.batches", True, "an integer >= 1", lambda v: v >= 1),
 )
 _BOOLS = ("model.tie_embeddings", "train.allow_batch_change", "pipeline.remat", "pipeline.skip_bubbles",
@@ -233,15 +247,19 @@ def _check_ranges(config) -> list[str]:
 def _check_kinds(config) -> list[str]:
     """Strings, the profile window and the rules table: the keys that are neither a number nor a bool."""
     defaults, errs = base_config(), []
-    for key in ("name", "init_from", "data.cache_dir", "model.arch", "model.rope_scaling"):
+    for key in ("name", "init_from", "data.cache_dir", "model.arch", "model.rope_scaling", "data.doc_separator"):
         v = _get(config, key)
         if not isinstance(v, str):
             errs.append(f"{key}={v!r} must be a string; set --config.{key}='...' (default {_get(defaults, key)!r}).")
-    for key, allowed in (("data.corpus", "'shakespeare' or a glob of text files"),
-                         ("data.tokenizer", "'byte', 'bpe' or a path to a tokenizer.json")):
+    for key, allowed in (("data.sources", "a source ('shakespeare', 'data/*.jsonl', ...) or a blend '0.3 A 0.7 B'"),
+                         ("data.tokenizer", "'byte', 'bpe' or a path to a tokenizer.json"),
+                         ("data.text_field", "the JSONL field / Parquet column holding the text")):
         v = _get(config, key)
         if not isinstance(v, str) or not v.strip():
             errs.append(f"{key}={v!r} must be {allowed}; set --config.{key} to one (default {_get(defaults, key)!r}).")
+    for key, allowed in (("data.packing", ("concat", "documents")), ("data.val_split", ("documents", "tokens"))):
+        if _get(config, key) not in allowed:
+            errs.append(f"{key}={_get(config, key)!r}: pick one of {allowed}.")
     steps = config.log.profile_steps
     if not isinstance(steps, (tuple, list)) or not all(
             isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 0 for s in steps):

@@ -1,7 +1,7 @@
 """Gradient strategies: the loss and its gradients over one step's microbatches, three ways, chosen once per layout.
 
 Each takes the microbatched inputs `xs` (leaves `[M, batch / M, ...]`: x, y int32 `[.., seq]`, w float32 mask,
-ids int32 global row index) and offers
+ids int32 global row index, optional seg int32 `[.., seq]` document segments) and offers
 
     loss_and_grads(params, xs, norm, rng) -> (loss_sum, grads of norm · loss_sum)   (float32)
     loss(params, xs) -> (loss_sum, token_count)                                    (evaluation: no dropout)
@@ -46,7 +46,7 @@ class Accumulate:
         def grad_mb(mb):
             def f(p):
                 s, _ = fwd.loss(dp.gather_shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
-                                prepare=self.gather_layer)
+                                prepare=self.gather_layer, segments=mb.get("seg"))
                 return s * ex["norm"], s
 
             g, s = jax.grad(f, has_aux=True)(params)
@@ -65,7 +65,7 @@ class Accumulate:
 
     def loss(self, params, xs):
         def body(acc, mb):
-            s, n = self.fwd.loss(params, mb["x"], mb["y"], mb["w"])
+            s, n = self.fwd.loss(params, mb["x"], mb["y"], mb["w"], segments=mb.get("seg"))
             return (acc[0] + s, acc[1] + n), None
 
         (s, n), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), xs)
@@ -90,7 +90,7 @@ class PipelineAutodiff:
     def _ends(self, params, rng):
         """(shared params, layer params, the pipeline's first and last functions over one microbatch)."""
         shared, layers = gpt.split_params(params)
-        first = lambda sh, mb: self.fwd.embed(sh, mb["x"], rng, mb["ids"])
+        first = lambda sh, mb: self.fwd.embed(sh, mb["x"], rng, mb["ids"], segments=mb.get("seg"))
         last = lambda sh, a, mb: self.fwd.head_loss(sh, a, mb["y"], mb["w"])
         return shared, layers, first, last
 
@@ -99,7 +99,8 @@ class PipelineAutodiff:
         tab = self.forward_table
         Lc = self.fwd.cfg.layers // (tab.stages * tab.virtual)
         shared, layers, first, last = self._ends(params, rng)
-        stage = lambda chunk, a, cid, mb: self.fwd.layers(chunk, a, rng, mb["ids"], first_layer=cid * Lc)
+        stage = lambda chunk, a, cid, mb: self.fwd.layers(chunk, a, rng, mb["ids"], first_layer=cid * Lc,
+                                                          segments=mb.get("seg"))
         with activation_rules(self.rules, None, manual=PIPE_MANUAL):
             return pipeline.run(first, stage, last, shared, layers, xs, tab, self.mesh, remat=self.remat,
                                 skip_bubbles=self.skip_bubbles)
@@ -122,7 +123,7 @@ class PipelineLoop(PipelineAutodiff):
 
     def loss_and_grads(self, params, xs, norm, rng):
         shared, layers, first, last = self._ends(self.fence(params), rng)
-        layer = lambda p, a, index, mb: self.fwd.block(p, a, rng, mb["ids"], index)
+        layer = lambda p, a, index, mb: self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"))
         with activation_rules(self.rules, None, manual=PIPE_MANUAL):
             lsum, _, _, dshared, dlayers = pipeline.run_loop(
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm, jnp.float32),

@@ -220,30 +220,34 @@ class Forward:
         self.norm_def = nnx.graphdef(NORMS[cfg.arch](1, jnp.float32, cfg.norm_eps))
         self.cdt = jnp.dtype(cfg.compute_dtype)
 
-    def embed(self, params, tokens, rng=None, seq_ids=None, pos0=0):
-        """tokens `[batch, seq]` int32 -> `[batch, seq, embed]` (compute dtype); positions start at `pos0`."""
+    def embed(self, params, tokens, rng=None, seq_ids=None, pos0=0, segments=None):
+        """tokens `[batch, seq]` int32 -> `[batch, seq, embed]` (compute dtype); positions start at `pos0`, or at
+        each segment's start (`segments` `[batch, seq]` int32: packed documents)."""
         tokens = constrain(tokens, ("batch", "seq"))
         # one-hot matmul: a vocab-parallel lookup that partitions cleanly over a `vocab`-sharded table
         onehot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=self.cdt)
         x = jnp.einsum("btv,vd->btd", onehot, params["wte"].astype(self.cdt))
         if "wpe" in params:  # gpt2's learned positions; llama rotates q and k in each block instead
-            pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)
-            x = x + pos.astype(self.cdt)[None]
+            if segments is None:
+                pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)[None]
+            else:
+                pos = jnp.take(params["wpe"], segment_positions(segments), axis=0)
+            x = x + pos.astype(self.cdt)
         if rng is not None and self.cfg.dropout_embed > 0:
             x = dropout(x, self.cfg.dropout_embed, jax.random.fold_in(rng, 0), seq_ids)
         return constrain(x, ("batch", "seq", "embed"))
 
-    def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None):
+    def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None):
         """Apply the stacked blocks `block_params` (leading axis: layers of this chunk) to x `[batch, seq, embed]`.
 
         `first_layer` is the global index of the chunk's first layer (it keys dropout, so any split agrees).
         `prepare(layer_params)`, if given, runs on each layer's params inside the scan before use (ZeRO-3 gathers
-        them there, one layer at a time)."""
+        them there, one layer at a time). `segments`: as in `block`."""
         cfg = self.cfg
 
         def one(x, inp):
             p, i = inp
-            return self.block(prepare(p) if prepare is not None else p, x, rng, seq_ids, i), None
+            return self.block(prepare(p) if prepare is not None else p, x, rng, seq_ids, i, segments), None
 
         if cfg.remat != "none":
             one = jax.checkpoint(one, policy=_REMAT[cfg.remat], prevent_cse=False)
@@ -251,15 +255,17 @@ class Forward:
         x, _ = jax.lax.scan(one, x, (block_params, first_layer + jnp.arange(n)))
         return x
 
-    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0):
+    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0, segments=None):
         """One transformer block (params without the `layers` axis) on x `[batch, seq, embed]`; `layer` is its
-        global index (int or traced int32), which keys its dropout."""
+        global index (int or traced int32), which keys its dropout. `segments` `[batch, seq]` int32 (packed
+        documents): attention within a segment only, positions from each segment's start."""
         cfg = self.cfg
         drop = None
         if rng is not None and cfg.dropout_resid > 0:
             lk = jax.random.fold_in(rng, 1 + layer)
             drop = lambda y, site: dropout(y, cfg.dropout_resid, jax.random.fold_in(lk, site), seq_ids)
-        return nnx.merge(self.block_def, layer_params)(x, cfg, drop)[0]
+        positions = None if segments is None else segment_positions(segments)
+        return nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments)[0]
 
     def logits(self, params, x):
         """x `[batch, seq, embed]` -> float32 logits `[batch, seq, vocab]`, padded ids set to -inf."""
@@ -283,10 +289,10 @@ class Forward:
         nll = (lse - tz) * mask
         return nll.sum(), mask.sum()
 
-    def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None):
-        """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`: as in `layers`."""
-        x = self.embed(params, tokens, rng, seq_ids)
-        x = self.layers(params[_LAYERS], x, rng, seq_ids, prepare=prepare)
+    def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None):
+        """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`, `segments`: as in `layers`."""
+        x = self.embed(params, tokens, rng, seq_ids, segments=segments)
+        x = self.layers(params[_LAYERS], x, rng, seq_ids, prepare=prepare, segments=segments)
         return self.head_loss(params, x, targets, mask)
 
     def init_cache(self, batch: int, length: int | None = None) -> KVCache:
@@ -306,6 +312,14 @@ class Forward:
 
         x, caches = jax.lax.scan(one, x, (params[_LAYERS], caches))
         return self.logits(params, x[:, -1:])[:, 0], caches
+
+
+def segment_positions(segments):
+    """segments `[batch, seq]` int32 -> int32 positions counted from each segment's first token (Megatron's
+    `reset_position_ids`)."""
+    i = jnp.arange(segments.shape[-1], dtype=jnp.int32)
+    first = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return i - jax.lax.cummax(jnp.where(first, i, 0), axis=1)
 
 
 def dropout(x, rate, key, seq_ids):

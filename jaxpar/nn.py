@@ -109,12 +109,16 @@ def apply_rope(x, positions, inv_freq):
 
 # ---- attention --------------------------------------------------------------------------------------------------
 
-def attention(q, k, v, mask=None):
+def attention(q, k, v, mask=None, segment_ids=None):
     """Multi-head attention: q `[batch, t, heads, head_dim]`, k and v `[batch, s, heads, head_dim]` -> like q.
 
     Causal (query i sees keys <= i) when `mask` is None, else `mask` (bool, broadcastable to `[batch, heads, t, s]`,
-    True = attend). Scale 1/sqrt(head_dim); softmax in float32 (upcast)."""
+    True = attend). `segment_ids` `[batch, t]` int32 (t = s; packed documents, as the Pallas/cuDNN kernels take them):
+    causal and within the same segment. Scale 1/sqrt(head_dim); softmax in float32 (upcast)."""
     dt = q.dtype
+    if segment_ids is not None:  # XLA: a dense [batch, 1, t, t] mask; fused kernels take the ids themselves
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        mask = same & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
     if jax.default_backend() == "cpu" and dt not in (jnp.float32, jnp.float64):
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
     if mask is None:
@@ -139,7 +143,7 @@ class KVCache(NamedTuple):
         return ck, cv, mask, KVCache(ck, cv, self.pos + t)
 
 
-def self_attention(q, k, v, cache: KVCache | None = None):
+def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None):
     """Causal self-attention with grouped-query heads: q `[b, t, heads, hd]`, k, v `[b, t, kv_heads, hd]` ->
     (`[b, t, heads, hd]` in q's dtype, cache). Query head j reads KV head j // (heads / kv_heads), as Hugging Face's
     `repeat_kv`. With a cache, attends over the cache's filled positions in float32 (on every backend)."""
@@ -151,7 +155,7 @@ def self_attention(q, k, v, cache: KVCache | None = None):
     if rep > 1:  # under tensor parallelism each device then slices its own heads (KV heads split or replicated)
         k, v = (jnp.repeat(a, rep, axis=2) for a in (k, v))
     k, v = (constrain(a, ("batch", "seq", "heads", "kv")) for a in (k, v))
-    a = attention(q, k, v, mask)
+    a = attention(q, k, v, mask, segment_ids)
     return checkpoint_name(a if cache is None else a.astype(dt), "attention"), cache
 
 
@@ -160,14 +164,15 @@ def self_attention(q, k, v, cache: KVCache | None = None):
 class _PreNormBlock(nnx.Module):
     """x + Attn(norm1(x)), then x + MLP(norm2(x)); a family fills in `qkv`, `attn_out` and `mlp`."""
 
-    def __call__(self, x, cfg, drop=None, cache=None, positions=None):
+    def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None):
         """x `[batch, seq, embed]` -> (same, cache). `drop(y, site)` applies residual dropout; `positions` `[seq]` or
-        `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for decoding."""
+        `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for decoding; `segments`
+        `[batch, seq]` int32 keeps attention within each packed document."""
         if positions is None:
             positions = (0 if cache is None else cache.pos) + jnp.arange(x.shape[1])
         q, k, v = self.qkv(self.ln1(x), positions)
         q = constrain(q, ("batch", "seq", "heads", "kv"))
-        a, cache = self_attention(q, k, v, cache)
+        a, cache = self_attention(q, k, v, cache, segments)
         o = self.attn_out(a)
         x = constrain(x + (drop(o, 0) if drop else o), ("batch", "seq", "embed"))
         o = self.mlp(self.ln2(x))

@@ -29,6 +29,10 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     with open(path) as f:
         config = ml_collections.ConfigDict(json.load(f))
     defaults = base_config()
+    if "corpus" in config.get("data", {}):  # before blends (issue 15): one corpus, val = the last tokens
+        with config.unlocked():
+            config.data.sources = config.data.pop("corpus")
+            config.data.val_split = "tokens"
     _add_missing(config, defaults)
     named = {r[0] for r in config.rules}
     config.rules = tuple(tuple(r) for r in config.rules) + tuple(r for r in defaults.rules if r[0] not in named)

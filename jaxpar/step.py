@@ -1,7 +1,9 @@
 """The jitted train and eval steps for one layout: the choices read off the config once, then jit.
 
 A batch is `{"tokens": int32 [global_batch, seq + 1]}` (inputs are tokens[:, :-1], targets tokens[:, 1:]) with an
-optional `"mask": float32 [global_batch, seq]` of loss weights, sharded on `data`. The loss is the mean next-token
+optional `"mask": float32 [global_batch, seq]` of loss weights and optional `"segments": int32 [global_batch, seq + 1]`
+(packed documents: attention stays within a segment, positions restart at each, and a segment's last token predicts
+nothing), sharded on `data`. The loss is the mean next-token
 cross-entropy (nats/token, float32) over all masked-in tokens of the whole global batch, so `train.microbatches`
 accumulated microbatches give exactly the step on the whole batch, also when they hold different numbers of tokens.
 
@@ -63,12 +65,16 @@ class StepSettings:
 
 
 def split_batch(batch):
-    """-> inputs, targets `[batch, seq]` int32, mask `[batch, seq]` float32."""
+    """-> inputs, targets `[batch, seq]` int32, mask `[batch, seq]` float32, the inputs' segments `[batch, seq]`
+    int32 (None without packing)."""
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     mask = batch.get("mask")
     mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-    return inputs, targets, mask
+    seg = batch.get("segments")
+    if seg is not None:  # a document's last token never predicts the next document's first
+        mask, seg = mask * (seg[:, 1:] == seg[:, :-1]), seg[:, :-1]
+    return inputs, targets, mask, seg
 
 
 def to_microbatches(x, m: int):
@@ -77,10 +83,10 @@ def to_microbatches(x, m: int):
 
 
 def microbatched(batch, m: int):
-    """-> mask `[batch, seq]`, and {x, y, w, ids} with leaves `[m, batch / m, ...]`."""
-    inputs, targets, mask = split_batch(batch)
+    """-> mask `[batch, seq]`, and {x, y, w, ids (, seg)} with leaves `[m, batch / m, ...]`."""
+    inputs, targets, mask, seg = split_batch(batch)
     ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
-    xs = {"x": inputs, "y": targets, "w": mask, "ids": ids}
+    xs = {"x": inputs, "y": targets, "w": mask, "ids": ids} | ({} if seg is None else {"seg": seg})
     return mask, jax.tree.map(lambda a: to_microbatches(a, m), xs)
 
 

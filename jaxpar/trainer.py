@@ -66,8 +66,10 @@ BATCH_KEY = "train.global_batch_size"
 
 def fingerprint(config, info, steps) -> dict:
     fp = {f"model.{k}": v for k, v in gpt.identity(steps.cfg).items()}
-    fp.update({BATCH_KEY: int(config.train.global_batch_size), "tokenizer": info.meta.get("tokenizer"),
-               "data": os.path.basename(info.dir)})
+    fp.update({BATCH_KEY: int(config.train.global_batch_size), "tokenizer": info.tokenizer_kind,
+               "data": info.identity})
+    if config.data.packing != "concat":  # absent from fingerprints written before packing existed
+        fp["data.packing"] = config.data.packing
     return fp
 
 
@@ -179,7 +181,8 @@ def dry_run(config, workdir: str) -> dict:
     steps = build(config, make_mesh(shape), vocab)
     abstract = steps.abstract_state()
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
-    batch = {"tokens": jax.ShapeDtypeStruct((B, T + 1), np.int32, sharding=steps.batch_sharding)}
+    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
+             for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing).items()}
     rep = report.compile_report(steps.train.lower(abstract, batch), abstract_state=abstract,
                                 flops_per_step=gpt.flops_per_token(steps.cfg) * B * T)
     grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
@@ -210,8 +213,8 @@ def run(config, workdir: str, devices=None) -> dict:
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
     vocab = max(int(config.model.vocab_size), info.vocab_size)
-    train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab)
-    val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab)
+    train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab, packing=config.data.packing)
+    val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab, packing=config.data.packing)
     steps = build(config, make_mesh(shape, devices), vocab)
     fp = fingerprint(config, info, steps)
     check_before_writing(config, workdir, fp, steps)
@@ -299,11 +302,14 @@ class Loop:
                 f"{sum(np.prod(v.shape) for v in jax.tree.leaves(abstract['params'])):,} params, "
                 f"start step {start}, workdir {workdir}")
         # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
-        tokens = jax.ShapeDtypeStruct((self.B, self.T + 1), np.int32, sharding=steps.batch_sharding)
-        self.eval_step = steps.evaluate.lower(abstract["params"], {"tokens": tokens}).compile()
+        batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
+                 for k, (shape, dt) in data.batch_shapes(self.B, self.T, config.data.packing).items()}
+        self.eval_step = steps.evaluate.lower(abstract["params"], batch).compile()
+        self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch))  # read ahead while devices run
 
     def batch_at(self, source, i):
-        return {"tokens": data.to_global(source(i, *self.rows), self.steps.batch_sharding, self.B)}
+        rows = source(i, *self.rows)
+        return {k: data.to_global(v, self.steps.batch_sharding, self.B) for k, v in rows.items()}
 
     def evaluate(self, params) -> float:
         tot, n = 0.0, 0.0
@@ -324,6 +330,7 @@ class Loop:
             watchdog.disarm()
             preemption.close()
             self.profiler.stop()
+            self.next_rows.close()
             self.console.close()
             self.writer.close()
 
@@ -331,7 +338,7 @@ class Loop:
         c, last, t0, since = self.config, {}, time.perf_counter(), 0
         for step in range(start, self.total):
             self.profiler.maybe_start(step)
-            state, m = self.steps.train(state, self.batch_at(self.train_data.rows, step))
+            state, m = self.steps.train(state, self.batch_at(self.next_rows, step))
             self.profiler.maybe_stop(step, block_on=m["loss"])
             since += 1
             done = step + 1
@@ -361,6 +368,8 @@ class Loop:
     def _log(self, state, done, m, health, since, dt, eval_now) -> dict:
         m = {k: float(v) for k, v in jax.device_get(m).items()} | health
         tps = since * self.B * self.T / dt
+        m.update(self.train_data.tokens_by_source(done), data_wait_s=self.next_rows.waited_s / since)
+        self.next_rows.waited_s = 0.0
         m.update(tokens_per_s=tps, step_time_s=dt / since,
                  tflops_per_device=metrics.tflops_per_device(tps, self.flops_tok, self.ndev),
                  mfu=metrics.mfu(tps, self.flops_tok, self.ndev, self.peak))

@@ -34,5 +34,17 @@ def corpus(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
     rng = np.random.default_rng(0)
     words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
+    text = rng.choice(words, 6000)
+    for i in range(6):  # six documents (one per file): the last is the validation split
+        (d / f"{'abcdef'[i]}.txt").write_text(" ".join(text[i * 1000:(i + 1) * 1000]) + "\n")
+    return d
+
+
+@pytest.fixture(scope="session")
+def one_file_corpus(tmp_path_factory):
+    """The corpus as runs before documents existed saw it (tests/fixtures/old_run): one file, one line."""
+    d = tmp_path_factory.mktemp("corpus1")
+    rng = np.random.default_rng(0)
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
     (d / "a.txt").write_text(" ".join(rng.choice(words, 6000)) + "\n")
     return d

@@ -57,7 +57,7 @@ def assert_trees_close(a, b, tol=1e-5):
 
 def run_config(corpus, tmp_path, **over):
     c = tiny_config(**over)
-    c.data.update(corpus=str(corpus / "*.txt"), tokenizer="byte", cache_dir=str(tmp_path / "cache"))
+    c.data.update(sources=str(corpus / "*.txt"), tokenizer="byte", cache_dir=str(tmp_path / "cache"))
     c.train.steps = over.get("train.steps", 6)
     c.log.update(every_steps=1, progress=False)
     c.eval.update(every_steps=100, batches=1)

@@ -22,12 +22,12 @@ needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devic
 
 
 @pytest.fixture
-def old_run(corpus, tmp_path):
+def old_run(one_file_corpus, tmp_path):
     """A copy of the old run directory, its config pointed at this session's corpus (the same seeded text)."""
     work = tmp_path / "run"
     shutil.copytree(OLD, work)
     config = runs.read_config(str(work))
-    config.data.update(corpus=str(corpus / "*.txt"), cache_dir=str(tmp_path / "cache"))
+    config.data.update(sources=str(one_file_corpus / "*.txt"), cache_dir=str(tmp_path / "cache"))
     with open(os.path.join(OLD, "expected.json")) as f:
         return work, config, json.load(f)
 

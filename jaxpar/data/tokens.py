@@ -1,0 +1,82 @@
+"""A tokenized source as one stream: Megatron `.bin/.idx` shards in order, memory-mapped, with document bounds, and
+its train/val split by documents."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxpar.data.common import DataError, check_split
+from jaxpar.data.megatron import IndexedDataset
+
+_MAX_CHUNK = 1 << 24  # elements per step of the chunked max over a token file
+
+
+class TokenStream:
+    """The documents of `prefixes` back to back. `doc_bounds` int64 `[documents + 1]`: token offsets of each
+    document's start in the stream (the last = the stream's length)."""
+
+    def __init__(self, prefixes, name: str):
+        self.name, self.prefixes = name, [str(p) for p in prefixes]
+        self.parts = [IndexedDataset(p) for p in self.prefixes]
+        sizes = np.asarray([p.num_tokens for p in self.parts], np.int64)
+        self.part_start = np.concatenate([[0], np.cumsum(sizes)])
+        self.doc_bounds = np.concatenate([[0]] + [p.doc_bounds[1:] + s for p, s in zip(self.parts, self.part_start)])
+        self.num_tokens = int(self.part_start[-1])
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_bounds) - 1
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the stream (across shards): int32 `[stop - start]`."""
+        i = int(np.searchsorted(self.part_start, start, "right")) - 1
+        out = []
+        while start < stop:
+            a = start - self.part_start[i]
+            b = min(stop, self.part_start[i + 1]) - self.part_start[i]
+            out.append(np.asarray(self.parts[i].tokens[a:b], np.int32))
+            start, i = self.part_start[i] + b, i + 1
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    def document_of(self, positions: np.ndarray) -> np.ndarray:
+        """The document index of each token position (int64, same shape)."""
+        return np.searchsorted(self.doc_bounds, positions, "right") - 1
+
+    def check_ids(self, vocab_size: int) -> None:
+        """Raises DataError naming the shard if an id is >= vocab_size (or negative)."""
+        for p in self.parts:
+            for i in range(0, p.num_tokens, _MAX_CHUNK):
+                block = np.asarray(p.tokens[i:i + _MAX_CHUNK])
+                lo, hi = int(block.min()), int(block.max())
+                if hi >= vocab_size or lo < 0:
+                    raise DataError(f"{p.prefix}.bin holds id {hi if hi >= vocab_size else lo} but the vocabulary "
+                                    f"has {vocab_size} ids: it was tokenized with another tokenizer. Give that "
+                                    f"tokenizer (data.tokenizer), or model.vocab_size > {hi}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Tokens [start, stop) of `stream`: the train or val part of one source."""
+    stream: TokenStream
+    start: int
+    stop: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.stop - self.start
+
+
+def split(stream: TokenStream, which: str, val_fraction: float, by: str = "documents") -> Split:
+    """The train (first) or val (last) part of `stream`.
+
+    by="documents": the last max(1, round(documents x val_fraction)) documents are val (none when val_fraction = 0).
+    by="tokens": the last round(tokens x val_fraction) tokens (runs from before documents existed)."""
+    check_split(which)
+    if by == "tokens":
+        cut = stream.num_tokens - int(round(stream.num_tokens * val_fraction))
+    else:
+        n = stream.num_docs
+        n_val = 0 if val_fraction <= 0 else min(n, max(1, int(round(n * val_fraction))))
+        cut = int(stream.doc_bounds[n - n_val])
+    return Split(stream, 0, cut) if which == "train" else Split(stream, cut, stream.num_tokens)
