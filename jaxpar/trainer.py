@@ -305,7 +305,8 @@ class Loop:
         batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
                  for k, (shape, dt) in data.batch_shapes(self.B, self.T, config.data.packing).items()}
         self.eval_step = steps.evaluate.lower(abstract["params"], batch).compile()
-        self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch))  # read ahead while devices run
+        # read ahead while the devices run
+        self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch), self.total)
 
     def batch_at(self, source, i):
         rows = source(i, *self.rows)

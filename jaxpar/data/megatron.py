@@ -58,7 +58,7 @@ class IndexedDataset:
             bad = int(np.argmax(pointers != starts))
             raise DataError(f"{idx}: sequence {bad} starts at byte {int(pointers[bad])}, not {int(starts[bad])} "
                             f"right after the one before it; jaxpar reads only back-to-back sequences (Megatron's "
-                            f"builder writes them so). Rewrite it with `python -m jaxpar.data.prepare`.")
+                            f"builder writes them so). Rewrite it with `python -m jaxpar.data.preprocess`.")
         size = os.path.getsize(bin_)
         if size != n_tokens * item:
             what = "truncated (a copy or a write that did not finish?)" if size < n_tokens * item else "too long"
@@ -86,7 +86,7 @@ def _read_index(idx: str):
         head = f.read(_HEADER)
     if len(head) < _HEADER or head[:len(MAGIC)] != MAGIC:
         raise DataError(f"{idx} is not a Megatron index (it does not start with {MAGIC!r}); give the prefix of a "
-                        f"dataset written by Megatron's preprocess_data.py or `python -m jaxpar.data.prepare`.")
+                        f"dataset written by Megatron's preprocess_data.py or `python -m jaxpar.data.preprocess`.")
     version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(MAGIC):])
     if version != VERSION:
         raise DataError(f"{idx} has index version {version}; jaxpar reads version {VERSION} (Megatron's MMIDIDX). "

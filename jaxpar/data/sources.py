@@ -8,14 +8,13 @@ tokens, so paths hold no spaces). A source is `KIND:PATH` or a bare PATH whose k
     jsonl:GLOB    (*.jsonl)     one JSON object per line; the document is its `data.text_field`
     parquet:GLOB  (*.parquet)   one row per document; the document is the column `data.text_field`
     megatron:PREFIX             PREFIX.bin + PREFIX.idx (a glob of prefixes is one source); already tokenized
-    tokens:DIR                  a directory written by `python -m jaxpar.data.prepare --out DIR`; already tokenized
+    tokens:DIR                  a directory written by `python -m jaxpar.data.preprocess --out DIR`; already tokenized
 
 A unit is a run of whole files (small files grouped up to `data.unit_mb`), a byte range of a big one (cut just after a
 separator or newline, so no document spans two), or a range of a Parquet file's row groups; `documents(unit, ...)` yields `(text, ends_document)` pieces of at most a few MB.
 """
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import glob as globlib
 import json
@@ -54,7 +53,7 @@ class Source:
         if self.kind == "tokens":
             if not os.path.isfile(os.path.join(os.path.expanduser(self.path), "meta.json")):
                 raise DataError(f"data source tokens:{self.path} has no meta.json; give a directory written by "
-                                f"`python -m jaxpar.data.prepare --out DIR` (complete: meta.json is written last).")
+                                f"`python -m jaxpar.data.preprocess --out DIR` (complete: meta.json is written last).")
             return [os.path.expanduser(self.path)]
         pattern = os.path.expanduser(self.path)
         if self.kind == "megatron":
@@ -116,7 +115,8 @@ def _source(word: str, weight: float) -> Source:
 
 def separator(raw: str) -> bytes:
     """`data.doc_separator` with backslash escapes decoded (a command line passes '\\n\\n' as four characters)."""
-    return codecs.decode(str(raw), "unicode_escape").encode("utf-8")
+    text = str(raw).encode("latin-1", "backslashreplace").decode("unicode_escape")  # non-Latin-1 kept as is
+    return text.encode("utf-8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +144,8 @@ def plan_units(source: Source, sep: bytes, unit_bytes: int, shakespeare_archive=
     units, group, size = [], [], 0
     for f in source.files():
         n = os.path.getsize(f)
+        if n == 0 and source.kind != "parquet":
+            raise DataError(f"{source.kind} file {f} is empty (0 bytes); remove it or narrow data.sources.")
         if source.kind == "parquet":
             units += _parquet_units(f, unit_bytes)
             continue

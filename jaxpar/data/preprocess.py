@@ -8,7 +8,7 @@ mtime), the text field, the separator and the tokenizer, so changed inputs or se
 document ends with the tokenizer's end-of-text id where it has one. Pre-tokenized sources (megatron, tokens) are
 opened where they are. With `data.workers` > 1 units are tokenized by that many processes, one thread each.
 
-`python -m jaxpar.data.prepare --sources S --tokenizer T --out PREFIX [--format megatron|tokens]` writes the same
+`python -m jaxpar.data.preprocess --sources S --tokenizer T --out PREFIX [--format megatron|tokens]` writes the same
 as one Megatron `PREFIX.bin/.idx` (or a jaxpar token directory), so data moves between the two stacks.
 """
 from __future__ import annotations
@@ -60,7 +60,11 @@ def cache_root(config) -> Path:
     return Path(os.path.expanduser(root))
 
 
-def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=print) -> DataInfo:
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -> DataInfo:
     """Tokenize every text source of `config.data.sources` into the cache (once; under file locks) and describe
     the result. Every process may call it; the first builds, the others wait for the lock and reuse the entries.
 
@@ -314,10 +318,9 @@ def main(argv=None) -> int:
         p.add_argument(f"--{key}", type=kind, default=None)
     a = p.parse_args(argv)
     c = base_config()
-    c.data.update(sources=a.sources, tokenizer=a.tokenizer, val_fraction=0.0,
-                  **{k: v for k, v in vars(a).items() if v is not None and k in c.data})
+    c.data.update(val_fraction=0.0, **{k: v for k, v in vars(a).items() if v is not None and k in c.data})
     try:
-        info = prepare(c, say=lambda m: print(m, file=sys.stderr))
+        info = prepare(c)
         write_out(info, a.out, a.format)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
