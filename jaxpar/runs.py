@@ -27,12 +27,12 @@ def read_config(workdir: str) -> ml_collections.ConfigDict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by train.py.")
     with open(path) as f:
-        config = ml_collections.ConfigDict(json.load(f))
+        raw = json.load(f)
+    old = raw.get("data", {})
+    if "corpus" in old:  # written before sources and documents: one corpus, val = its last tokens
+        old.update(sources=old.pop("corpus"), val_split="tokens")
+    config = ml_collections.ConfigDict(raw)
     defaults = base_config()
-    if "corpus" in config.get("data", {}):  # before blends (issue 15): one corpus, val = the last tokens
-        with config.unlocked():
-            config.data.sources = config.data.pop("corpus")
-            config.data.val_split = "tokens"
     _add_missing(config, defaults)
     named = {r[0] for r in config.rules}
     config.rules = tuple(tuple(r) for r in config.rules) + tuple(r for r in defaults.rules if r[0] not in named)

@@ -173,6 +173,8 @@ def test_blend_draws_each_source_at_its_weight_and_any_batch_split_agrees(tmp_pa
     for n in (100, 1000, 5000):  # every prefix close to the weights
         assert abs((first[:n, 0] == 0).mean() - 0.3) <= 0.02
     assert b.tokens_by_source(100) == {"tokens/all": 3000 * 8, "tokens/doc": 7000 * 8}
+    same = data.prepare(config(tmp_path, f"0.5 {d}/all.jsonl 0.5 {d}/all.jsonl", text_field="body"))
+    assert data.Batches(same, "train", 8, 10).names == ["all0", "all1"]
     # the same positions whatever the batch size: a pure function of the position
     small = data.Batches(info, "train", seq_len=8, global_batch=7, seed=5)
     np.testing.assert_array_equal(np.concatenate([small.samples(s) for s in range(20)]), first[:140])
@@ -242,3 +244,31 @@ def test_bad_text_sources_and_blends(tmp_path, texts):
     with pytest.raises(data.DataError, match=r"data source jsonl:.*tiny\.jsonl: its train split has \d+ tokens .*"
                                              r"fewer than one sequence of model.seq_len \+ 1 = 1025"):
         data.Batches(info, "train", 1024, 8)
+
+
+def test_blend_with_packing_resumes_exactly_under_another_data_parallel_size(corpus, tmp_path):
+    import shutil
+
+    import jax
+
+    from helpers import run_config
+    from jaxpar import trainer
+    from test_resume import losses
+
+    blend = f"0.3 text:{corpus}/[abc].txt 0.7 text:{corpus}/[def].txt"
+    over = {"data.sources": blend, "data.packing": "documents", "train.steps": 4, "checkpoint.every_steps": 2,
+            "mesh.data": 2, "train.microbatches": 2}
+    c = run_config(corpus, tmp_path, **over)
+    c.data.sources = blend  # run_config points data at the corpus glob
+    trainer.run(c, str(tmp_path / "whole"), devices=jax.devices()[:2])
+    shutil.copytree(tmp_path / "whole" / "checkpoints" / "2", tmp_path / "resumed" / "checkpoints" / "2")
+    c.mesh.data = 8
+    trainer.run(c, str(tmp_path / "resumed"))
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
+    assert sorted(resumed) == [3, 4]
+    for s in (3, 4):
+        assert abs(resumed[s] - whole[s]) <= 1e-6 * abs(whole[s]), (s, whole, resumed)
+    with open(tmp_path / "resumed" / "metrics.jsonl") as f:
+        last = [json.loads(line) for line in f][-1]
+    drawn = last["tokens/abc"] + last["tokens/def"]
+    assert drawn == 4 * 16 * 16 and abs(last["tokens/abc"] / drawn - 0.3) <= 0.05  # 64 samples: 19 and 45

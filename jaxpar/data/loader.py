@@ -72,7 +72,9 @@ class Batches:
         self.split, self.seq_len, self.global_batch = check_split(split), int(seq_len), int(global_batch)
         if self.seq_len < 1 or self.global_batch < 1:
             raise DataError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1.")
-        self.packing, self.names = packing, [s.name for s, _ in info.sources]
+        names = [s.name for s, _ in info.sources]
+        self.packing = packing
+        self.names = [n if names.count(n) == 1 else f"{n}{k}" for k, n in enumerate(names)]  # unique log keys
         self.parts = [tokens.split(st, split, info.val_fraction, info.val_split) for st in info.streams()]
         for (source, _), part in zip(info.sources, self.parts):
             _check_enough(source, part, split, self.seq_len)

@@ -11,6 +11,7 @@ sequence per document (as Megatron's `preprocess_data.py` does without sentence 
 """
 from __future__ import annotations
 
+import array
 import os
 import struct
 from pathlib import Path
@@ -119,7 +120,7 @@ class Writer:
         Path(self.prefix).parent.mkdir(parents=True, exist_ok=True)
         self._tmp = f".tmp-{os.getpid()}"
         self._bin = open(f"{self.prefix}.bin{self._tmp}", "wb")
-        self.lengths: list[int] = []
+        self.lengths = array.array("q")  # tokens per document: 8 bytes each, not a Python int
         self._open = 0  # tokens of the document being written
 
     def write(self, ids) -> None:
@@ -141,7 +142,7 @@ class Writer:
         if self._open:
             self.end_document()
         self._bin.close()
-        lengths = np.asarray(self.lengths, np.int64)
+        lengths = np.frombuffer(self.lengths, np.int64) if self.lengths else np.zeros(0, np.int64)
         if lengths.size and lengths.max() >= 2**31:
             raise DataError(f"a document of {int(lengths.max())} tokens exceeds Megatron's int32 sequence length; "
                             f"split it (data.doc_separator).")

@@ -44,7 +44,7 @@ class Source:
         if self.kind == "shakespeare":
             return "shakespeare"
         base = os.path.basename(self.path.rstrip("/")) or self.path
-        return base.split(".")[0].replace("*", "") or self.kind
+        return base.split(".")[0].translate(str.maketrans("", "", "*?[]")) or self.kind
 
     def files(self) -> list[str]:
         """The files (or, for megatron, the prefixes) this source names, sorted. Raises DataError if none."""
