@@ -256,10 +256,9 @@ def test_blend_with_packing_resumes_exactly_under_another_data_parallel_size(cor
     from test_resume import losses
 
     blend = f"0.3 text:{corpus}/[abc].txt 0.7 text:{corpus}/[def].txt"
-    over = {"data.sources": blend, "data.packing": "documents", "train.steps": 4, "checkpoint.every_steps": 2,
-            "mesh.data": 2, "train.microbatches": 2}
+    over = {"data.packing": "documents", "train.steps": 4, "mesh.data": 2, "train.microbatches": 2}
     c = run_config(corpus, tmp_path, **over)
-    c.data.sources = blend  # run_config points data at the corpus glob
+    c.data.sources, c.checkpoint.every_steps = blend, 2
     trainer.run(c, str(tmp_path / "whole"), devices=jax.devices()[:2])
     shutil.copytree(tmp_path / "whole" / "checkpoints" / "2", tmp_path / "resumed" / "checkpoints" / "2")
     c.mesh.data = 8

@@ -80,6 +80,7 @@ class Batches:
             _check_enough(source, part, split, self.seq_len)
             if source.kind in ("megatron", "tokens"):
                 part.stream.check_ids(vocab_size or info.vocab_size)
+        self.vocab_size = vocab_size or info.vocab_size
         self.num_samples = [(p.num_tokens - 1) // self.seq_len for p in self.parts]
         self.orders = []
         for k, n in enumerate(self.num_samples):
@@ -141,6 +142,11 @@ class Batches:
                 seg.append((d - d[0]).astype(np.int32))
         if rows:
             out["tokens"] = np.stack(rows)
+            if out["tokens"].max() >= self.vocab_size or out["tokens"].min() < 0:
+                bad = [self.names[k] for (k, _), r in zip(self.samples(step, start, stop), rows)
+                       if r.max() >= self.vocab_size or r.min() < 0]
+                raise DataError(f"batch {step}: source {bad[0]} holds an id outside [0, {self.vocab_size}): it was "
+                                f"tokenized with another tokenizer; give that one (data.tokenizer).")
         if self.packing == "documents":
             out["segments"] = np.stack(seg) if seg else np.zeros((0, L + 1), np.int32)
         return out

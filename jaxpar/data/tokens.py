@@ -43,10 +43,11 @@ class TokenStream:
         """The document index of each token position (int64, same shape)."""
         return np.searchsorted(self.doc_bounds, positions, "right") - 1
 
-    def check_ids(self, vocab_size: int) -> None:
-        """Raises DataError naming the shard if an id is >= vocab_size (or negative)."""
+    def check_ids(self, vocab_size: int, limit: int = 4 * _MAX_CHUNK) -> None:
+        """Raises DataError naming the shard if one of the first `limit` ids of a shard is >= vocab_size (or < 0).
+        (The loader checks every batch it reads as well: a full scan of a terabyte would delay every start.)"""
         for p in self.parts:
-            for i in range(0, p.num_tokens, _MAX_CHUNK):
+            for i in range(0, min(p.num_tokens, limit), _MAX_CHUNK):
                 block = np.asarray(p.tokens[i:i + _MAX_CHUNK])
                 lo, hi = int(block.min()), int(block.max())
                 if hi >= vocab_size or lo < 0:

@@ -111,7 +111,8 @@ def hf_config(cfg, dtype: str, tokenizer=None) -> dict:
     """The config.json of a jaxpar model (`GPTConfig`) saved in `dtype`, for transformers 4.x and 5."""
     common = {"vocab_size": cfg.vocab_real, "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype,
               "torch_dtype": dtype, "use_cache": True}
-    eos = getattr(tokenizer, "eos_id", None)  # explicit nulls: else transformers assumes GPT-2's / Llama's ids
+    # the end-of-text id, or explicit nulls (else transformers assumes GPT-2's / Llama's ids)
+    eos = getattr(tokenizer, "eot_id", None)
     common.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=None)
     if cfg.arch == "gpt2":
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.embed,
