@@ -102,11 +102,21 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
         raise DataError(f"model.vocab_size={vocab} < the tokenizer's {tok.vocab_size} ids; set "
                         f"--config.model.vocab_size=0 (taken from the tokenizer) or >= {tok.vocab_size}.")
     ident = {"format": FORMAT_VERSION, "tokenizer": tok_id, "val_fraction": val_fraction, "split": d.val_split,
-             "sources": [[s.weight, list(p)] for s, p in out]}
+             "sources": [[s.weight, [_shard_id(x) for x in p]] for s, p in out]}
     identity = "data-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     if d.val_split == "tokens":
         identity = legacy_identity(specs, tok_dir, val_fraction, shakespeare_sha256)
     return DataInfo(tuple(out), tok_dir, tok.kind, tok.vocab_size, identity, val_fraction, d.val_split)
+
+
+def _shard_id(prefix: str) -> list:
+    """What names a shard's content wherever it lies (a resume may use another cache or a copy of the data): its
+    name, the .bin's size and a hash of the .idx's first MB (counts, lengths)."""
+    with open(f"{prefix}.idx", "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+    p = Path(prefix)
+    return [f"{p.parent.parent.name}/{p.name}" if p.parent.name == "shards" else p.name,
+            os.path.getsize(f"{prefix}.bin"), head]
 
 
 def resolve_tokenizer(d, specs, units, root: Path, sep: bytes) -> tuple[str, str]:
