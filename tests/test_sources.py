@@ -71,15 +71,27 @@ def test_megatron_written_from_the_spec_reads_back_token_exact(tmp_path, dtype, 
     rng = np.random.default_rng(0)
     docs = [[rng.integers(0, 250, int(rng.integers(1, 40))).tolist() for _ in range(int(rng.integers(1, 4)))]
             for _ in range(20)]
+    docs[5] = [[]]  # an empty document (Megatron allows it)
     spec_writer(tmp_path / "m", docs, dtype, code)
     ds = IndexedDataset(tmp_path / "m")
     assert ds.num_docs == 20 and ds.dtype == np.dtype(dtype)
     for d, seqs in enumerate(docs):
-        np.testing.assert_array_equal(ds.document(d), np.concatenate(seqs))
+        np.testing.assert_array_equal(ds.document(d), np.concatenate(seqs).astype(dtype))
     info = data.prepare(config(tmp_path, f"megatron:{tmp_path / 'm'}", val_fraction=0.1))
-    np.testing.assert_array_equal(stream_of(info), np.concatenate([np.concatenate(s) for s in docs]))
-    b = data.Batches(info, "val", seq_len=4, global_batch=2, packing="documents")  # val = the last 2 documents
-    assert info.streams()[0].doc_bounds[18] == b.parts[0].start
+    flat = np.concatenate([np.concatenate(s) for s in docs]).astype(np.int32)
+    np.testing.assert_array_equal(stream_of(info), flat)
+    val = data.Batches(info, "val", seq_len=4, global_batch=2, packing="documents")  # val = the last 2 documents
+    assert info.streams()[0].doc_bounds[18] == val.parts[0].start
+    # segments: the document of each token from the spec's own bounds, counted from the window's first
+    bounds = np.cumsum([0] + [sum(len(q) for q in d) for d in docs])
+    b = data.Batches(info, "train", seq_len=16, global_batch=8, packing="documents")
+    for step in range(3):
+        rows = b.rows(step)
+        for (_, i), tok, seg in zip(b.samples(step), rows["tokens"], rows["segments"]):
+            doc = np.searchsorted(bounds, i * 16 + np.arange(17), "right") - 1
+            np.testing.assert_array_equal(tok, flat[i * 16:i * 16 + 17])
+            np.testing.assert_array_equal(np.unique(seg, return_inverse=True)[1].ravel(),
+                                          np.unique(doc, return_inverse=True)[1].ravel())
 
 
 def test_jaxpar_writer_round_trips_and_exports_any_text_source(tmp_path, texts):

@@ -130,26 +130,20 @@ class Batches:
         """Rows start..stop (default: all) of global batch `step`: {"tokens": int32 [n, seq_len + 1]} (+ "segments"
         with packing="documents"). Inputs are `tokens[:, :-1]`, targets `tokens[:, 1:]`. Reads only these rows."""
         L = self.seq_len
-        out = {"tokens": np.zeros((0, L + 1), np.int32)}
-        seg = []
-        rows = []
-        for k, i in self.samples(step, start, stop).tolist():
+        samples = self.samples(step, start, stop)
+        tokens = np.zeros((len(samples), L + 1), np.int32)
+        seg = np.zeros_like(tokens) if self.packing == "documents" else None
+        for k in np.unique(samples[:, 0]):
+            rows = np.nonzero(samples[:, 0] == k)[0]
             part = self.parts[k]
-            a = part.start + i * L
-            rows.append(part.stream.read(a, a + L + 1))
-            if self.packing == "documents":
-                d = part.stream.document_of(np.arange(a, a + L + 1))
-                seg.append((d - d[0]).astype(np.int32))
-        if rows:
-            out["tokens"] = np.stack(rows)
-            if out["tokens"].max() >= self.vocab_size or out["tokens"].min() < 0:
-                bad = [self.names[k] for (k, _), r in zip(self.samples(step, start, stop), rows)
-                       if r.max() >= self.vocab_size or r.min() < 0]
-                raise DataError(f"batch {step}: source {bad[0]} holds an id outside [0, {self.vocab_size}): it was "
-                                f"tokenized with another tokenizer; give that one (data.tokenizer).")
-        if self.packing == "documents":
-            out["segments"] = np.stack(seg) if seg else np.zeros((0, L + 1), np.int32)
-        return out
+            starts = part.start + samples[rows, 1] * L
+            tokens[rows] = part.stream.windows(starts, L + 1)
+            if seg is not None:
+                seg[rows] = part.stream.segments(starts, L + 1)
+            if tokens[rows].max() >= self.vocab_size or tokens[rows].min() < 0:
+                raise DataError(f"batch {step}: source {self.names[k]} holds an id outside [0, {self.vocab_size}): "
+                                f"it was tokenized with another tokenizer; give that one (data.tokenizer).")
+        return {"tokens": tokens} | ({} if seg is None else {"segments": seg})
 
     def val_batch(self, i: int, start: int = 0, stop: int | None = None) -> dict:
         """Fixed validation batch i (wraps around a small val split): as `rows`."""

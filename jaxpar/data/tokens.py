@@ -39,6 +39,33 @@ class TokenStream:
             start, i = self.part_start[i] + b, i + 1
         return out[0] if len(out) == 1 else np.concatenate(out)
 
+    def windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Tokens [s, s + length) for each s of `starts` (int64 `[n]`): int32 `[n, length]`; one gather per shard."""
+        starts = np.asarray(starts, np.int64)
+        out = np.empty((starts.size, length), np.int32)
+        part = np.searchsorted(self.part_start, starts, "right") - 1
+        offsets = np.arange(length, dtype=np.int64)
+        for i in np.unique(part):
+            rows = np.nonzero(part == i)[0]
+            lo = starts[rows] - self.part_start[i]
+            inside = lo + length <= self.parts[i].num_tokens
+            out[rows[inside]] = self.parts[i].tokens[lo[inside, None] + offsets]
+            for r in rows[~inside]:  # a window across a shard boundary
+                out[r] = self.read(int(starts[r]), int(starts[r]) + length)
+        return out
+
+    def segments(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """For each window [s, s + length): the document of each token, counted from the window's first: int32
+        `[n, length]` (a cumulative count of the document starts inside the window)."""
+        starts = np.asarray(starts, np.int64)
+        first = np.searchsorted(self.doc_bounds, starts, "right") - 1
+        count = np.searchsorted(self.doc_bounds, starts + length - 1, "right") - 1 - first  # starts inside
+        row = np.repeat(np.arange(starts.size), count)
+        k = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)  # 0.. within each row
+        marks = np.zeros((starts.size, length), np.int32)
+        np.add.at(marks, (row, self.doc_bounds[np.repeat(first + 1, count) + k] - starts[row]), 1)
+        return np.cumsum(marks, axis=1, dtype=np.int32)
+
     def document_of(self, positions: np.ndarray) -> np.ndarray:
         """The document index of each token position (int64, same shape)."""
         return np.searchsorted(self.doc_bounds, positions, "right") - 1
