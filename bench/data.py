@@ -39,8 +39,10 @@ c.data.update(json.loads(sys.argv[1]))
 t0 = time.perf_counter()
 info = data.prepare(c, say=lambda m: None)
 dt = time.perf_counter() - t0
-tokens = sum(s.num_tokens for s in info.streams())
 rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+import os
+entry = os.path.dirname(os.path.dirname(info.sources[0][1][0]))
+tokens = json.load(open(os.path.join(entry, "meta.json")))["tokens"]
 print(json.dumps({"seconds": dt, "tokens": tokens, "peak_rss_mb": rss / 1024}))
 """
 

@@ -80,6 +80,14 @@ class IndexedDataset:
         return np.asarray(self.tokens[self.doc_bounds[d]:self.doc_bounds[d + 1]])
 
 
+def counts(prefix) -> tuple[int, int]:
+    """(documents, tokens) of a dataset from its `.idx` header and `.bin` size alone (no validation)."""
+    with open(f"{prefix}.idx", "rb") as f:
+        head = f.read(_HEADER)
+    _, code, _, n_doc = struct.unpack("<QBQQ", head[len(MAGIC):])
+    return n_doc - 1, os.path.getsize(f"{prefix}.bin") // np.dtype(DTYPES[code]).itemsize
+
+
 def _read_index(idx: str):
     """(dtype code, lengths int32 [S], pointers int64 [S], document indices int64 [D + 1]) of an `.idx` file."""
     size = os.path.getsize(idx)

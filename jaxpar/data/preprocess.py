@@ -197,10 +197,11 @@ def build_entry(root: Path, source: src.Source, units, tok_dir: str, settings: d
         if len(todo) < len(units):
             say(f"prepare {source.name}: {len(units) - len(todo)} of {len(units)} shards already built, resuming")
         stats = _run(todo, workers, f"prepare {source.name}", say)
-        streams = TokenStream([str(out / n) for n in names], source.name)
+        counts = [megatron.counts(out / n) for n in names]  # from the headers: no index held in memory
         write_json(out / "meta.json", {
             "format": FORMAT_VERSION, "source": f"{source.kind}:{source.path}", "shards": names,
-            "documents": streams.num_docs, "tokens": streams.num_tokens, "tokenizer": settings["tokenizer"],
+            "documents": sum(c[0] for c in counts), "tokens": sum(c[1] for c in counts),
+            "tokenizer": settings["tokenizer"],
             "eot_id": settings["eot"], "text_field": settings["field"], "doc_separator": settings["sep"],
             "units": [dataclasses.asdict(u) for u in units], "seconds": stats.get("seconds")})
         shutil.copytree(tok_dir, out / "tokenizer", dirs_exist_ok=True)
