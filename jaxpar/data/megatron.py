@@ -12,6 +12,7 @@ sequence per document (as Megatron's `preprocess_data.py` does without sentence 
 from __future__ import annotations
 
 import array
+import functools
 import os
 import struct
 from pathlib import Path
@@ -52,15 +53,10 @@ class IndexedDataset:
                                 f"PREFIX.idx (without the suffix).")
         code, lengths, pointers, doc_idx = _read_index(idx)
         self.dtype = np.dtype(DTYPES[code]).newbyteorder("<")
-        item = self.dtype.itemsize
-        n_tokens = int(lengths.sum(dtype=np.int64))
-        starts = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * item if lengths.size else lengths
-        if lengths.size and not np.array_equal(pointers, starts):
-            bad = int(np.argmax(pointers != starts))
-            raise DataError(f"{idx}: sequence {bad} starts at byte {int(pointers[bad])}, not {int(starts[bad])} "
-                            f"right after the one before it; jaxpar reads only back-to-back sequences (Megatron's "
-                            f"builder writes them so). Rewrite it with `python -m jaxpar.data.preprocess`.")
+        self._lengths, self._pointers, self._doc_idx = lengths, pointers, doc_idx
+        n_tokens = _check_back_to_back(idx, lengths, pointers, self.dtype.itemsize)
         size = os.path.getsize(bin_)
+        item = self.dtype.itemsize
         if size != n_tokens * item:
             what = "truncated (a copy or a write that did not finish?)" if size < n_tokens * item else "too long"
             raise DataError(f"{bin_} has {size} bytes but {idx} describes {n_tokens} tokens x {item} bytes = "
@@ -68,16 +64,39 @@ class IndexedDataset:
                             f"Copy the pair again, or rebuild it.")
         self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r", shape=(n_tokens,)) if n_tokens else \
             np.zeros(0, self.dtype)
-        seq_bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
-        self.doc_bounds = seq_bounds[doc_idx]
         self.num_tokens = n_tokens
+        self.num_docs = len(doc_idx) - 1
 
-    @property
-    def num_docs(self) -> int:
-        return len(self.doc_bounds) - 1
+    def doc_start(self, d: int) -> int:
+        """Token offset of document d's start (d = num_docs: the end), read from the memory-mapped index."""
+        s = int(self._doc_idx[d])
+        return self.num_tokens if s >= len(self._pointers) else int(self._pointers[s]) // self.dtype.itemsize
+
+    @functools.cached_property
+    def doc_bounds(self) -> np.ndarray:
+        """int64 `[documents + 1]` token offsets (built on first use: 8 bytes per document in memory)."""
+        starts = np.append(np.asarray(self._pointers) // self.dtype.itemsize, self.num_tokens)
+        return starts[np.asarray(self._doc_idx)]
 
     def document(self, d: int) -> np.ndarray:
-        return np.asarray(self.tokens[self.doc_bounds[d]:self.doc_bounds[d + 1]])
+        return np.asarray(self.tokens[self.doc_start(d):self.doc_start(d + 1)])
+
+
+def _check_back_to_back(idx: str, lengths, pointers, item: int, chunk: int = 1 << 22) -> int:
+    """The number of tokens; raises DataError unless each sequence starts right after the one before (checked in
+    chunks, so a huge index is never held whole)."""
+    end = 0
+    for a in range(0, len(lengths), chunk):
+        n = np.asarray(lengths[a:a + chunk], np.int64)
+        want = end + np.concatenate([[0], np.cumsum(n[:-1])]) * item
+        got = np.asarray(pointers[a:a + chunk])
+        if not np.array_equal(got, want):
+            bad = a + int(np.argmax(got != want))
+            raise DataError(f"{idx}: sequence {bad} starts at byte {int(pointers[bad])}, not {int(want[bad - a])} "
+                            f"right after the one before it; jaxpar reads only back-to-back sequences (Megatron's "
+                            f"builder writes them so). Rewrite it with `python -m jaxpar.data.preprocess`.")
+        end = int(want[-1] + n[-1] * item)
+    return end // item
 
 
 def counts(prefix) -> tuple[int, int]:
@@ -109,11 +128,17 @@ def _read_index(idx: str):
                         f"indices ({want} bytes): the index is truncated or corrupt. Copy it again or rebuild it.")
     lengths = np.memmap(idx, np.dtype("<i4"), "r", _HEADER, (n_seq,)) if n_seq else np.zeros(0, np.int32)
     pointers = np.memmap(idx, np.dtype("<i8"), "r", _HEADER + 4 * n_seq, (n_seq,)) if n_seq else np.zeros(0, np.int64)
-    doc_idx = np.array(np.memmap(idx, np.dtype("<i8"), "r", _HEADER + 12 * n_seq, (n_doc,)))
-    if doc_idx[0] != 0 or doc_idx[-1] != n_seq or np.any(np.diff(doc_idx) < 0) or np.any(np.asarray(lengths) < 0):
+    doc_idx = np.memmap(idx, np.dtype("<i8"), "r", _HEADER + 12 * n_seq, (n_doc,))
+    if doc_idx[0] != 0 or doc_idx[-1] != n_seq or _any_chunk(doc_idx, lambda c: np.any(np.diff(c) < 0)) or \
+            _any_chunk(lengths, lambda c: np.any(c < 0)):
         raise DataError(f"{idx}: the document index must rise from 0 to the {n_seq} sequences (got "
                         f"{doc_idx[:3].tolist()}..{doc_idx[-1]}) and lengths be >= 0: the index is corrupt.")
-    return code, np.asarray(lengths), np.asarray(pointers), doc_idx
+    return code, lengths, pointers, doc_idx
+
+
+def _any_chunk(a, test, chunk: int = 1 << 22) -> bool:
+    """test(block) over overlapping blocks of a (memory-mapped) array; True if any block passes."""
+    return any(test(np.asarray(a[i:i + chunk + 1])) for i in range(0, max(len(a) - 1, 1), chunk))
 
 
 class Writer:
