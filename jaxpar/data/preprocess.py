@@ -110,13 +110,11 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
 
 
 def _shard_id(prefix: str) -> list:
-    """What names a shard's content wherever it lies (a resume may use another cache or a copy of the data): its
-    name, the .bin's size and a hash of the .idx's first MB (counts, lengths)."""
+    """What names a shard's content wherever it lies (a resume may use another cache, or the data copied
+    elsewhere): the .bin's size and a hash of the .idx's first MB (its counts and document lengths)."""
     with open(f"{prefix}.idx", "rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
-    p = Path(prefix)
-    return [f"{p.parent.parent.name}/{p.name}" if p.parent.name == "shards" else p.name,
-            os.path.getsize(f"{prefix}.bin"), head]
+    return [os.path.getsize(f"{prefix}.bin"), head]
 
 
 def resolve_tokenizer(d, specs, units, root: Path, sep: bytes) -> tuple[str, str]:
