@@ -159,10 +159,32 @@ def main():
     p.add_argument("--byte_mb", type=int, default=2048)
     p.add_argument("--workdir", default="")
     p.add_argument("--out", default="")
+    p.add_argument("--parts", default="bpe,byte", help="bpe,byte: which to (re)measure; the others are kept from "
+                                                      "OUT/data.json when it exists")
     a = p.parse_args()
     work = a.workdir or tempfile.mkdtemp(prefix="jaxpar-bench-data-")
-    result = {"bpe": {}, "byte": {}}
-    bpe_files = make_corpus(os.path.join(work, "bpe"), a.bpe_mb)
+    parts = a.parts.split(",")
+    old = os.path.join(a.out, "data.json")
+    result = json.load(open(old))[0] if a.out and os.path.exists(old) and parts != ["bpe", "byte"] else {}
+    if "bpe" in parts:
+        result["bpe"] = measure_bpe(work, a.bpe_mb)
+    if "byte" in parts:
+        result["byte"], byte_files = measure_byte(work, a.byte_mb)
+        result["loader"] = loader_rate(os.path.join(work, "cache_byte_w2"), byte_files)
+    print(json.dumps(result, indent=1))
+    lines = ["| corpus | workers | tokens/s | MB/s | reference tokens/s | ratio | peak RSS MB |", "|---|---|---|---|---|---|---|"]
+    for kind in ("bpe", "byte"):
+        for w in (1, 2):
+            r = result[kind][f"workers_{w}"]
+            lines.append(f"| {kind} {result[kind]['corpus_mb']} MB | {w} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['mb_per_s']:.1f} | {r.get('reference_tokens_per_s', float('nan')):,.0f} | "
+                         f"{r.get('ratio', float('nan')):.2f} | {r['peak_rss_mb']:.0f} |")
+    write_results(a.out, "data", [result], "\n".join(lines))
+
+
+def measure_bpe(work: str, mb: int) -> dict:
+    out = {"corpus_mb": mb}
+    bpe_files = make_corpus(os.path.join(work, "bpe"), mb)
     tok_dir = train_tokenizer(bpe_files[0], os.path.join(work, "tokenizer"))
     for w in (1, 2):
         cache = os.path.join(work, f"cache_bpe_w{w}")
@@ -174,8 +196,13 @@ def main():
         ref = reference_run(tok_dir, bpe_files, w)
         r.update(reference_tokens_per_s=ref["tokens_per_s"], ratio=r["tokens_per_s"] / ref["tokens_per_s"],
                  reference_tokens=ref["tokens"])
-        result["bpe"][f"workers_{w}"] = r
-    byte_files = make_corpus(os.path.join(work, "byte"), a.byte_mb, seed=1)
+        out[f"workers_{w}"] = r
+    return out
+
+
+def measure_byte(work: str, mb: int) -> tuple:
+    out = {"corpus_mb": mb}
+    byte_files = make_corpus(os.path.join(work, "byte"), mb, seed=1)
     quarter = byte_files[:max(1, len(byte_files) // 4)]
     qdir = os.path.join(work, "byte_quarter")
     os.makedirs(qdir, exist_ok=True)
@@ -189,18 +216,8 @@ def main():
                         os.path.join(work, f"cache_byteq_w{w}"), tokenizer="byte", workers=w)
         r["quarter_corpus"] = {"mb": len(quarter) * FILE_MB, "peak_rss_mb": q["peak_rss_mb"],
                                "tokens_per_s": q["tokens_per_s"]}
-        result["byte"][f"workers_{w}"] = r
-    result["byte"]["corpus_mb"], result["bpe"]["corpus_mb"] = a.byte_mb, a.bpe_mb
-    result["loader"] = loader_rate(os.path.join(work, "cache_byte_w2"), byte_files)
-    print(json.dumps(result, indent=1))
-    lines = ["| corpus | workers | tokens/s | MB/s | reference tokens/s | ratio | peak RSS MB |", "|---|---|---|---|---|---|---|"]
-    for kind in ("bpe", "byte"):
-        for w in (1, 2):
-            r = result[kind][f"workers_{w}"]
-            lines.append(f"| {kind} {result[kind]['corpus_mb']} MB | {w} | {r['tokens_per_s']:,.0f} | "
-                         f"{r['mb_per_s']:.1f} | {r.get('reference_tokens_per_s', float('nan')):,.0f} | "
-                         f"{r.get('ratio', float('nan')):.2f} | {r['peak_rss_mb']:.0f} |")
-    write_results(a.out, "data", [result], "\n".join(lines))
+        out[f"workers_{w}"] = r
+    return out, byte_files
 
 
 if __name__ == "__main__":
