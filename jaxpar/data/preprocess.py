@@ -104,8 +104,8 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
     ident = {"format": FORMAT_VERSION, "tokenizer": tok_id, "val_fraction": val_fraction, "split": d.val_split,
              "sources": [[s.weight, [_shard_id(x) for x in p]] for s, p in out]}
     identity = "data-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    if d.val_split == "tokens":
-        identity = legacy_identity(specs, tok_dir, val_fraction, shakespeare_sha256)
+    if d.val_split == "tokens" and len(specs) == 1 and specs[0].kind in ("shakespeare", "text") and not sep:
+        identity = legacy_identity(specs[0], tok_dir, val_fraction, shakespeare_sha256)  # as old runs recorded it
     return DataInfo(tuple(out), tok_dir, tok.kind, tok.vocab_size, identity, val_fraction, d.val_split)
 
 
@@ -290,7 +290,7 @@ def _run(todo, workers: int, label: str, say) -> dict:
     return {**acc, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def legacy_identity(specs, tok_dir: str, val_fraction: float, shakespeare_sha256: str) -> str:
+def legacy_identity(s: src.Source, tok_dir: str, val_fraction: float, shakespeare_sha256: str) -> str:
     """The cache-entry name that runs from before documents existed recorded as their data (format 1): a hash of
     the corpus text, the tokenizer and the split. Only for `data.val_split = "tokens"` (old run directories)."""
     tok = load_tokenizer(tok_dir)
@@ -298,7 +298,6 @@ def legacy_identity(specs, tok_dir: str, val_fraction: float, shakespeare_sha256
         tok_id, tok_label = "byte", "byte"
     else:
         tok_id, tok_label = f"tokenizer.json sha256:{sha256_file(Path(tok_dir) / BPETokenizer.FILENAME)}", "tokjson"
-    (s,) = specs
     if s.kind == "shakespeare":
         corpus, label = f"{SHAKESPEARE_REQUIREMENT} sha256:{shakespeare_sha256}", "shakespeare"
     else:
