@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import array
 import functools
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -64,6 +65,8 @@ class IndexedDataset:
                             f"Copy the pair again, or rebuild it.")
         self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r", shape=(n_tokens,)) if n_tokens else \
             np.zeros(0, self.dtype)
+        if n_tokens and hasattr(mmap, "MADV_RANDOM"):  # windows are read at random: no 128 KB readahead per fault
+            self.tokens._mmap.madvise(mmap.MADV_RANDOM)
         self.num_tokens = n_tokens
         self.num_docs = len(doc_idx) - 1
 
