@@ -250,6 +250,7 @@ def test_bad_text_sources_and_blends(tmp_path, texts):
         with pytest.raises(data.DataError, match=msg):
             data.prepare(config(tmp_path, spec))
         assert not list((tmp_path / "cache").rglob("meta.json"))  # nothing that reads as complete
+        assert not [p for p in (tmp_path / "cache").glob("tokens/*") if p.is_dir()]  # nor an empty entry
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(20)))
     info = data.prepare(config(tmp_path, f"0.5 {d}/doc*.txt 0.5 {tiny}"))

@@ -97,7 +97,7 @@ def _check_back_to_back(idx: str, lengths, pointers, item: int, chunk: int = 1 <
             bad = a + int(np.argmax(got != want))
             raise DataError(f"{idx}: sequence {bad} starts at byte {int(pointers[bad])}, not {int(want[bad - a])} "
                             f"right after the one before it; jaxpar reads only back-to-back sequences (Megatron's "
-                            f"builder writes them so). Rewrite it with `python -m jaxpar.data.preprocess`.")
+                            f"builder writes them so). Rewrite it with `python -m jaxpar.preprocess`.")
         end = int(want[-1] + n[-1] * item)
     return end // item
 
@@ -117,7 +117,7 @@ def _read_index(idx: str):
         head = f.read(_HEADER)
     if len(head) < _HEADER or head[:len(MAGIC)] != MAGIC:
         raise DataError(f"{idx} is not a Megatron index (it does not start with {MAGIC!r}); give the prefix of a "
-                        f"dataset written by Megatron's preprocess_data.py or `python -m jaxpar.data.preprocess`.")
+                        f"dataset written by Megatron's preprocess_data.py or `python -m jaxpar.preprocess`.")
     version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(MAGIC):])
     if version != VERSION:
         raise DataError(f"{idx} has index version {version}; jaxpar reads version {VERSION} (Megatron's MMIDIDX). "

@@ -8,7 +8,7 @@ mtime), the text field, the separator and the tokenizer, so changed inputs or se
 document ends with the tokenizer's end-of-text id where it has one. Pre-tokenized sources (megatron, tokens) are
 opened where they are. With `data.workers` > 1 units are tokenized by that many processes, one thread each.
 
-`python -m jaxpar.data.preprocess --sources S --tokenizer T --out PREFIX [--format megatron|tokens]` writes the same
+`python -m jaxpar.preprocess --sources S --tokenizer T --out PREFIX [--format megatron|tokens]` writes the same
 as one Megatron `PREFIX.bin/.idx` (or a jaxpar token directory), so data moves between the two stacks.
 """
 from __future__ import annotations
@@ -194,7 +194,12 @@ def build_entry(root: Path, source: src.Source, units, tok_dir: str, settings: d
         todo = [(u, str(out / n), tok_dir, settings) for u, n in zip(units, names) if not _complete(out / n)]
         if len(todo) < len(units):
             say(f"prepare {source.name}: {len(units) - len(todo)} of {len(units)} shards already built, resuming")
-        stats = _run(todo, workers, f"prepare {source.name}", say)
+        try:
+            stats = _run(todo, workers, f"prepare {source.name}", say)
+        except BaseException:
+            if not list((out / "shards").glob("*.idx")):  # nothing finished to resume from: leave no empty entry
+                shutil.rmtree(out, ignore_errors=True)
+            raise
         counts = [megatron.counts(out / n) for n in names]  # from the headers: no index held in memory
         write_json(out / "meta.json", {
             "format": FORMAT_VERSION, "source": f"{source.kind}:{source.path}", "shards": names,
@@ -353,7 +358,3 @@ def write_out(info: DataInfo, out: str, fmt: str) -> None:
     write_json(tmp / "meta.json", {"format": FORMAT_VERSION, "shards": ["shards/000000"],
                                    "tokenizer": info.tokenizer_kind, "vocab_size": info.vocab_size})
     os.replace(tmp, out)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

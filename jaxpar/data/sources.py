@@ -8,7 +8,7 @@ tokens, so paths hold no spaces). A source is `KIND:PATH` or a bare PATH whose k
     jsonl:GLOB    (*.jsonl)     one JSON object per line; the document is its `data.text_field`
     parquet:GLOB  (*.parquet)   one row per document; the document is the column `data.text_field`
     megatron:PREFIX             PREFIX.bin + PREFIX.idx (a glob of prefixes is one source); already tokenized
-    tokens:DIR                  a directory written by `python -m jaxpar.data.preprocess --out DIR`; already tokenized
+    tokens:DIR                  a directory written by `python -m jaxpar.preprocess --out DIR`; already tokenized
 
 A unit is a run of whole files (small files grouped up to `data.unit_mb`), a byte range of a big one (cut just after a
 separator or newline, so no document spans two), or a range of a Parquet file's row groups; `documents(unit, ...)` yields `(text, ends_document)` pieces of at most a few MB.
@@ -53,7 +53,7 @@ class Source:
         if self.kind == "tokens":
             if not os.path.isfile(os.path.join(os.path.expanduser(self.path), "meta.json")):
                 raise DataError(f"data source tokens:{self.path} has no meta.json; give a directory written by "
-                                f"`python -m jaxpar.data.preprocess --out DIR` (complete: meta.json is written last).")
+                                f"`python -m jaxpar.preprocess --out DIR` (complete: meta.json is written last).")
             return [os.path.expanduser(self.path)]
         pattern = os.path.expanduser(self.path)
         if self.kind == "megatron":
