@@ -18,7 +18,7 @@ VOCAB = 250
 def loss_and_grads(steps, config, params, b):
     def f(p, bt):
         with activation_rules(config.rules, steps.mesh):
-            x, y, w = split_batch(bt)
+            x, y, w, _ = split_batch(bt)
             return jax.value_and_grad(lambda p: steps.fwd.loss(p, x, y, w)[0] / w.sum())(p)
 
     return jax.device_get(jax.jit(f)(params, place(steps, b)))
@@ -111,7 +111,7 @@ def test_padded_vocab_loss_equals_unpadded_reference():
     b = batch(16, 16, VOCAB)
     loss, _ = loss_and_grads(s, c, params, b)
     # independent reference: plain numpy-free jnp on one device, softmax over the 250 real symbols only
-    x, y, _ = split_batch({k: jnp.asarray(v) for k, v in b.items()})
+    x, y, _, _ = split_batch({k: jnp.asarray(v) for k, v in b.items()})
     h = s.fwd.layers(params["blocks"], s.fwd.embed(params, x))
     from jaxpar.nn import LayerNorm
     from flax import nnx
