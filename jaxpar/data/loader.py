@@ -137,12 +137,13 @@ class Batches:
             rows = np.nonzero(samples[:, 0] == k)[0]
             part = self.parts[k]
             starts = part.start + samples[rows, 1] * L
-            tokens[rows] = part.stream.windows(starts, L + 1)
-            if seg is not None:
-                seg[rows] = part.stream.segments(starts, L + 1)
-            if tokens[rows].max() >= self.vocab_size or tokens[rows].min() < 0:
+            window = part.stream.windows(starts, L + 1)
+            if window.max() >= self.vocab_size or window.min() < 0:
                 raise DataError(f"batch {step}: source {self.names[k]} holds an id outside [0, {self.vocab_size}): "
                                 f"it was tokenized with another tokenizer; give that one (data.tokenizer).")
+            tokens[rows] = window
+            if seg is not None:
+                seg[rows] = part.stream.segments(starts, L + 1)
         return {"tokens": tokens} | ({} if seg is None else {"segments": seg})
 
     def val_batch(self, i: int, start: int = 0, stop: int | None = None) -> dict:

@@ -169,6 +169,14 @@ class Writer:
         self.lengths.append(self._open)
         self._open = 0
 
+    def end_documents(self, lengths) -> None:
+        """End the ids written since the last document as documents of these lengths (summing to them)."""
+        lengths = np.asarray(lengths, np.int64)
+        if int(lengths.sum()) != self._open:
+            raise ValueError(f"document lengths sum to {int(lengths.sum())}, but {self._open} ids were written.")
+        self.lengths.extend(lengths.tolist())
+        self._open = 0
+
     def add(self, ids) -> None:
         """Append one whole document: ids `[n]`."""
         self.write(ids)
@@ -214,5 +222,4 @@ def concatenate(prefixes, out: str | os.PathLike, block: int = 1 << 24) -> None:
         for ds in parts:
             for i in range(0, ds.num_tokens, block):
                 w.write(ds.tokens[i:i + block])
-            w._open = 0
-            w.lengths.extend(np.diff(ds.doc_bounds).tolist())
+            w.end_documents(np.diff(ds.doc_bounds))

@@ -14,6 +14,7 @@ as one Megatron `PREFIX.bin/.idx` (or a jaxpar token directory), so data moves b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -47,7 +48,12 @@ class DataInfo:
     val_split: str  # "documents" | "tokens"
 
     def streams(self) -> list[TokenStream]:
-        return [TokenStream(prefixes, s.name) for s, prefixes in self.sources]
+        """Each source's token stream; opened (and its index checked) once per process, shared by train and val."""
+        return list(self._streams)
+
+    @functools.cached_property
+    def _streams(self) -> tuple:
+        return tuple(TokenStream(prefixes, s.name) for s, prefixes in self.sources)
 
     @property
     def weights(self) -> list[float]:

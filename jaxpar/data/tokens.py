@@ -25,6 +25,7 @@ class TokenStream:
         self.part_docs = np.concatenate([[0], np.cumsum([p.num_docs for p in self.parts])])
         self.num_tokens = int(self.part_start[-1])
         self.num_docs = int(self.part_docs[-1])
+        self._checked: set = set()  # vocab sizes check_ids has passed
 
     @functools.cached_property
     def doc_bounds(self) -> np.ndarray:
@@ -77,13 +78,12 @@ class TokenStream:
         np.add.at(marks, (row, self.doc_bounds[np.repeat(first + 1, count) + k] - starts[row]), 1)
         return np.cumsum(marks, axis=1, dtype=np.int32)
 
-    def document_of(self, positions: np.ndarray) -> np.ndarray:
-        """The document index of each token position (int64, same shape)."""
-        return np.searchsorted(self.doc_bounds, positions, "right") - 1
-
     def check_ids(self, vocab_size: int, limit: int = 4 * _MAX_CHUNK) -> None:
         """Raises DataError naming the shard if one of the first `limit` ids of a shard is >= vocab_size (or < 0).
-        (The loader checks every batch it reads as well: a full scan of a terabyte would delay every start.)"""
+        (The loader checks every batch it reads as well: a full scan of a terabyte would delay every start.) Once per
+        stream and vocab size: train and val share the stream."""
+        if vocab_size in self._checked:
+            return
         for p in self.parts:
             for i in range(0, min(p.num_tokens, limit), _MAX_CHUNK):
                 block = np.asarray(p.tokens[i:i + _MAX_CHUNK])
@@ -92,6 +92,7 @@ class TokenStream:
                     raise DataError(f"{p.prefix}.bin holds id {hi if hi >= vocab_size else lo} but the vocabulary "
                                     f"has {vocab_size} ids: it was tokenized with another tokenizer. Give that "
                                     f"tokenizer (data.tokenizer), or model.vocab_size > {hi}.")
+        self._checked.add(vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)
