@@ -22,6 +22,7 @@ DEFAULT_RULES = (
     ("embed", None),
     ("qkv", None),
     ("seq", None),
+    ("act_seq", None),  # the residual stream's sequence (norms, dropout, adds); "tensor" with model.sequence_parallel
     ("layers", "stage"),
 )
 
@@ -56,6 +57,9 @@ def base_config() -> ml_collections.ConfigDict:
         dropout_embed=0.0, dropout_resid=0.0,
         tie_embeddings=True,
         remat="none",  # none | full | dots (save matmul outputs) | attention (save attention outputs)
+        attention="auto",  # auto | xla | cudnn | pallas: the attention kernel (jaxpar/attention.py)
+        loss_chunk=1024,  # sequence positions per chunk of the LM head + cross-entropy (no whole float32 logits)
+        sequence_parallel=False,  # Megatron-SP: the residual stream split on seq over tensor (act_seq -> tensor)
     ))
 
     c.train = ml_collections.ConfigDict(dict(
@@ -319,6 +323,34 @@ def check_model(m, t: int, mlp: int) -> list[str]:
     return errs
 
 
+def _check_kernels(m, t: int) -> list[str]:
+    """model.attention, model.loss_chunk, model.sequence_parallel."""
+    from jaxpar.attention import IMPLEMENTATIONS, choose
+
+    errs = []
+    if m.attention not in IMPLEMENTATIONS:
+        errs.append(f"model.attention={m.attention!r}: pick one of {IMPLEMENTATIONS}.")
+    elif m.attention != "auto" and m.heads >= 1:
+        try:  # what the kernel needs that the config decides (dtype and backend are checked where they are known)
+            choose(m.attention, "bfloat16", m.seq_len, m.embed // m.heads, False, backend="gpu")
+        except ValueError as e:
+            errs.append(str(e) + ".")
+    if m.loss_chunk < 1:
+        errs.append(f"model.loss_chunk={m.loss_chunk} must be >= 1 (sequence positions per chunk of the loss).")
+    if m.sequence_parallel and m.seq_len % t:
+        errs.append(f"model.sequence_parallel with model.seq_len={m.seq_len} not divisible by mesh.tensor={t}: "
+                    f"the sequence is split over tensor; use a seq_len multiple of {t}.")
+    return errs
+
+
+def step_rules(config) -> tuple:
+    """`config.rules` with model.sequence_parallel applied (`act_seq` -> `tensor`)."""
+    rules = tuple(tuple(r) for r in config.rules)
+    if not config.model.sequence_parallel:
+        return rules
+    return tuple((n, "tensor") if n == "act_seq" else (n, a) for n, a in rules)
+
+
 def validate(config, num_devices: int) -> dict[str, int]:
     """Check every rule before anything compiles. Returns the resolved mesh shape.
 
@@ -351,6 +383,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
     errs += schedule_errors(config.pipeline.schedule, s, M, v, bool(config.pipeline.remat))
     if m.remat not in REMAT_POLICIES:
         errs.append(f"model.remat={m.remat!r}: pick one of {REMAT_POLICIES}.")
+    errs += _check_kernels(m, t)
     for k in ("param_dtype", "compute_dtype"):
         if tr[k] not in DTYPES:
             errs.append(f"train.{k}={tr[k]!r}: pick one of {DTYPES}.")

@@ -60,3 +60,20 @@ def constrain(x: jax.Array, names) -> jax.Array:
     rules, mesh, manual = ctx
     p = spec(names, rules, skip=manual)
     return jax.lax.with_sharding_constraint(x, p if mesh is None else NamedSharding(mesh, p))
+
+
+def per_shard(fn, in_names, out_names):
+    """`fn` run on each device's shard (`jax.shard_map` over the mesh axes the compiler still owns) with its
+    inputs and output laid out by the logical names `in_names` (one tuple per argument) and `out_names`: for kernels
+    the SPMD partitioner cannot split (fused attention). Outside a rules context: `fn` itself."""
+    ctx = _RULES.get()
+    if ctx is None:
+        return fn
+    rules, mesh, manual = ctx
+    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    auto = frozenset(a for a in m.axis_names if a not in manual and a not in m.manual_axes)
+    if not auto:
+        return fn
+    in_specs = tuple(spec(n, rules, skip=manual) for n in in_names)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec(out_names, rules, skip=manual),
+                         axis_names=auto, check_vma=False)

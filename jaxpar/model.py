@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.cross_entropy import cross_entropy
 from jaxpar.logical import constrain
 from jaxpar.nn import BLOCKS, LOGICAL, NORMS, ROLE, KVCache, at_least_f32, param  # noqa: F401 (re-exported)
 
@@ -58,6 +59,8 @@ class GPTConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    attention: str = "auto"  # auto | xla | cudnn | pallas (`jaxpar/attention.py`)
+    loss_chunk: int = 1024  # positions per chunk of the LM head + cross-entropy (`jaxpar/cross_entropy.py`)
 
     def __post_init__(self):
         if self.kv_heads == 0 or self.arch == "gpt2":
@@ -110,7 +113,8 @@ def config_from(config, vocab_real: int, tensor: int) -> GPTConfig:
         embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
         dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
         param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch=m.arch,
-        kv_heads=m.kv_heads, max_positions=m.max_positions, norm_eps=m.norm_eps, **rope)
+        kv_heads=m.kv_heads, max_positions=m.max_positions, norm_eps=m.norm_eps, attention=m.attention,
+        loss_chunk=m.loss_chunk, **rope)
 
 
 def has_dropout(cfg: GPTConfig) -> bool:
@@ -220,13 +224,14 @@ class Forward:
         self.norm_def = nnx.graphdef(NORMS[cfg.arch](1, jnp.float32, cfg.norm_eps))
         self.cdt = jnp.dtype(cfg.compute_dtype)
 
+    @jax.named_scope("embed")  # the scope names in the HLO's op_name metadata (`hlo.hlo_flops` reads them)
     def embed(self, params, tokens, rng=None, seq_ids=None, pos0=0, segments=None):
         """tokens `[batch, seq]` int32 -> `[batch, seq, embed]` (compute dtype); positions start at `pos0`, or at
         each segment's start (`segments` `[batch, seq]` int32: packed documents)."""
         tokens = constrain(tokens, ("batch", "seq"))
-        # one-hot matmul: a vocab-parallel lookup that partitions cleanly over a `vocab`-sharded table
-        onehot = jax.nn.one_hot(tokens, self.cfg.vocab_size, dtype=self.cdt)
-        x = jnp.einsum("btv,vd->btd", onehot, params["wte"].astype(self.cdt))
+        # a gather: over a `vocab`-sharded table XLA's partitioner makes it Megatron's vocab-parallel lookup (each
+        # device looks up the ids in its range, zeros elsewhere, then a reduction over `tensor`); no matmul FLOPs
+        x = jnp.take(params["wte"], tokens, axis=0, mode="clip").astype(self.cdt)
         if "wpe" in params:  # gpt2's learned positions; llama rotates q and k in each block instead
             if segments is None:
                 pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)[None]
@@ -235,7 +240,7 @@ class Forward:
             x = x + pos.astype(self.cdt)
         if rng is not None and self.cfg.dropout_embed > 0:
             x = dropout(x, self.cfg.dropout_embed, jax.random.fold_in(rng, 0), seq_ids)
-        return constrain(x, ("batch", "seq", "embed"))
+        return constrain(x, ("batch", "act_seq", "embed"))
 
     def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None):
         """Apply the stacked blocks `block_params` (leading axis: layers of this chunk) to x `[batch, seq, embed]`.
@@ -278,16 +283,16 @@ class Forward:
             z = jnp.where(jnp.arange(cfg.vocab_size) < cfg.vocab_real, z, -jnp.inf)
         return z
 
+    @jax.named_scope("head")
     def head_loss(self, params, x, targets, mask):
-        """Summed next-token cross-entropy (nats) over tokens where mask is 1, and the number of such tokens.
+        """Summed next-token cross-entropy (nats) over tokens where mask is 1, and the number of such tokens, by
+        chunks of `loss_chunk` positions (`jaxpar/cross_entropy.py`: the float32 logits never whole).
 
         targets `[batch, seq]` int32, mask `[batch, seq]` float32 -> (loss_sum, token_count), float32 scalars."""
-        z = self.logits(params, x)
-        lse = jax.nn.logsumexp(z, axis=-1)
-        # the target's logit through a one-hot contraction: partitions over a vocab-sharded z without a gather
-        tz = jnp.where(jax.nn.one_hot(targets, z.shape[-1], dtype=bool), z, 0.0).sum(-1)
-        nll = (lse - tz) * mask
-        return nll.sum(), mask.sum()
+        cfg = self.cfg
+        h = constrain(nnx.merge(self.norm_def, params["ln_f"])(x), ("batch", "seq", "embed"))  # SP: gather seq
+        w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
+        return cross_entropy(h, w, targets, mask, cfg.vocab_real, cfg.loss_chunk)
 
     def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None):
         """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`, `segments`: as in `layers`."""

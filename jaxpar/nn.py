@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar import attention as kernels
 from jaxpar.logical import constrain
 
 LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per dimension
@@ -109,23 +110,6 @@ def apply_rope(x, positions, inv_freq):
 
 # ---- attention --------------------------------------------------------------------------------------------------
 
-def attention(q, k, v, mask=None, segment_ids=None):
-    """Multi-head attention: q `[batch, t, heads, head_dim]`, k and v `[batch, s, heads, head_dim]` -> like q.
-
-    Causal (query i sees keys <= i) when `mask` is None, else `mask` (bool, broadcastable to `[batch, heads, t, s]`,
-    True = attend). `segment_ids` `[batch, t]` int32 (t = s; packed documents, as the Pallas/cuDNN kernels take them):
-    causal and within the same segment. Scale 1/sqrt(head_dim); softmax in float32 (upcast)."""
-    dt = q.dtype
-    if segment_ids is not None:  # XLA: a dense [batch, 1, t, t] mask; fused kernels take the ids themselves
-        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-        mask = same & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
-    if jax.default_backend() == "cpu" and dt not in (jnp.float32, jnp.float64):
-        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
-    if mask is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask).astype(dt)
-
-
 class KVCache(NamedTuple):
     """Keys and values of one layer for positions [0, pos) (post-RoPE for llama), `kv_heads` of them. Stacked over
     layers (a leading `[layers]` axis on every field) between decode steps."""
@@ -143,10 +127,11 @@ class KVCache(NamedTuple):
         return ck, cv, mask, KVCache(ck, cv, self.pos + t)
 
 
-def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None):
+def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, implementation: str = "xla"):
     """Causal self-attention with grouped-query heads: q `[b, t, heads, hd]`, k, v `[b, t, kv_heads, hd]` ->
     (`[b, t, heads, hd]` in q's dtype, cache). Query head j reads KV head j // (heads / kv_heads), as Hugging Face's
-    `repeat_kv`. With a cache, attends over the cache's filled positions in float32 (on every backend)."""
+    `repeat_kv`. `implementation`: `model.attention` (`jaxpar/attention.py`: auto | xla | cudnn | pallas). With a
+    cache, attends over the cache's filled positions with XLA in float32 (on every backend)."""
     mask = None
     if cache is not None:
         k, v, mask, cache = cache.append(k, v)
@@ -155,11 +140,18 @@ def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None):
     if rep > 1:  # under tensor parallelism each device then slices its own heads (KV heads split or replicated)
         k, v = (jnp.repeat(a, rep, axis=2) for a in (k, v))
     k, v = (constrain(a, ("batch", "seq", "heads", "kv")) for a in (k, v))
-    a = attention(q, k, v, mask, segment_ids)
-    return checkpoint_name(a if cache is None else a.astype(dt), "attention"), cache
+    if cache is not None:
+        return checkpoint_name(kernels.xla(q, k, v, mask).astype(dt), "attention"), cache
+    impl, _ = kernels.choose(implementation, q.dtype, q.shape[1], q.shape[3], segment_ids is not None)
+    return checkpoint_name(kernels.attention(q, k, v, segment_ids, impl), "attention"), cache
 
 
 # ---- blocks -----------------------------------------------------------------------------------------------------
+
+# the residual stream's names: `act_seq` is the sequence outside the tensor-parallel regions (norms, dropout,
+# residual adds), split over `tensor` with sequence parallelism (Korthikanti et al. 2022), else like `seq`
+_RESIDUAL = ("batch", "act_seq", "embed")
+
 
 class _PreNormBlock(nnx.Module):
     """x + Attn(norm1(x)), then x + MLP(norm2(x)); a family fills in `qkv`, `attn_out` and `mlp`."""
@@ -172,12 +164,12 @@ class _PreNormBlock(nnx.Module):
             positions = (0 if cache is None else cache.pos) + jnp.arange(x.shape[1])
         q, k, v = self.qkv(self.ln1(x), positions)
         q = constrain(q, ("batch", "seq", "heads", "kv"))
-        a, cache = self_attention(q, k, v, cache, segments)
-        o = self.attn_out(a)
-        x = constrain(x + (drop(o, 0) if drop else o), ("batch", "seq", "embed"))
-        o = self.mlp(self.ln2(x))
+        a, cache = self_attention(q, k, v, cache, segments, cfg.attention)
+        o = constrain(self.attn_out(a), _RESIDUAL)  # sequence parallel: a reduce-scatter, not an all-reduce
+        x = constrain(x + (drop(o, 0) if drop else o), _RESIDUAL)
+        o = constrain(self.mlp(self.ln2(x)), _RESIDUAL)
         x = x + (drop(o, 1) if drop else o)
-        return constrain(x, ("batch", "seq", "embed")), cache
+        return constrain(x, _RESIDUAL), cache
 
 
 def _mm(spec, x, w):

@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jaxpar import gradients, loss_scale
 from jaxpar import model as gpt
 from jaxpar import pipeline
+from jaxpar.config import step_rules
 from jaxpar.logical import activation_rules
 from jaxpar.optim import OptimSettings, applied_updates, make_optimizer, schedule
 from jaxpar.train_state import init_state, layout
@@ -56,7 +57,7 @@ class StepSettings:
     @classmethod
     def from_config(cls, config) -> "StepSettings":
         p, tr = config.pipeline, config.train
-        return cls(rules=tuple(config.rules), zero_stage=int(config.optim.zero_stage),
+        return cls(rules=step_rules(config), zero_stage=int(config.optim.zero_stage),
                    microbatches=int(tr.microbatches), float16=tr.compute_dtype == "float16",
                    stop_on_nonfinite=tr.nonfinite == "stop", schedule=p.schedule,
                    virtual_stages=int(p.virtual_stages), pipeline_remat=bool(p.remat),

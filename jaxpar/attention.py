@@ -1,0 +1,109 @@
+"""Attention kernels behind one call: XLA, cuDNN (flash, through `jax.nn.dot_product_attention`), Pallas (the flash
+kernel JAX ships, `jax.experimental.pallas.ops.gpu.attention`, the one that takes segment ids). Knows no model.
+
+Shapes: q `[batch, t, heads, head_dim]`, k and v `[batch, s, heads, head_dim]` (grouped KV heads repeated by the
+caller), segment_ids `[batch, t]` int32 (t = s). Scale 1/sqrt(head_dim); softmax in float32 in every kernel.
+
+`choose(implementation, ...)` resolves `model.attention`:
+  - "xla": XLA's attention: materialises the `[batch, heads, t, s]` scores (O(T²) memory); packed documents become a
+    dense `[batch, 1, t, t]` mask (the only mask the public `jax.nn.dot_product_attention` takes).
+  - "cudnn": cuDNN's fused flash attention (GPU, float16/bfloat16, head_dim a multiple of 8 and <= 128); no segment
+    ids (cuDNN's packed layout is in JAX's private API only), so packed batches go to Pallas.
+  - "pallas": the Pallas flash kernel (Triton on GPU): causal, segment ids,
+    seq a multiple of its 128-token blocks (or shorter); head_dim padded to a power of two inside the kernel.
+  - "auto": on GPU cuDNN when it applies, else Pallas when it applies, else XLA; XLA off GPU ("pallas" set
+    explicitly off GPU runs the same kernel in Pallas' interpret mode: slow, for tests).
+Fused kernels are custom calls the SPMD partitioner cannot split, so they run per shard (`logical.per_shard`: batch
+over data, heads over tensor, each device on its own heads, as Megatron's tensor parallel attention does).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.logical import per_shard
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
+_QKV = ("batch", "seq", "heads", "kv")
+PALLAS_BLOCK = 128  # the Pallas kernel's forward block along the sequence (its BlockSizes default)
+
+
+def _cudnn_reason(dtype, head_dim: int, segments: bool, backend: str) -> str | None:
+    """Why cuDNN cannot run this attention, or None."""
+    if backend != "gpu":
+        return f"cuDNN needs a GPU (backend {backend})"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN's flash attention takes float16/bfloat16, not {jnp.dtype(dtype).name}"
+    if head_dim % 8 or head_dim > 128:
+        return f"cuDNN needs head_dim a multiple of 8 and <= 128, not {head_dim}"
+    if segments:
+        return "packed documents: cuDNN's segment support is not public API"
+    return None
+
+
+def _pallas_reason(seq: int, head_dim: int) -> str | None:
+    if seq > PALLAS_BLOCK and seq % PALLAS_BLOCK:
+        return f"the Pallas kernel needs seq a multiple of {PALLAS_BLOCK} (or shorter), not {seq}"
+    if head_dim < 16:
+        return f"the Pallas kernel needs head_dim >= 16, not {head_dim}"
+    return None
+
+
+def choose(implementation: str, dtype, seq: int, head_dim: int, segments: bool,
+           backend: str | None = None) -> tuple[str, str]:
+    """`model.attention` -> (the kernel that runs: xla | cudnn | pallas, why). An explicit choice that cannot run
+    raises ValueError naming the reason; "pallas" off GPU runs in interpret mode (slow: for tests)."""
+    backend = backend or jax.default_backend()
+    reasons = {"cudnn": _cudnn_reason(dtype, head_dim, segments, backend), "pallas": _pallas_reason(seq, head_dim),
+               "xla": None}
+    if implementation == "auto":
+        if backend != "gpu":
+            return "xla", f"auto: no fused kernel off GPU (backend {backend})"
+        for impl in ("cudnn", "pallas"):
+            if reasons[impl] is None:
+                return impl, "auto: the fused kernel applies"
+        return "xla", "auto: " + "; ".join(r for r in (reasons["cudnn"], reasons["pallas"]))
+    if implementation not in reasons:
+        raise ValueError(f"model.attention={implementation!r}: pick one of {IMPLEMENTATIONS}")
+    if reasons[implementation] is not None:
+        raise ValueError(f"model.attention={implementation!r} cannot run here: {reasons[implementation]}; use "
+                         f"'auto' or 'xla'")
+    return implementation, "as configured"
+
+
+def xla(q, k, v, mask=None, segment_ids=None):
+    """XLA's attention: causal when `mask` is None, else `mask` (bool, broadcastable to `[batch, heads, t, s]`,
+    True = attend); with `segment_ids`, causal within each segment (a dense mask)."""
+    dt = q.dtype
+    if segment_ids is not None:
+        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        mask = same & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    if jax.default_backend() == "cpu" and dt not in (jnp.float32, jnp.float64):
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
+    if mask is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask).astype(dt)
+
+
+def _cudnn(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def _pallas(q, k, v, segment_ids=None):
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    return pallas_attention.mha(q, k, v, segment_ids, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True,
+                                interpret=jax.default_backend() != "gpu")
+
+
+def attention(q, k, v, segment_ids=None, implementation: str = "xla"):
+    """Causal attention (within segments when given) with the kernel `implementation` (resolved by `choose`: xla |
+    cudnn | pallas); fused kernels run per shard of batch and heads."""
+    if implementation == "xla":
+        return xla(q, k, v, None, segment_ids)
+    kernel = _cudnn if implementation == "cudnn" else _pallas
+    if segment_ids is None:
+        return per_shard(kernel, (_QKV,) * 3, _QKV)(q, k, v)
+    return per_shard(kernel, (_QKV,) * 3 + (("batch", "seq"),), _QKV)(q, k, v, segment_ids)
