@@ -240,7 +240,8 @@ class Forward:
             x = x + pos.astype(self.cdt)
         if rng is not None and self.cfg.dropout_embed > 0:
             x = dropout(x, self.cfg.dropout_embed, jax.random.fold_in(rng, 0), seq_ids)
-        return constrain(x, ("batch", "act_seq", "embed"))
+        # not split on `act_seq`: the pipeline's stage-0 branch and its buffer reads must agree on the layout
+        return constrain(x, ("batch", "seq", "embed"))
 
     def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None):
         """Apply the stacked blocks `block_params` (leading axis: layers of this chunk) to x `[batch, seq, embed]`.
