@@ -274,6 +274,29 @@ def _executions(comps, entry, edges) -> dict[str, int]:
     return execs
 
 
+def _arrays(shape: str) -> list[tuple[str, str]]:
+    """(dtype, dims text) of each array in an HLO shape (one for an array, each element of a tuple)."""
+    shape = re.sub(r"\{[^{}]*\}", "", re.sub(r"\{[^{}]*\}", "", re.sub(r"/\*.*?\*/", "", shape)))
+    return _ARRAY.findall(shape)
+
+
+# AllReducePromotion widens these (xla/service/cpu/cpu_compiler.cc: BF16 -> F32; gpu_compiler.cc: U16/S16 -> 32 bit)
+# and renames the reduction computation `*_promoted`
+_PROMOTED_FROM = {"f32": "bf16", "u32": "u16", "s32": "s16"}
+
+
+def _program_arrays(ins) -> list[tuple[str, str]]:
+    """The arrays of a collective's result as the program had them, before a backend's all-reduce promotion."""
+    arrays = _arrays(ins["shape"])
+    if "promoted" not in "".join(_attr_comps(ins["attrs"], "to_apply")):
+        return arrays
+    return [(_PROMOTED_FROM.get(dt, dt), dims) for dt, dims in arrays]
+
+
+def _array_bytes(arrays) -> int:
+    return sum(shape_bytes(f"{dt}[{dims}]") for dt, dims in arrays)
+
+
 def _collectives_in(comps, execs) -> list[dict]:
     """Every collective instruction (`X-start` as X, with the shape of its `X-done`) with bytes and executions."""
     out = []
@@ -288,10 +311,11 @@ def _collectives_in(comps, execs) -> list[dict]:
             if kind not in COLLECTIVE_KINDS:
                 continue
             shape = done_shape.get(ins["name"], ins["shape"]) if op.endswith("-start") else ins["shape"]
-            b = shape_bytes(shape)
-            n = execs.get(cname, 0)
-            out.append({"kind": kind, "name": ins["name"], "computation": cname, "bytes": b, "executions": n,
-                        "total_bytes": b * n})
+            arrays = _program_arrays(dict(ins, shape=shape))
+            b, n = _array_bytes(arrays), execs.get(cname, 0)
+            out.append({"kind": kind, "name": ins["name"], "computation": cname,
+                        "dtype": ",".join(sorted({dt for dt, _ in arrays})), "bytes": b,
+                        "backend_bytes": shape_bytes(shape), "executions": n, "total_bytes": b * n})
     return out
 
 
@@ -312,7 +336,9 @@ def hlo_collectives(text: str) -> dict:
     Kinds: all-reduce, reduce-scatter, all-gather, collective-permute, all-to-all, and their async forms: `X-start`
     counts as one X, `X-done` is skipped; a collective wrapped in `async-start(..., calls=C)` is counted inside C.
     `bytes` is the per-device bytes of the collective's result shape (for `X-start`, the shape of its `X-done`:
-    the start's own shape also carries the operands): the gathered buffer for all-gather, the shard for
+    the start's own shape also carries the operands) in the dtype the program gave it (`dtype`): a bf16 all-reduce
+    that XLA:CPU promoted to float32 counts 2 bytes per element, as a GPU runs it (`_program_arrays`;
+    `backend_bytes`: as compiled): the gathered buffer for all-gather, the shard for
     reduce-scatter, the whole (reduced) buffer for all-reduce. It is not the bytes sent on the wire (a ring
     all-reduce of B bytes over n devices sends 2(n-1)/n * B per device).
 
@@ -325,7 +351,7 @@ def hlo_collectives(text: str) -> dict:
     from `to_apply` of anything but `call`, are not followed (reduction bodies hold no collectives).
 
     Returns:
-      {"collectives": [{kind, name, computation, bytes, executions, total_bytes}], "by_kind": {kind: {count,
+      {"collectives": [{kind, name, computation, dtype, bytes, backend_bytes, executions, total_bytes}], "by_kind": {kind: {count,
        executions, bytes}} (bytes = sum of total_bytes: per-device bytes per step), "loops": [{name, computation,
        trip_count, source}]}.
 
@@ -336,3 +362,51 @@ def hlo_collectives(text: str) -> dict:
     edges, loops = _call_graph(comps)
     out = _collectives_in(comps, _executions(comps, entry, edges))
     return {"collectives": out, "by_kind": _by_kind(out), "loops": loops}
+
+
+# ---------------------------------------------------------------------------------------------------------- FLOPs
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(re.sub(r"\{[^{}]*\}", "", shape))
+    return [int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
+
+
+def _dot_flops(ins, shapes: dict) -> int:
+    """2 x result elements x contracted elements of a `dot` (operand shapes looked up by name in its computation)."""
+    lhs = _dims(shapes.get(ins["operands"][0], "")) if ins["operands"] else []
+    m = re.search(r"lhs_contracting_dims=\{([\d,\s]*)\}", ins["attrs"])
+    contracted = 1
+    for i in (int(x) for x in (m.group(1).split(",") if m else []) if x.strip()):
+        contracted *= lhs[i] if i < len(lhs) else 1
+    out = 1
+    for d in _dims(ins["shape"]):
+        out *= d
+    return 2 * out * contracted
+
+
+_SCOPE = re.compile(r'op_name="([^"]*)"')
+
+
+def hlo_flops(text: str, scopes=("embed", "head")) -> dict:
+    """Matmul FLOPs per step of an HLO module (every `dot`, fused ones included; loop trip counts applied as in
+    `hlo_collectives`): {"total": FLOPs, "by_scope": {scope: FLOPs of the dots whose op_name metadata holds
+    `scope/` or `(scope)` (a `jax.named_scope`, also under jvp/transpose)}}. Elementwise work is not counted."""
+    comps, entry = _parse(text)
+    edges, _ = _call_graph(comps)
+    execs = _executions(comps, entry, edges)
+    total, by = 0, dict.fromkeys(scopes, 0)
+    for cname, instrs in comps.items():
+        n = execs.get(cname, 0)
+        if not n:
+            continue
+        shapes = {i["name"]: i["shape"] for i in instrs}
+        for ins in instrs:
+            if ins["opcode"] != "dot":
+                continue
+            f = _dot_flops(ins, shapes) * n
+            total += f
+            name = _SCOPE.search(ins["line"])
+            for s in scopes:
+                if name and re.search(r"(^|[/(])" + re.escape(s) + r"([/)]|$)", name.group(1)):
+                    by[s] += f
+    return {"total": total, "by_scope": by}

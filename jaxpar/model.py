@@ -18,6 +18,7 @@ Shapes: tokens `[batch, seq]` int32; activations `[batch, seq, embed]` in the co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -229,9 +230,7 @@ class Forward:
         """tokens `[batch, seq]` int32 -> `[batch, seq, embed]` (compute dtype); positions start at `pos0`, or at
         each segment's start (`segments` `[batch, seq]` int32: packed documents)."""
         tokens = constrain(tokens, ("batch", "seq"))
-        # a gather: over a `vocab`-sharded table XLA's partitioner makes it Megatron's vocab-parallel lookup (each
-        # device looks up the ids in its range, zeros elsewhere, then a reduction over `tensor`); no matmul FLOPs
-        x = jnp.take(params["wte"], tokens, axis=0, mode="clip").astype(self.cdt)
+        x = lookup(params["wte"], tokens, self.cdt)
         if "wpe" in params:  # gpt2's learned positions; llama rotates q and k in each block instead
             if segments is None:
                 pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)[None]
@@ -318,6 +317,30 @@ class Forward:
 
         x, caches = jax.lax.scan(one, x, (params[_LAYERS], caches))
         return self.logits(params, x[:, -1:])[:, 0], caches
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def lookup(table, ids, dtype):
+    """Embedding lookup: table `[vocab, embed]`, ids `[batch, seq]` int32 -> `[batch, seq, embed]` in `dtype`.
+
+    A gather, no matmul FLOPs. Over a `vocab`-sharded table XLA's partitioner makes it Megatron's vocab-parallel
+    lookup (each device gathers the ids in its range, zeros elsewhere, then a sum over `tensor`); the table is cast
+    first so that sum moves `dtype` bytes. The backward scatter-adds in the table's dtype (float32 sums for repeated
+    ids, not bf16)."""
+    return jnp.take(table.astype(dtype), ids, axis=0, mode="clip")
+
+
+def _lookup_fwd(table, ids, dtype):
+    return lookup(table, ids, dtype), (ids, jnp.zeros((table.shape[0], 0), table.dtype))  # the table's rows, dtype
+
+
+def _lookup_bwd(dtype, res, g):
+    ids, like = res
+    dt = jnp.zeros((like.shape[0], g.shape[-1]), like.dtype).at[ids].add(g.astype(like.dtype), mode="clip")
+    return dt, None
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def segment_positions(segments):

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from jaxpar.hlo import COLLECTIVE_KINDS, hlo_collectives
+from jaxpar.hlo import COLLECTIVE_KINDS, hlo_collectives, hlo_flops
 
 # ------------------------------------------------------------------------------------------------- memory and state
 
@@ -87,7 +87,8 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
     Returns:
       {"memory": `memory_bytes`, "state_bytes": `state_group_bytes` or {}, "collectives": list,
        "collectives_by_kind": dict, "loops": list (see `hlo_collectives`), "flops_per_step": float or None,
-       "xla_flops": float or None}.
+       "xla_flops": float or None, "hlo_flops": `hlo.hlo_flops` (matmul FLOPs per device per step, loop trip counts
+       applied; by named scope: embed, head)}.
 
     Raises:
       ValueError: an HLO element type `shape_bytes` does not know.
@@ -112,6 +113,7 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
         "loops": col["loops"],
         "flops_per_step": None if flops_per_step is None else float(flops_per_step),
         "xla_flops": xla_flops,
+        "hlo_flops": hlo_flops(compiled.as_text()),
     }
 
 
@@ -132,7 +134,7 @@ def format_table(report: Mapping[str, Any]) -> str:
     for k, v in report.get("state_bytes", {}).items():
         lines.append(f"  state[{k!r}]{'':<{max(0, 21 - len(k))}} {v:>14,}  {_fmt_bytes(v)}")
     by = report.get("collectives_by_kind", {})
-    lines.append("collectives          count  executions/step   bytes/step")
+    lines.append("collectives          count  executions/step   bytes/step (program dtypes)")
     if not by:
         lines.append("  (none)")
     for kind in COLLECTIVE_KINDS:
@@ -144,6 +146,10 @@ def format_table(report: Mapping[str, Any]) -> str:
         lines.append(f"  note: trip count unknown (counted once) for {', '.join(unknown)}")
     if report.get("flops_per_step") is not None:
         lines.append(f"model FLOPs/step      {report['flops_per_step']:.4g}")
+    hf = report.get("hlo_flops")
+    if hf and hf["total"]:
+        scopes = ", ".join(f"{k} {v / hf['total']:.2%}" for k, v in hf["by_scope"].items())
+        lines.append(f"matmul FLOPs/step/device (HLO, loops applied) {hf['total']:.4g}  ({scopes})")
     if report.get("xla_flops") is not None:
         lines.append(f"XLA cost_analysis     {report['xla_flops']:.4g}  (loop bodies counted once)")
     return "\n".join(lines)

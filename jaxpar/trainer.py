@@ -171,7 +171,8 @@ def dry_run(config, workdir: str) -> dict:
 
     The report holds per-device bytes (XLA's memory analysis: arguments, outputs, temporaries, peak; and, from the
     shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
-    collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied)."""
+    collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
+    WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
     from jaxpar import report
 
     hf.apply(config)
@@ -183,7 +184,8 @@ def dry_run(config, workdir: str) -> dict:
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
              for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing).items()}
-    rep = report.compile_report(steps.train.lower(abstract, batch), abstract_state=abstract,
+    compiled = steps.train.lower(abstract, batch).compile()
+    rep = report.compile_report(compiled, abstract_state=abstract,
                                 flops_per_step=gpt.flops_per_token(steps.cfg) * B * T)
     grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
                          abstract["params"], steps.grad_shardings)
@@ -196,6 +198,8 @@ def dry_run(config, workdir: str) -> dict:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "compile_report.json"), "w") as f:
             json.dump(rep, f, indent=2)
+        with open(os.path.join(workdir, "train_step.hlo.txt"), "w") as f:  # the optimized HLO the report reads
+            f.write(compiled.as_text())
         print(f"layout {rep['layout']}")
         print(report.format_table(rep))
         print(f"written to {os.path.join(workdir, 'compile_report.json')}")
