@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.logical import per_shard
+from jaxpar.manual import vary_like
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 _QKV = ("batch", "seq", "heads", "kv")
@@ -91,11 +92,54 @@ def _cudnn(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def _pallas(q, k, v, segment_ids=None):
-    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+def _mha_args(q):
+    from jax.experimental.pallas.ops.gpu import attention as mod
 
-    return pallas_attention.mha(q, k, v, segment_ids, sm_scale=1.0 / math.sqrt(q.shape[-1]), causal=True,
-                                interpret=jax.default_backend() != "gpu")
+    # mha's static arguments, in its order: sm_scale, causal, block_sizes, backward_pass_impl, num_warps,
+    # num_stages, grid, interpret, debug, return_residuals
+    return mod, (1.0 / math.sqrt(q.shape[-1]), True, mod.BlockSizes.get_default(), "triton", None, 2, None,
+                 jax.default_backend() != "gpu", False, False)
+
+
+def _sharded(fn, names, out_names, *arrays):
+    """fn per shard (`per_shard`) over the non-None `arrays` (names: one logical tuple each)."""
+    keep = [i for i, a in enumerate(arrays) if a is not None]
+
+    def local(*xs):
+        full = [None] * len(arrays)
+        for i, x in zip(keep, xs):
+            full[i] = x
+        return fn(*full)
+    return per_shard(local, tuple(names[i] for i in keep), out_names)(*(arrays[i] for i in keep))
+
+
+_SEG, _LSE = ("batch", "seq"), ("batch", "heads", "seq")
+
+
+@jax.custom_vjp
+def _pallas(q, k, v, segment_ids=None):
+    """The Pallas flash kernel per shard; its forward and backward kernels each run under `per_shard`, and the
+    custom_vjp sits outside them (so the gradients keep the varying-axes types of an enclosing shard_map)."""
+    mod, args = _mha_args(q)
+    return _sharded(lambda q, k, v, s: mod.mha(q, k, v, s, *args), (_QKV,) * 3 + (_SEG,), _QKV, q, k, v,
+                    segment_ids)
+
+
+def _pallas_fwd(q, k, v, segment_ids=None):
+    mod, args = _mha_args(q)
+    fwd = lambda q, k, v, s: tuple(mod.mha(q, k, v, s, *args[:-1], True))  # return_residuals: (out, lse)
+    out, lse = _sharded(fwd, (_QKV,) * 3 + (_SEG,), (_QKV, _LSE), q, k, v, segment_ids)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _pallas_bwd(res, do):
+    mod, args = _mha_args(res[0])
+    bwd = lambda q, k, v, s, o, lse, do: tuple(mod._mha_backward(*args, (q, k, v, s, o, lse), do)[:3])
+    grads = _sharded(bwd, (_QKV,) * 3 + (_SEG, _QKV, _LSE, _QKV), (_QKV,) * 3, *res, do)
+    return (*(vary_like(g, x) for g, x in zip(grads, res[:3])), None)
+
+
+_pallas.defvjp(_pallas_fwd, _pallas_bwd)
 
 
 def attention(q, k, v, segment_ids=None, implementation: str = "xla"):
@@ -103,7 +147,6 @@ def attention(q, k, v, segment_ids=None, implementation: str = "xla"):
     cudnn | pallas); fused kernels run per shard of batch and heads."""
     if implementation == "xla":
         return xla(q, k, v, None, segment_ids)
-    kernel = _cudnn if implementation == "cudnn" else _pallas
-    if segment_ids is None:
-        return per_shard(kernel, (_QKV,) * 3, _QKV)(q, k, v)
-    return per_shard(kernel, (_QKV,) * 3 + (("batch", "seq"),), _QKV)(q, k, v, segment_ids)
+    if implementation == "cudnn":
+        return per_shard(_cudnn, (_QKV,) * 3, _QKV)(q, k, v)
+    return _pallas(q, k, v, segment_ids)

@@ -64,7 +64,8 @@ def constrain(x: jax.Array, names) -> jax.Array:
 
 def per_shard(fn, in_names, out_names):
     """`fn` run on each device's shard (`jax.shard_map` over the mesh axes the compiler still owns) with its
-    inputs and output laid out by the logical names `in_names` (one tuple per argument) and `out_names`: for kernels
+    inputs and output laid out by the logical names `in_names` (one tuple per argument) and `out_names` (one tuple,
+    or a tuple of them for several outputs): for kernels
     the SPMD partitioner cannot split (fused attention). Outside a rules context: `fn` itself."""
     ctx = _RULES.get()
     if ctx is None:
@@ -75,5 +76,7 @@ def per_shard(fn, in_names, out_names):
     if not auto:
         return fn
     in_specs = tuple(spec(n, rules, skip=manual) for n in in_names)
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec(out_names, rules, skip=manual),
+    out_specs = (tuple(spec(n, rules, skip=manual) for n in out_names) if isinstance(out_names[0], tuple)
+                 else spec(out_names, rules, skip=manual))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=auto, check_vma=False)

@@ -27,6 +27,12 @@ def vary(tree):
     return jax.tree.map(cast, tree)
 
 
+def vary_like(x, like):
+    """x typed as varying along every manual axis `like` varies along."""
+    missing = tuple(a for a in varying_axes(like) if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def take(tree, i):
     """Entry i (int or traced int32) of every leaf's axis 0: `[n, ...]` -> `[...]`."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), tree)
