@@ -23,10 +23,11 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    from jaxpar import distributed
+    from jaxpar import distributed, runtime
     from jaxpar.config import ConfigError
 
     config = _CONFIG.value
+    runtime.configure(config)  # compile cache, GPU flags: before the backend starts
     try:  # before anything touches a device
         distributed.initialize(distributed.resolve(os.environ, _COORDINATOR.value, _NUM_PROCESSES.value,
                                                    _PROCESS_ID.value),

@@ -106,6 +106,9 @@ def base_config() -> ml_collections.ConfigDict:
         cache_dir="",  # "": $JAXPAR_CACHE or ~/.cache/jaxpar
     ))
 
+    # before the first compile (jaxpar/runtime.py): JAX's persistent compilation cache ("" dir: <cache>/xla), and
+    # XLA's GPU flags ("default": jaxpar's set, runtime.GPU_FLAGS; "": none; or your own flags), GPU only
+    c.xla = ml_collections.ConfigDict(dict(compile_cache=True, compile_cache_dir="", gpu_flags="default"))
     c.checkpoint = ml_collections.ConfigDict(dict(every_steps=200, keep=3, async_save=True))
     c.log = ml_collections.ConfigDict(dict(every_steps=10, profile_steps=(), progress=True))
     c.eval = ml_collections.ConfigDict(dict(every_steps=100, batches=8))
@@ -223,7 +226,7 @@ _RANGES = (
     ("eval.batches", True, "an integer >= 1", lambda v: v >= 1),
 )
 _BOOLS = ("model.tie_embeddings", "train.allow_batch_change", "pipeline.remat", "pipeline.skip_bubbles",
-          "checkpoint.async_save", "log.progress")
+          "checkpoint.async_save", "log.progress", "model.sequence_parallel", "xla.compile_cache")
 
 
 def _get(config, key: str):
@@ -413,6 +416,10 @@ def validate(config, num_devices: int) -> dict[str, int]:
                     f"dist.step_timeout_min_s={dist.step_timeout_min_s} > 0 and dist.step_timeout_factor="
                     f"{dist.step_timeout_factor} >= 1.")
     errs += _check_ranges(config)
+    flags = str(config.xla.gpu_flags)
+    if flags != "default" and any(not f.startswith("--xla_") for f in flags.split()):
+        errs.append(f"xla.gpu_flags={flags!r}: use 'default', '' (none) or XLA flags like "
+                    f"'--xla_gpu_enable_latency_hiding_scheduler=true'.")
     if errs:
         raise ConfigError("invalid config:\n  " + "\n  ".join(errs))
     return shape
