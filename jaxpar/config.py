@@ -27,7 +27,7 @@ DEFAULT_RULES = (
 )
 
 MESH_AXES = ("data", "stage", "tensor")  # order of the device grid: tensor last = neighbouring devices
-REMAT_POLICIES = ("none", "full", "dots", "attention")
+REMAT_POLICIES = ("none", "selective", "full", "dots", "attention")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs for tests (see _check_float64)
 
 
@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
         rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
         dropout_embed=0.0, dropout_resid=0.0,
         tie_embeddings=True,
-        remat="none",  # none | full | dots (save matmul outputs) | attention (save attention outputs)
+        remat="none",  # none | selective (recompute the attention core only) | full | dots | attention
         attention="auto",  # auto | xla | cudnn | pallas: the attention kernel (jaxpar/attention.py)
         loss_chunk=1024,  # sequence positions per chunk of the LM head + cross-entropy (no whole float32 logits)
         sequence_parallel=False,  # Megatron-SP: the residual stream split on seq over tensor (act_seq -> tensor)

@@ -212,6 +212,10 @@ def map_layers(tree, fn):
 _REMAT = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Korthikanti et al. 2022's selective recompute (sec. 5): keep what their eq. 1 counts except the attention
+    # core (QK^T, softmax, ·V), which the backward recomputes; the names are the block's (`jaxpar/nn.py`)
+    "selective": jax.checkpoint_policies.save_only_these_names("norm", "qkv", "attention", "residual", "mlp_in",
+                                                               "mlp_act"),
     "attention": jax.checkpoint_policies.save_only_these_names("attention"),
 }
 

@@ -148,6 +148,9 @@ def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, impl
 
 # ---- blocks -----------------------------------------------------------------------------------------------------
 
+# Names for remat policies (`checkpoint_name`): "norm" (norm outputs), "qkv", "attention" (its output), "residual"
+# (the stream between attention and MLP), "mlp_in" (pre-activations), "mlp_act"; what Korthikanti et al. 2022
+# keep under selective recompute, everything but the attention core (`model._REMAT["selective"]`).
 # the residual stream's names: `act_seq` is the sequence outside the tensor-parallel regions (norms, dropout,
 # residual adds), split over `tensor` with sequence parallelism (Korthikanti et al. 2022), else like `seq`
 _RESIDUAL = ("batch", "act_seq", "embed")
@@ -162,12 +165,12 @@ class _PreNormBlock(nnx.Module):
         `[batch, seq]` int32 keeps attention within each packed document."""
         if positions is None:
             positions = (0 if cache is None else cache.pos) + jnp.arange(x.shape[1])
-        q, k, v = self.qkv(self.ln1(x), positions)
-        q = constrain(q, ("batch", "seq", "heads", "kv"))
+        q, k, v = self.qkv(checkpoint_name(self.ln1(x), "norm"), positions)
+        q, k, v = (checkpoint_name(a, "qkv") for a in (constrain(q, ("batch", "seq", "heads", "kv")), k, v))
         a, cache = self_attention(q, k, v, cache, segments, cfg.attention)
         o = constrain(self.attn_out(a), _RESIDUAL)  # sequence parallel: a reduce-scatter, not an all-reduce
-        x = constrain(x + (drop(o, 0) if drop else o), _RESIDUAL)
-        o = constrain(self.mlp(self.ln2(x)), _RESIDUAL)
+        x = checkpoint_name(constrain(x + (drop(o, 0) if drop else o), _RESIDUAL), "residual")
+        o = constrain(self.mlp(checkpoint_name(self.ln2(x), "norm")), _RESIDUAL)
         x = x + (drop(o, 1) if drop else o)
         return constrain(x, _RESIDUAL), cache
 
@@ -204,8 +207,8 @@ class GPT2Block(_PreNormBlock):
         return _mm("bthe,hed->btd", a, self.wo) + self.bo[...].astype(a.dtype)
 
     def mlp(self, h):
-        u = _mm("btd,df->btf", h, self.w_in) + self.b_in[...].astype(h.dtype)
-        u = constrain(jax.nn.gelu(u, approximate=True), ("batch", "seq", "mlp"))
+        u = checkpoint_name(_mm("btd,df->btf", h, self.w_in) + self.b_in[...].astype(h.dtype), "mlp_in")
+        u = checkpoint_name(constrain(jax.nn.gelu(u, approximate=True), ("batch", "seq", "mlp")), "mlp_act")
         return _mm("btf,fd->btd", u, self.w_out) + self.b_out[...].astype(h.dtype)
 
 
@@ -237,8 +240,9 @@ class LlamaBlock(_PreNormBlock):
         return _mm("bthe,hed->btd", a, self.wo)
 
     def mlp(self, h):
-        u = jax.nn.silu(_mm("btd,df->btf", h, self.w_gate)) * _mm("btd,df->btf", h, self.w_up)
-        return _mm("btf,fd->btd", constrain(u, ("batch", "seq", "mlp")), self.w_down)
+        g, u = (checkpoint_name(_mm("btd,df->btf", h, w), "mlp_in") for w in (self.w_gate, self.w_up))
+        u = checkpoint_name(constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp")), "mlp_act")
+        return _mm("btf,fd->btd", u, self.w_down)
 
 
 BLOCKS = {"gpt2": GPT2Block, "llama": LlamaBlock}
