@@ -5,7 +5,8 @@
   `<jaxpar cache>/xla`, the cache of `data.cache_dir` / `$JAXPAR_CACHE` / `~/.cache/jaxpar`); a second start of the
   same run loads its compiled step instead of compiling it (every compile of >= 1 s is kept).
 - `xla.gpu_flags` ("default" | "" | flags): added to `XLA_FLAGS` only when a CUDA plugin is installed and
-  `JAX_PLATFORMS` does not exclude it; a flag already in `XLA_FLAGS` is never overridden (yours win).
+  `JAX_PLATFORMS` does not exclude it; a flag already in `XLA_FLAGS` is never overridden (yours win), and a flag
+  this jaxlib's XLA does not know (it would abort the process) is left out (`known_flags`, checked once per version).
   "default" is `GPU_FLAGS`: the overlap flags of JAX's GPU performance tips (docs/gpu_performance_tips.md):
   the latency-hiding scheduler (overlaps collectives with compute), pipelined all-gather / reduce-scatter /
   all-reduce across loop iterations (the layer scan: ZeRO-3 gathers, FSDP reductions), while-loop double buffering,
@@ -42,6 +43,38 @@ def gpu_flags(setting: str) -> tuple:
     return GPU_FLAGS if setting == "default" else tuple(setting.split())
 
 
+def _parses(flags) -> bool:
+    """Whether this jaxlib's XLA knows every flag (an unknown one aborts the process at backend start): checked in
+    a CPU-only child process, which parses XLA_FLAGS as the GPU backend would."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+    probe = "import jax; jax.numpy.zeros(1).block_until_ready()"
+    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode == 0
+
+
+def known_flags(flags, cache_dir: str | None = None) -> tuple:
+    """The flags this jaxlib's XLA accepts (all of them, or each checked alone); cached per jaxlib version."""
+    import json
+
+    import jaxlib
+
+    path = os.path.join(cache_dir, f"xla_flags-{jaxlib.__version__}.json") if cache_dir else None
+    known = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            known = json.load(f)
+    todo = [f for f in flags if f not in known]
+    if todo:
+        ok = _parses(todo)
+        known.update({f: ok or _parses([f]) for f in todo})
+        if path:
+            with open(path, "w") as f:
+                json.dump(known, f)
+    return tuple(f for f in flags if known[f])
+
+
 def compile_cache_dir(config) -> str:
     from jaxpar.data.preprocess import cache_root
 
@@ -60,7 +93,10 @@ def configure(config, environ=os.environ) -> dict:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         out["compile_cache"] = path
     if cuda_present(environ) and config.xla.gpu_flags:
-        extra = gpu_flags(config.xla.gpu_flags)
+        from jaxpar.data.preprocess import cache_root
+
+        os.makedirs(cache_root(config), exist_ok=True)
+        extra = known_flags(gpu_flags(config.xla.gpu_flags), str(cache_root(config)))
         environ["XLA_FLAGS"] = merged_flags(environ.get("XLA_FLAGS", ""), extra)
         out["gpu_flags"] = extra
     return out

@@ -184,9 +184,12 @@ def dry_run(config, workdir: str) -> dict:
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
              for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing).items()}
+    t0 = time.perf_counter()
     compiled = steps.train.lower(abstract, batch).compile()
+    compile_s = time.perf_counter() - t0
     rep = report.compile_report(compiled, abstract_state=abstract,
                                 flops_per_step=gpt.flops_per_token(steps.cfg) * B * T)
+    rep["compile_s"] = compile_s  # lowering + compiling (a persistent-cache hit skips the compiling)
     grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
                          abstract["params"], steps.grad_shardings)
     rep["state_bytes"]["grad_buffer"] = report.state_group_bytes({"g": grads})["g"]
