@@ -92,17 +92,16 @@ def compiled_for(c, vocab):
     return steps, state, batch, compiled, time.time() - t0
 
 
-def fit(c, vocab, limit):
+def fit(c, vocab, limit, tries: int = 3):
     """Compile at the estimated batch; shrink it (recompiling) while XLA's peak exceeds 92 % of the device."""
-    for _ in range(3):
+    for i in range(tries):
         steps, state, batch, compiled, compile_s = compiled_for(c, vocab)
         peak = memory_bytes(compiled).get("peak", 0)
         b = c.train.global_batch_size
-        if peak <= 0.92 * limit or b == 1:
+        if peak <= 0.92 * limit or b == 1 or i == tries - 1:
             return steps, state, batch, compiled, compile_s, peak
         c.train.global_batch_size = max(1, int(b * 0.9 * limit / peak))
         del steps, state, batch, compiled
-    return steps, state, batch, compiled, compile_s, peak
 
 
 def time_steps(compiled, state, batch, n: int):

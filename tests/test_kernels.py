@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from helpers import assert_trees_close, batch, place, steps_for, tiny_config
 from jaxpar import attention as kernels
