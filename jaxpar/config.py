@@ -35,15 +35,9 @@ class ConfigError(ValueError):
     """A config or layout that cannot run; the message names the numbers and the fix."""
 
 
-def base_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = "jaxpar"
-    c.init_from = ""  # weights to start from: an export directory (python -m jaxpar.export), or hf:DIR (Hugging Face)
-
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, tensor=1, stage=1))
-    c.rules = DEFAULT_RULES
-
-    c.model = ml_collections.ConfigDict(dict(
+def _model_defaults() -> ml_collections.ConfigDict:
+    """The `model` section of `base_config`."""
+    return ml_collections.ConfigDict(dict(
         arch="gpt2",  # gpt2 (LayerNorm, learned positions, GELU MLP, biases) | llama (RMSNorm, RoPE, GQA, SwiGLU)
         vocab_size=0,  # 0: taken from the tokenizer; padded to a multiple of 128 and of mesh.tensor
         seq_len=256, layers=4, embed=128, heads=4,
@@ -61,6 +55,17 @@ def base_config() -> ml_collections.ConfigDict:
         loss_chunk=1024,  # sequence positions per chunk of the LM head + cross-entropy (no whole float32 logits)
         sequence_parallel=False,  # Megatron-SP: the residual stream split on seq over tensor (act_seq -> tensor)
     ))
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "jaxpar"
+    c.init_from = ""  # weights to start from: an export directory (python -m jaxpar.export), or hf:DIR (Hugging Face)
+
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, tensor=1, stage=1))
+    c.rules = DEFAULT_RULES
+
+    c.model = _model_defaults()
 
     c.train = ml_collections.ConfigDict(dict(
         steps=1000, global_batch_size=32, microbatches=1, seed=0,

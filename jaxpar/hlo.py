@@ -390,7 +390,8 @@ _SCOPE = re.compile(r'op_name="([^"]*)"')
 def hlo_flops(text: str, scopes=("embed", "head")) -> dict:
     """Matmul FLOPs per step of an HLO module (every `dot`, fused ones included; loop trip counts applied as in
     `hlo_collectives`): {"total": FLOPs, "by_scope": {scope: FLOPs of the dots whose op_name metadata holds
-    `scope/` or `(scope)` (a `jax.named_scope`, also under jvp/transpose)}}. Elementwise work is not counted."""
+    `scope/` or `(scope)` (a `jax.named_scope`, also under jvp/transpose)}}. Elementwise work is not counted. A CPU
+    (dry-run) figure: XLA:GPU turns dots into cuBLAS/cuDNN custom calls, which this does not read."""
     comps, entry = _parse(text)
     edges, _ = _call_graph(comps)
     execs = _executions(comps, entry, edges)
