@@ -10,7 +10,7 @@ caller), segment_ids `[batch, t]` int32 (t = s). Scale 1/sqrt(head_dim); softmax
   - "cudnn": cuDNN's fused flash attention (GPU, float16/bfloat16, head_dim a multiple of 8 and <= 128); no segment
     ids (cuDNN's packed layout is in JAX's private API only), so packed batches go to Pallas.
   - "pallas": the Pallas flash kernel (Triton on GPU): causal, segment ids,
-    seq a multiple of its 128-token blocks (or shorter); head_dim padded to a power of two inside the kernel.
+    seq a multiple of its 128-token blocks or a power of two; head_dim padded to a power of two inside the kernel.
   - "auto": on GPU cuDNN when it applies, else Pallas when it applies, else XLA; XLA off GPU ("pallas" set
     explicitly off GPU runs the same kernel in Pallas' interpret mode: slow, for tests).
 Fused kernels are custom calls the SPMD partitioner cannot split, so they run per shard (`logical.per_shard`: batch
@@ -27,7 +27,9 @@ from jaxpar.logical import per_shard
 from jaxpar.manual import vary_like
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
-_QKV = ("batch", "seq", "heads", "kv")
+# per-shard layouts: batch and heads split as the rules say, the sequence and head_dim always whole (a kernel on a
+# sequence shard would attend within it only)
+_QKV = ("batch", None, "heads", None)
 PALLAS_BLOCK = 128  # the Pallas kernel's forward block along the sequence (its BlockSizes default)
 
 
@@ -45,8 +47,8 @@ def _cudnn_reason(dtype, head_dim: int, segments: bool, backend: str) -> str | N
 
 
 def _pallas_reason(seq: int, head_dim: int) -> str | None:
-    if seq > PALLAS_BLOCK and seq % PALLAS_BLOCK:
-        return f"the Pallas kernel needs seq a multiple of {PALLAS_BLOCK} (or shorter), not {seq}"
+    if seq % PALLAS_BLOCK and (seq < 16 or seq & (seq - 1)):  # Triton blocks are powers of two
+        return f"the Pallas kernel needs seq a multiple of {PALLAS_BLOCK} or a power of two >= 16, not {seq}"
     if head_dim < 16:
         return f"the Pallas kernel needs head_dim >= 16, not {head_dim}"
     return None
@@ -113,7 +115,7 @@ def _sharded(fn, names, out_names, *arrays):
     return per_shard(local, tuple(names[i] for i in keep), out_names)(*(arrays[i] for i in keep))
 
 
-_SEG, _LSE = ("batch", "seq"), ("batch", "heads", "seq")
+_SEG, _LSE = ("batch", None), ("batch", "heads", None)
 
 
 @jax.custom_vjp

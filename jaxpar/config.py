@@ -331,20 +331,30 @@ def check_model(m, t: int, mlp: int) -> list[str]:
     return errs
 
 
-def _check_kernels(m, t: int) -> list[str]:
-    """model.attention, model.loss_chunk, model.sequence_parallel."""
+def _check_kernels(config, t: int) -> list[str]:
+    """model.attention (against the dtype, the packing and this process's backend), model.loss_chunk,
+    model.sequence_parallel."""
     from jaxpar.attention import IMPLEMENTATIONS, choose
 
-    errs = []
+    m, errs = config.model, []
     if m.attention not in IMPLEMENTATIONS:
         errs.append(f"model.attention={m.attention!r}: pick one of {IMPLEMENTATIONS}.")
-    elif m.attention != "auto" and m.heads >= 1:
-        try:  # what the kernel needs that the config decides (dtype and backend are checked where they are known)
-            choose(m.attention, "bfloat16", m.seq_len, m.embed // m.heads, False, backend="gpu")
+    elif m.attention not in ("auto", "xla") and m.heads >= 1 and config.train.compute_dtype in DTYPES:
+        import jax
+
+        backend = "gpu" if m.attention == "pallas" else jax.default_backend()  # pallas: interpret mode off GPU
+        try:
+            choose(m.attention, config.train.compute_dtype, m.seq_len, m.embed // m.heads,
+                   config.data.packing == "documents", backend=backend)
         except ValueError as e:
             errs.append(str(e) + ".")
     if m.loss_chunk < 1:
         errs.append(f"model.loss_chunk={m.loss_chunk} must be >= 1 (sequence positions per chunk of the loss).")
+    elif m.seq_len > m.loss_chunk >= 4:
+        c = max(d for d in range(1, m.loss_chunk + 1) if m.seq_len % d == 0)
+        if 4 * c < m.loss_chunk:
+            errs.append(f"model.loss_chunk={m.loss_chunk}: the loss runs in chunks dividing seq_len={m.seq_len}, "
+                        f"and the largest is {c} ({m.seq_len // c} chunks); pick a loss_chunk dividing {m.seq_len}.")
     if m.sequence_parallel and m.seq_len % t:
         errs.append(f"model.sequence_parallel with model.seq_len={m.seq_len} not divisible by mesh.tensor={t}: "
                     f"the sequence is split over tensor; use a seq_len multiple of {t}.")
@@ -391,7 +401,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
     errs += schedule_errors(config.pipeline.schedule, s, M, v, bool(config.pipeline.remat))
     if m.remat not in REMAT_POLICIES:
         errs.append(f"model.remat={m.remat!r}: pick one of {REMAT_POLICIES}.")
-    errs += _check_kernels(m, t)
+    errs += _check_kernels(config, t)
     for k in ("param_dtype", "compute_dtype"):
         if tr[k] not in DTYPES:
             errs.append(f"train.{k}={tr[k]!r}: pick one of {DTYPES}.")

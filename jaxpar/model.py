@@ -341,7 +341,7 @@ def _lookup_fwd(table, ids, dtype):
 def _lookup_bwd(dtype, res, g):
     ids, like = res
     dt = jnp.zeros((like.shape[0], g.shape[-1]), like.dtype).at[ids].add(g.astype(like.dtype), mode="clip")
-    return dt, None
+    return dt, None  # (a sharding constraint here would run outside the pipeline's shard_map context)
 
 
 lookup.defvjp(_lookup_fwd, _lookup_bwd)

@@ -3,7 +3,8 @@
 `configure(config)` (train.py calls it before anything touches a device):
 - `xla.compile_cache` (default on): JAX's persistent compilation cache in `xla.compile_cache_dir` (default
   `<jaxpar cache>/xla`, the cache of `data.cache_dir` / `$JAXPAR_CACHE` / `~/.cache/jaxpar`); a second start of the
-  same run loads its compiled step instead of compiling it (every compile of >= 1 s is kept).
+  same run loads its compiled step instead of compiling it (every compile of >= 1 s is kept); JAX's own
+  `JAX_COMPILATION_CACHE_DIR` / `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`, when set, win.
 - `xla.gpu_flags` ("default" | "" | flags): added to `XLA_FLAGS` only when a CUDA plugin is installed and
   `JAX_PLATFORMS` does not exclude it; a flag already in `XLA_FLAGS` is never overridden (yours win), and a flag
   this jaxlib's XLA does not know (it would abort the process) is left out (`known_flags`, checked once per version).
@@ -51,27 +52,38 @@ def _parses(flags) -> bool:
 
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     probe = "import jax; jax.numpy.zeros(1).block_until_ready()"
-    return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, timeout=120).returncode == 0
+    try:
+        return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                              timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def known_flags(flags, cache_dir: str | None = None) -> tuple:
-    """The flags this jaxlib's XLA accepts (all of them, or each checked alone); cached per jaxlib version."""
+    """The flags this jaxlib's XLA accepts (all of them, or each checked alone); cached per jaxlib version (written
+    atomically: several processes may start at once). If the probe cannot run at all (no flags fails too), none."""
     import json
 
     import jaxlib
 
     path = os.path.join(cache_dir, f"xla_flags-{jaxlib.__version__}.json") if cache_dir else None
     known = {}
-    if path and os.path.exists(path):
+    try:
         with open(path) as f:
             known = json.load(f)
+    except (TypeError, OSError, ValueError):  # no cache dir, no file yet, or a file from a crashed writer
+        pass
     todo = [f for f in flags if f not in known]
     if todo:
         ok = _parses(todo)
+        if not ok and not _parses([]):
+            return ()
         known.update({f: ok or _parses([f]) for f in todo})
         if path:
-            with open(path, "w") as f:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(known, f)
+            os.replace(tmp, path)
     return tuple(f for f in flags if known[f])
 
 
@@ -86,11 +98,12 @@ def configure(config, environ=os.environ) -> dict:
     import jax
 
     out = {"compile_cache": None, "gpu_flags": ()}
-    if config.xla.compile_cache:
-        path = compile_cache_dir(config)
+    if config.xla.compile_cache:  # JAX's own variables, when set, win
+        path = environ.get("JAX_COMPILATION_CACHE_DIR") or compile_cache_dir(config)
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         out["compile_cache"] = path
     if cuda_present(environ) and config.xla.gpu_flags:
         from jaxpar.data.preprocess import cache_root

@@ -163,8 +163,11 @@ def test_kernel_choice():
     assert impl == "xla" and "multiple of 128" in why and "float32" in why
     with pytest.raises(ValueError, match="bfloat16"):
         ch("cudnn", jnp.float32, 2048, 64, False, "gpu")
-    for over, msg in [({"model.attention": "flash"}, "pick one of"), ({"model.attention": "cudnn", "model.embed": 32,
-                      "model.heads": 8}, "multiple of 8"), ({"model.loss_chunk": 0}, "loss_chunk=0"),
+    assert "power of two" in ch("auto", jnp.bfloat16, 100, 64, True, "gpu")[1]  # Triton blocks: powers of two
+    for over, msg in [({"model.attention": "flash"}, "pick one of"), ({"model.attention": "cudnn"}, "needs a GPU"),
+                      ({"model.attention": "pallas", "model.seq_len": 24, "model.max_positions": 24}, "seq a multiple"),
+                      ({"model.loss_chunk": 0}, "loss_chunk=0"),
+                      ({"model.loss_chunk": 16, "model.seq_len": 34}, "pick a loss_chunk dividing 34"),
                       ({"model.sequence_parallel": True, "model.seq_len": 18, "mesh.tensor": 4}, "seq_len=18")]:
         with pytest.raises(ConfigError, match=msg):
             validate(tiny_config(**{"mesh.data": 1, **over}), 4 if "mesh.tensor" in over else 1)
