@@ -15,7 +15,8 @@ import sys
 
 
 def analyse(text: str, analytic: float, memory: dict) -> dict:
-    from jaxpar.hlo import hlo_collectives, hlo_flops
+    from jaxpar.hlo import hlo_collectives
+    from jaxpar.hlo_flops import hlo_flops
 
     f = hlo_flops(text)
     return {"hlo_matmul_flops": f["total"], "embed_flops": f["by_scope"]["embed"],

@@ -335,6 +335,7 @@ def _check_kernels(config, t: int) -> list[str]:
     """model.attention (against the dtype, the packing and this process's backend), model.loss_chunk,
     model.sequence_parallel."""
     from jaxpar.attention import IMPLEMENTATIONS, choose
+    from jaxpar.cross_entropy import chunk_size
 
     m, errs = config.model, []
     if m.attention not in IMPLEMENTATIONS:
@@ -351,7 +352,7 @@ def _check_kernels(config, t: int) -> list[str]:
     if m.loss_chunk < 1:
         errs.append(f"model.loss_chunk={m.loss_chunk} must be >= 1 (sequence positions per chunk of the loss).")
     elif m.seq_len > m.loss_chunk >= 4:
-        c = max(d for d in range(1, m.loss_chunk + 1) if m.seq_len % d == 0)
+        c = chunk_size(m.seq_len, m.loss_chunk)
         if 4 * c < m.loss_chunk:
             errs.append(f"model.loss_chunk={m.loss_chunk}: the loss runs in chunks dividing seq_len={m.seq_len}, "
                         f"and the largest is {c} ({m.seq_len // c} chunks); pick a loss_chunk dividing {m.seq_len}.")

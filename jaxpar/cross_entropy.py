@@ -88,11 +88,14 @@ def _loss_bwd(vocab_real, chunk, res, g):
 _loss.defvjp(_loss_fwd, _loss_bwd)
 
 
+def chunk_size(seq: int, chunk: int) -> int:
+    """Positions per chunk: the largest divisor of `seq` not above `chunk` (>= seq: one chunk)."""
+    return max(d for d in range(1, min(max(chunk, 1), seq) + 1) if seq % d == 0)
+
+
 def cross_entropy(h, w, targets, mask, vocab_real: int, chunk: int):
     """Summed next-token cross-entropy (nats) and the number of tokens: h `[batch, seq, embed]` (compute dtype),
     w `[embed, vocab]` (any dtype; used in h's), targets `[batch, seq]` int32, mask `[batch, seq]` float32 (loss
-    weights) -> (loss_sum, token_count) float32 scalars. `chunk`: positions per chunk (the largest divisor of seq not
-    above it; >= seq: one chunk)."""
-    t = h.shape[1]
-    c = max(d for d in range(1, min(max(chunk, 1), t) + 1) if t % d == 0)
+    weights) -> (loss_sum, token_count) float32 scalars. `chunk`: positions per chunk (`chunk_size`)."""
+    c = chunk_size(h.shape[1], chunk)
     return _loss(h, w, targets, mask.astype(_f(h.dtype)), vocab_real, c), mask.sum()

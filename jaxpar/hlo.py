@@ -1,11 +1,12 @@
 """Collectives in optimized HLO text: kind, bytes, and executions per step with loop trip counts applied.
 
-`hlo_collectives(compiled.as_text())` finds every all-reduce, reduce-scatter, all-gather, collective-permute and
+Matmul FLOPs from the same parse: `jaxpar/hlo_flops.py`. `hlo_collectives(compiled.as_text())` finds every all-reduce, reduce-scatter, all-gather, collective-permute and
 all-to-all, the bytes of its result on one device, and how many times it runs per step: collectives inside `while`
 bodies count trip-count times (nested loops multiply). `shape_bytes` reads HLO shapes like `f32[4,128]{1,0}`.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 
@@ -358,56 +359,15 @@ def hlo_collectives(text: str) -> dict:
     Raises:
       ValueError: an element type `shape_bytes` does not know.
     """
-    comps, entry = _parse(text)
-    edges, loops = _call_graph(comps)
-    out = _collectives_in(comps, _executions(comps, entry, edges))
+    comps, loops, execs = module(text)
+    out = _collectives_in(comps, execs)
     return {"collectives": out, "by_kind": _by_kind(out), "loops": loops}
 
 
-# ---------------------------------------------------------------------------------------------------------- FLOPs
-
-def _dims(shape: str) -> list[int]:
-    m = _ARRAY.search(re.sub(r"\{[^{}]*\}", "", shape))
-    return [int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
-
-
-def _dot_flops(ins, shapes: dict) -> int:
-    """2 x result elements x contracted elements of a `dot` (operand shapes looked up by name in its computation)."""
-    lhs = _dims(shapes.get(ins["operands"][0], "")) if ins["operands"] else []
-    m = re.search(r"lhs_contracting_dims=\{([\d,\s]*)\}", ins["attrs"])
-    contracted = 1
-    for i in (int(x) for x in (m.group(1).split(",") if m else []) if x.strip()):
-        contracted *= lhs[i] if i < len(lhs) else 1
-    out = 1
-    for d in _dims(ins["shape"]):
-        out *= d
-    return 2 * out * contracted
-
-
-_SCOPE = re.compile(r'op_name="([^"]*)"')
-
-
-def hlo_flops(text: str, scopes=("embed", "head")) -> dict:
-    """Matmul FLOPs per step of an HLO module (every `dot`, fused ones included; loop trip counts applied as in
-    `hlo_collectives`): {"total": FLOPs, "by_scope": {scope: FLOPs of the dots whose op_name metadata holds
-    `scope/` or `(scope)` (a `jax.named_scope`, also under jvp/transpose)}}. Elementwise work is not counted. A CPU
-    (dry-run) figure: XLA:GPU turns dots into cuBLAS/cuDNN custom calls, which this does not read."""
+@functools.lru_cache(maxsize=1)
+def module(text: str):
+    """HLO module text -> ({computation: [instr dict]}, [loop dicts], {computation: executions per step}); the last
+    module's parse is kept (the compile report reads one module twice: collectives and FLOPs)."""
     comps, entry = _parse(text)
-    edges, _ = _call_graph(comps)
-    execs = _executions(comps, entry, edges)
-    total, by = 0, dict.fromkeys(scopes, 0)
-    for cname, instrs in comps.items():
-        n = execs.get(cname, 0)
-        if not n:
-            continue
-        shapes = {i["name"]: i["shape"] for i in instrs}
-        for ins in instrs:
-            if ins["opcode"] != "dot":
-                continue
-            f = _dot_flops(ins, shapes) * n
-            total += f
-            name = _SCOPE.search(ins["line"])
-            for s in scopes:
-                if name and re.search(r"(^|[/(])" + re.escape(s) + r"([/)]|$)", name.group(1)):
-                    by[s] += f
-    return {"total": total, "by_scope": by}
+    edges, loops = _call_graph(comps)
+    return comps, loops, _executions(comps, entry, edges)

@@ -229,7 +229,7 @@ class Forward:
         self.norm_def = nnx.graphdef(NORMS[cfg.arch](1, jnp.float32, cfg.norm_eps))
         self.cdt = jnp.dtype(cfg.compute_dtype)
 
-    @jax.named_scope("embed")  # the scope names in the HLO's op_name metadata (`hlo.hlo_flops` reads them)
+    @jax.named_scope("embed")  # the scope names in the HLO's op_name metadata (`hlo_flops` reads them)
     def embed(self, params, tokens, rng=None, seq_ids=None, pos0=0, segments=None):
         """tokens `[batch, seq]` int32 -> `[batch, seq, embed]` (compute dtype); positions start at `pos0`, or at
         each segment's start (`segments` `[batch, seq]` int32: packed documents)."""

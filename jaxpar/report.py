@@ -22,7 +22,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from jaxpar.hlo import COLLECTIVE_KINDS, hlo_collectives, hlo_flops
+from jaxpar.hlo import COLLECTIVE_KINDS, hlo_collectives
+from jaxpar.hlo_flops import hlo_flops
 
 # ------------------------------------------------------------------------------------------------- memory and state
 
@@ -87,7 +88,7 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
     Returns:
       {"memory": `memory_bytes`, "state_bytes": `state_group_bytes` or {}, "collectives": list,
        "collectives_by_kind": dict, "loops": list (see `hlo_collectives`), "flops_per_step": float or None,
-       "xla_flops": float or None, "hlo_flops": `hlo.hlo_flops` (matmul FLOPs per device per step, loop trip counts
+       "xla_flops": float or None, "hlo_flops": `hlo_flops.hlo_flops` (matmul FLOPs per device per step, loop trip counts
        applied; by named scope: embed, head)}.
 
     Raises:

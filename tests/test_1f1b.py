@@ -8,7 +8,7 @@ import pytest
 from helpers import assert_params_close, assert_trees_close, batch, place, steps_for
 from jaxpar import pipeline
 from jaxpar.mesh import make_mesh
-from test_pipeline import VOCAB, params_f64, pipe_config, run
+from test_pipeline import VOCAB, microbatches_for, params_f64, pipe_config, run
 
 # ZeRO 1 only shards the optimizer state (nothing the pipeline sees); 2 and 3 change what enters and leaves the loop
 CASES = [((1, 1, 8), "1f1b", {}), ((2, 1, 4), "1f1b", {}), ((1, 2, 4), "1f1b", {}),
@@ -31,7 +31,7 @@ def test_schedule_equals_one_device(references, layout, schedule, over):
     """Loss (1e-6) and every gradient (1e-5 relative L2) equal the 1-device run; the params after 3 steps too, within
     `assert_params_close`'s bound."""
     d, t, s = layout
-    M = 8 if 16 % (d * 8) == 0 else 16 // d
+    M = microbatches_for(d)
     if M not in references:
         references[M] = run(pipe_config(M=M))
     ref = references[M]

@@ -12,10 +12,10 @@ from helpers import assert_trees_close, batch, place, steps_for, tiny_config
 from jaxpar import attention as kernels
 from jaxpar import model as gpt
 from jaxpar.config import ConfigError, validate
-from jaxpar.hlo import hlo_flops
+from jaxpar.hlo_flops import hlo_flops
 from jaxpar.logical import activation_rules
 from jaxpar.step import split_batch
-from test_pipeline import VOCAB, pipe_config
+from test_pipeline import VOCAB, microbatches_for, pipe_config
 
 LLAMA = {"model.arch": "llama", "model.kv_heads": 2, "model.tie_embeddings": False}
 SP = {"model.sequence_parallel": True, "model.loss_chunk": 4}  # 4 chunks of the 16 positions
@@ -42,7 +42,7 @@ def references():
 def test_sequence_parallel_equals_one_device(references, layout, schedule, over):
     """Loss (1e-6) and every gradient (1e-5 relative L2) of the step equal the 1-device run (whole loss, no SP)."""
     d, t, s = layout
-    M = over.get("train.microbatches", 8 if 16 % (d * 8) == 0 else 16 // d)
+    M = over.get("train.microbatches", microbatches_for(d))
     fam = {k: v for k, v in over.items() if k in LLAMA}
     key = (M, bool(fam))
     if key not in references:

@@ -14,7 +14,7 @@ from jaxpar import model as gpt
 from jaxpar import trainer
 from jaxpar.config import ConfigError, validate
 from jaxpar.generate import generate
-from test_pipeline import VOCAB, pipe_config, run
+from test_pipeline import VOCAB, microbatches_for, pipe_config, run
 from test_resume import losses
 
 # heads 8, kv_heads 2: four query heads per KV head; at tensor 2 the KV heads split, at tensor 4 each is replicated
@@ -33,7 +33,7 @@ def references():
 @pytest.mark.parametrize("layout,schedule,over", CASES, ids=lambda x: str(x))
 def test_llama_layout_equals_one_device(references, layout, schedule, over):
     d, t, s = layout
-    M = 8 if 16 % (d * 8) == 0 else 16 // d
+    M = microbatches_for(d)
     if M not in references:
         references[M] = run(pipe_config(M=M, **LLAMA))
     ref = references[M]

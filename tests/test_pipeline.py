@@ -19,6 +19,11 @@ def pipe_config(data=1, tensor=1, stage=1, schedule="gpipe", v=1, M=8, **over):
     return c
 
 
+def microbatches_for(data: int) -> int:
+    """8 microbatches (>= every stage count here) where batch 16 allows it at this data size, else 16 / data."""
+    return 8 if 16 % (data * 8) == 0 else 16 // data
+
+
 def run(c):
     n = c.mesh.data * c.mesh.tensor * c.mesh.stage
     s = steps_for(c, VOCAB, jax.devices()[:n])
@@ -49,7 +54,7 @@ CASES = [(lay, "gpipe", 1) for lay in LAYOUTS] + [(lay, "circular", 2) for lay i
 @pytest.mark.parametrize("layout,schedule,v", CASES, ids=lambda x: str(x))
 def test_pipeline_equals_one_device(reference, layout, schedule, v):
     d, t, s = layout
-    M = 8 if 16 % (d * 8) == 0 else 16 // d  # microbatches >= stages; batch 16 divisible by data x M
+    M = microbatches_for(d)
     c = pipe_config(d, t, s, schedule, v, M=M)
     ref = run(pipe_config(M=M)) if M != 8 else reference
     loss0, grads, losses, params = run(c)
