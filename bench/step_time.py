@@ -8,19 +8,14 @@ token), MFU where the device's peak is known, and per-device bytes of the compil
 On fake CPU devices all devices share the host's cores: use the numbers for ratios, not absolute speed.
 """
 import json
-import time
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from jaxpar import metrics
-from jaxpar.config import validate
-from jaxpar.mesh import make_mesh
-from jaxpar.report import memory_bytes
-from jaxpar.step import build
 from jaxpar.model import flops_per_token
+from jaxpar.plan.measure import time_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "config file")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps (after one warm-up step)")
@@ -31,33 +26,19 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
     config = _CONFIG.value
-    shape = validate(config, jax.device_count())
     vocab = int(config.model.vocab_size) or _VOCAB.value
-    steps = build(config, make_mesh(shape), vocab)
+    got = time_step(config, vocab, steps=_STEPS.value)
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
-    rng = np.random.default_rng(0)
-    batch = {"tokens": jax.device_put(rng.integers(0, vocab, (B, T + 1), dtype=np.int32), steps.batch_sharding)}
-    state = steps.init(int(config.train.seed))
-    t0 = time.perf_counter()
-    compiled = steps.train.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    state, m = steps.train(state, batch)
-    jax.block_until_ready(m)
-    t0 = time.perf_counter()
-    for _ in range(_STEPS.value):
-        state, m = steps.train(state, batch)
-    jax.block_until_ready(m)
-    dt = (time.perf_counter() - t0) / _STEPS.value
-    ndev = jax.device_count()
-    fpt = flops_per_token(steps.cfg)
+    dt, ndev = got["step_s"], jax.device_count()
+    fpt = flops_per_token(got["steps"].cfg)
     tps = B * T / dt
     print(json.dumps({
-        "config": config.name, "mesh": dict(steps.mesh.shape), "devices": ndev,
-        "device_kind": jax.devices()[0].device_kind, "global_batch": B, "seq_len": T,
-        "microbatches": int(config.train.microbatches), "compile_s": compile_s, "step_s": dt, "tokens_per_s": tps,
-        "model_flops_per_token": fpt, "tflops_per_device": metrics.tflops_per_device(tps, fpt, ndev),
-        "mfu": metrics.mfu(tps, fpt, ndev, metrics.peak_flops(jax.devices()[0].device_kind)),
-        "bytes_per_device": memory_bytes(compiled),
+        "config": config.name, "mesh": got["mesh"], "devices": ndev,
+        "device_kind": got["device_kind"], "global_batch": B, "seq_len": T,
+        "microbatches": int(config.train.microbatches), "compile_s": got["compile_s"], "step_s": dt,
+        "tokens_per_s": tps, "model_flops_per_token": fpt, "tflops_per_device": metrics.tflops_per_device(tps, fpt, ndev),
+        "mfu": metrics.mfu(tps, fpt, ndev, metrics.peak_flops(got["device_kind"])),
+        "bytes_per_device": got["memory"],
     }, indent=2))
 
 

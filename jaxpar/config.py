@@ -240,15 +240,20 @@ def _get(config, key: str):
     return config
 
 
+def _default(key: str):
+    """base_config()'s value of a dotted key (for messages: built only when there is one to write)."""
+    return _get(base_config(), key)
+
+
 def _check_ranges(config) -> list[str]:
     """The numeric and boolean keys `validate` checks nowhere else (table `_RANGES`, `_BOOLS`), then `_check_kinds`."""
-    defaults, errs = base_config(), []
+    errs = []
     for key, integer, allowed, test in _RANGES:
         v = _get(config, key)
         kind = numbers.Integral if integer else numbers.Real
         if isinstance(v, bool) or not isinstance(v, kind) or not test(v):
             errs.append(f"{key}={v!r} must be {allowed}; set --config.{key} to such a value (default "
-                        f"{_get(defaults, key)!r}).")
+                        f"{_default(key)!r}).")
     for key in _BOOLS:
         v = _get(config, key)
         if not isinstance(v, bool):
@@ -258,17 +263,17 @@ def _check_ranges(config) -> list[str]:
 
 def _check_kinds(config) -> list[str]:
     """Strings, the profile window and the rules table: the keys that are neither a number nor a bool."""
-    defaults, errs = base_config(), []
+    errs = []
     for key in ("name", "init_from", "data.cache_dir", "model.arch", "model.rope_scaling", "data.doc_separator"):
         v = _get(config, key)
         if not isinstance(v, str):
-            errs.append(f"{key}={v!r} must be a string; set --config.{key}='...' (default {_get(defaults, key)!r}).")
+            errs.append(f"{key}={v!r} must be a string; set --config.{key}='...' (default {_default(key)!r}).")
     for key, allowed in (("data.sources", "a source ('shakespeare', 'data/*.jsonl', ...) or a blend '0.3 A 0.7 B'"),
                          ("data.tokenizer", "'byte', 'bpe' or a path to a tokenizer.json"),
                          ("data.text_field", "the JSONL field / Parquet column holding the text")):
         v = _get(config, key)
         if not isinstance(v, str) or not v.strip():
-            errs.append(f"{key}={v!r} must be {allowed}; set --config.{key} to one (default {_get(defaults, key)!r}).")
+            errs.append(f"{key}={v!r} must be {allowed}; set --config.{key} to one (default {_default(key)!r}).")
     for key, allowed in (("data.packing", ("concat", "documents")), ("data.val_split", ("documents", "tokens"))):
         if _get(config, key) not in allowed:
             errs.append(f"{key}={_get(config, key)!r}: pick one of {allowed}.")

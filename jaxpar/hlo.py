@@ -10,6 +10,8 @@ import functools
 import re
 from collections import defaultdict
 
+from jaxpar.hlo_groups import first_group
+
 COLLECTIVE_KINDS = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all")
 
 # element width in bits of each HLO primitive type (xla/xla_data.proto PrimitiveType; f8/f4 variants below)
@@ -314,7 +316,7 @@ def _collectives_in(comps, execs) -> list[dict]:
             shape = done_shape.get(ins["name"], ins["shape"]) if op.endswith("-start") else ins["shape"]
             arrays = _program_arrays(dict(ins, shape=shape))
             b, n = _array_bytes(arrays), execs.get(cname, 0)
-            out.append({"kind": kind, "name": ins["name"], "computation": cname,
+            out.append({"kind": kind, "name": ins["name"], "computation": cname, "group": first_group(ins["attrs"]),
                         "dtype": ",".join(sorted({dt for dt, _ in arrays})), "bytes": b,
                         "backend_bytes": shape_bytes(shape), "executions": n, "total_bytes": b * n})
     return out
@@ -352,7 +354,8 @@ def hlo_collectives(text: str) -> dict:
     from `to_apply` of anything but `call`, are not followed (reduction bodies hold no collectives).
 
     Returns:
-      {"collectives": [{kind, name, computation, dtype, bytes, backend_bytes, executions, total_bytes}], "by_kind": {kind: {count,
+      {"collectives": [{kind, name, computation, group (`hlo_groups.first_group`), dtype, bytes, backend_bytes, executions,
+       total_bytes}], "by_kind": {kind: {count,
        executions, bytes}} (bytes = sum of total_bytes: per-device bytes per step), "loops": [{name, computation,
        trip_count, source}]}.
 

@@ -166,20 +166,18 @@ def init_from_export(directory: str, steps, state) -> dict:
     return steps.from_canonical(canon)
 
 
-def dry_run(config, workdir: str) -> dict:
-    """Compile the train step for the config's layout without training; write WORKDIR/compile_report.json.
-
-    The report holds per-device bytes (XLA's memory analysis: arguments, outputs, temporaries, peak; and, from the
-    shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
-    collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
-    WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
+def compile_report(config, vocab: int = 0, devices=None) -> dict:
+    """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
+    allocated) and return the compile report (`report.compile_report`) with `compile_s`, the float32 gradient
+    buffer's bytes, the layout, and the optimized HLO under `hlo_text`. vocab 0: the config's, else the data's."""
     from jaxpar import report
 
+    devices = list(jax.devices() if devices is None else devices)
     hf.apply(config)
-    shape = validate(config, jax.device_count())
-    vocab = max(int(config.model.vocab_size), 0) or distributed.process_0_first(
+    shape = validate(config, len(devices))
+    vocab = vocab or max(int(config.model.vocab_size), 0) or distributed.process_0_first(
         lambda: data.prepare(config), "jaxpar/prepare").vocab_size
-    steps = build(config, make_mesh(shape), vocab)
+    steps = build(config, make_mesh(shape, devices), vocab)
     abstract = steps.abstract_state()
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
@@ -197,12 +195,27 @@ def dry_run(config, workdir: str) -> dict:
                      "microbatches": int(config.train.microbatches), "schedule": config.pipeline.schedule,
                      "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(abstract["params"]))),
                      "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype}
+    rep["hlo_text"] = compiled.as_text()
+    return rep
+
+
+def dry_run(config, workdir: str) -> dict:
+    """Compile the train step for the config's layout without training; write WORKDIR/compile_report.json.
+
+    The report holds per-device bytes (XLA's memory analysis: arguments, outputs, temporaries, peak; and, from the
+    shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
+    collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
+    WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
+    from jaxpar import report
+
+    rep = compile_report(config)
+    hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "compile_report.json"), "w") as f:
             json.dump(rep, f, indent=2)
         with open(os.path.join(workdir, "train_step.hlo.txt"), "w") as f:  # the optimized HLO the report reads
-            f.write(compiled.as_text())
+            f.write(hlo)
         print(f"layout {rep['layout']}")
         print(report.format_table(rep))
         print(f"written to {os.path.join(workdir, 'compile_report.json')}")

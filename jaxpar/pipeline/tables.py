@@ -78,8 +78,10 @@ class Schedule:
 
     def time(self, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
         """Critical path of the lockstep schedule: sum over ticks of the busiest stage's work (a fused B costs b + w;
-        one chunk of v costs 1/v of it). f, b, w: per microbatch on one stage's layers (e.g. seconds); the ideal is
-        M·(f + b + w)."""
+        one chunk of v costs 1/v of it; a forward-only table's tick costs f + b + w). f, b, w: per microbatch on one
+        stage's layers (e.g. seconds); the ideal is M·(f + b + w)."""
+        if "b" not in self.ok:  # a forward table: its backward is the transposed loop, tick for tick
+            return float(((f + b + w) * self.ok["f"]).max(axis=1).sum()) / self.virtual
         cb = b if self.split else b + w
         cost = f * self.ok["f"] + cb * self.ok["b"] + w * self.ok["w"]
         return float(cost.max(axis=1).sum()) / self.virtual

@@ -1,0 +1,104 @@
+"""The layout planner: for a config's model and global batch on a cluster, every layout `validate` accepts, ranked
+by an analytic step time (`cost`), with the memory per device of the best ones compiled (`memory`).
+
+    python -m jaxpar.plan --config configs/gpt_large.py --gpus 8 --device a100-80g [--json plan.json]
+
+Rooms: `hardware` (device and link constants with sources), `space` (the layouts), `cost` (the time model),
+`memory` (compiled and estimated bytes), `measure` (a real step on the devices present), `table` (the output).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.plan import cost, memory
+from jaxpar.plan.hardware import GiB, Cluster
+from jaxpar.plan.space import Layout, Space, candidates
+
+__all__ = ["plan", "Plan", "Candidate", "vocab_of"]
+
+
+@dataclasses.dataclass
+class Candidate:
+    layout: Layout
+    time: dict  # cost.step_time
+    estimate: tuple  # memory.estimate: (state, activation) bytes
+    memory: dict | None = None  # memory.Compiler.memory (compiled or derived), None: not compiled
+
+    def peak(self) -> float:
+        return self.memory["peak"] if self.memory else sum(self.estimate)
+
+    def fits(self, capacity: float) -> bool | None:
+        """True / False from the compiled bytes; uncompiled: False when the exact state bytes alone exceed
+        `capacity`, else None (an estimate is no verdict)."""
+        if self.memory is None:
+            return False if self.estimate[0] > capacity else None
+        return self.memory["peak"] <= capacity
+
+
+@dataclasses.dataclass
+class Plan:
+    model: cost.Model
+    cluster: Cluster
+    capacity: float  # bytes a device may use
+    ranked: list  # Candidate, best first: compiled and fitting, then unknown, then not fitting; each by step time
+    considered: int  # layouts validate accepted
+    compiles: int
+
+
+def vocab_of(config) -> int:
+    """The real vocabulary: model.vocab_size, else the tokenizer's (byte: 257; bpe: data.bpe_vocab_size), else the
+    prepared data's."""
+    if int(config.model.vocab_size) > 0:
+        return int(config.model.vocab_size)
+    if config.data.tokenizer == "byte":
+        return 257
+    if config.data.tokenizer == "bpe":
+        return int(config.data.bpe_vocab_size)
+    from jaxpar import data
+
+    return data.prepare(config).vocab_size
+
+
+def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int = 10, devices=None,
+         mem_fraction: float = 0.9) -> Plan:
+    """Rank every layout of `space` by predicted step time; compile down the ranking (skipping layouts whose state
+    bytes plus activation estimate, scaled by 0.8 x the smallest compiled/estimated ratio seen for their kind of
+    recompute, cannot fit) until
+    `compile_top` layouts fit or 2 x compile_top + 4 compiles ran; compiled layouts are re-timed with their compiled
+    data-parallel collectives. `devices`: fake CPU devices to compile on (None: no compiles)."""
+    model = cost.Model.from_config(config, vocab_of(config))
+    capacity = cluster.device.memory * mem_fraction
+    space = dataclasses.replace(space, gpus_per_node=cluster.gpus_per_node)
+    cands = [Candidate(lay, cost.step_time(model, lay, cluster), memory.estimate(model, lay))
+             for lay in candidates(config, cluster.gpus, space)]
+    cands.sort(key=lambda c: c.time["step_s"])
+    compiler = memory.Compiler(config, model.vocab, devices) if devices else None
+    found, ratio = 0, {}  # per kind of recompute: the smallest (compiled - state) / activation estimate seen
+    for c in cands:
+        if compiler is None or found >= compile_top or compiler.compiles >= 2 * compile_top + 4:
+            break
+        kind = (c.layout.stage > 1, c.layout.pipeline_remat, c.layout.remat)
+        state, act = c.estimate
+        if state + act * 0.8 * ratio.get(kind, 0.5) > capacity or not compiler.can_compile(c.layout):
+            continue
+        c.memory = compiler.memory(c.layout)
+        ratio[kind] = min(ratio.get(kind, float("inf")), max(c.memory["peak"] - state, 0.0) / max(act, 1.0))
+        c.time = cost.step_time(model, c.layout, cluster, c.memory["data_collectives"])
+        found += c.fits(capacity) is True
+    order = {True: 0, None: 1, False: 2}
+    cands.sort(key=lambda c: (order[c.fits(capacity)], c.time["step_s"]))
+    return Plan(model, cluster, capacity, cands, len(cands), compiler.compiles if compiler else 0)
+
+
+def summary(p: Plan, c: Candidate) -> dict:
+    """One candidate as the table and the JSON show it."""
+    m, t = p.model, c.time
+    tokens = m.global_batch * m.seq / t["step_s"]
+    mf = cost.model_flops_per_step(m) / t["step_s"] / p.cluster.gpus
+    return {"layout": c.layout.name(), "overrides": c.layout.overrides(), "flags": c.layout.flags(),
+            "micro_batch": c.layout.micro_batch(m.global_batch), "tokens_per_s": tokens,
+            "tflops_per_gpu": mf / 1e12, "mfu": mf / p.cluster.device.peak_flops,
+            "hw_tflops_per_gpu": t["device_flops"] / t["step_s"] / 1e12,
+            "memory_gib": c.peak() / GiB, "memory_source": c.memory["source"] if c.memory else "estimate",
+            "fits": c.fits(p.capacity), "time": t,
+            "collectives_by_kind": c.memory.get("collectives_by_kind") if c.memory else None}

@@ -1,0 +1,252 @@
+"""The analytic time model of one train step of jaxpar's program for a `Layout` on a `Cluster`.
+
+Per microbatch and layer (b sequences of s tokens, width h, MLP width f, tensor t), one device runs
+  matmuls  2·b·s·h·(q + k + v + o + f·n_mlp) / t FLOPs (n_mlp: 2 for GPT-2, 3 for SwiGLU) plus the attention core
+           4·b·s²·h / t (halved for a fused causal kernel, which skips masked tiles),
+  at `MATMUL_EFFICIENCY` of the device's peak; and memory-bound elementwise work: `ELEMENTWISE_TRAFFIC` x the
+  layer's activation bytes (Korthikanti et al. 2022, Table 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes at 2 bytes per
+  value; with sequence parallelism 34/t; a fused attention kernel keeps no a·s² scores) at the HBM bandwidth.
+  A backward pass is twice a forward pass; recompute adds forward passes (full layer or attention core only).
+Tensor parallelism: 2 all-reduces of [b, s, h] per layer per forward pass, 2 per backward (Megatron-LM; sequence
+  parallel: an all-gather + reduce-scatter pair each, the same bytes), ring time 2(t-1)/t·X / busbw, exposed.
+Pipeline: the critical path of the schedule's own tick table (`Schedule.time` with per-microbatch stage costs f, b, w)
+  plus the head on the last stage, and one [b, s, h] transfer per tick per direction over the stage link, exposed.
+Data parallelism / ZeRO: the float32 gradient all-reduce (ZeRO 0, 1) or per-microbatch reduce-scatter (2) or the
+  per-layer gathers + reduce-scatters (3), and the parameter all-gather after a sharded update (1, 2), over the
+  data group's link; what runs inside the microbatch loop overlaps with its compute (XLA's pipelined collectives,
+  `runtime.GPU_FLAGS`), what runs after it is exposed.
+The optimizer update streams 28 bytes per float32 parameter it updates (AdamW: read p, g, m, v; write p, m, v).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from jaxpar.plan.hardware import Cluster
+from jaxpar.plan.space import Layout
+
+# The model's two global constants, set once against Narayanan et al. 2021, Table 1 (bench/plan_published.py)
+MATMUL_EFFICIENCY = 0.70  # fraction of the dense peak a large bf16 GEMM sustains
+ELEMENTWISE_TRAFFIC = 3.0  # HBM bytes moved per activation byte stored, per forward pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The numbers of a config's model the cost model reads."""
+    layers: int
+    embed: int
+    heads: int
+    kv_heads: int
+    mlp: int
+    seq: int
+    vocab: int  # real vocabulary (padded per layout)
+    gated: bool  # SwiGLU (3 MLP matrices)
+    tied: bool
+    positions: int  # rows of a learned position table (0: none)
+    compute_bytes: int
+    param_bytes: int
+    fused_attention: bool
+    global_batch: int
+
+    @classmethod
+    def from_config(cls, config, vocab: int):
+        from jaxpar.attention import choose
+        from jaxpar.config import mlp_width
+
+        m, tr = config.model, config.train
+        kernel, _ = choose(m.attention, tr.compute_dtype, m.seq_len, m.embed // m.heads,
+                           config.data.packing == "documents", backend="gpu")
+        nbytes = {"float32": 4, "float64": 8}
+        return cls(layers=m.layers, embed=m.embed, heads=m.heads, kv_heads=m.kv_heads or m.heads,
+                   mlp=mlp_width(config), seq=m.seq_len, vocab=vocab, gated=m.arch == "llama",
+                   tied=bool(m.tie_embeddings), positions=(m.max_positions or m.seq_len) if m.arch == "gpt2" else 0,
+                   compute_bytes=nbytes.get(tr.compute_dtype, 2), param_bytes=nbytes.get(tr.param_dtype, 2),
+                   fused_attention=kernel != "xla", global_batch=int(tr.global_batch_size))
+
+    def padded_vocab(self, t: int) -> int:
+        from jaxpar.config import padded_vocab
+
+        return padded_vocab(self.vocab, t)
+
+    def layer_params(self) -> int:
+        """Matmul weights of one layer (norms and biases are O(h))."""
+        h, hd = self.embed, self.embed // self.heads
+        return h * (h + 2 * self.kv_heads * hd) + h * h + (3 if self.gated else 2) * h * self.mlp
+
+    def params_per_device(self, lay: Layout) -> float:
+        """Parameters one device holds before ZeRO: its stage's layers split over tensor, plus the embedding
+        (and untied head) split over tensor and the position table, held by every stage (jaxpar's layout)."""
+        h, t = self.embed, lay.tensor
+        shared = self.padded_vocab(t) * h / t * (1 if self.tied else 2) + self.positions * h
+        return self.layers / lay.stage * (self.layer_params() / t + 4 * h) + shared
+
+
+def activation_bytes(model: Model, lay: Layout) -> float:
+    """One layer's activations for one microbatch (Korthikanti et al. 2022, Table 2, 2-byte values):
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallelism 34/t for the first terms; no a·s² scores under a fused
+    attention kernel."""
+    b, s, h, t = lay.micro_batch(model.global_batch), model.seq, model.embed, lay.tensor
+    scores = 0 if model.fused_attention else 5 * model.heads * s / (h * t)
+    return s * b * h * ((34 / t if lay.sp else 10 + 24 / t) + scores)
+
+
+def ring(kind: str, n: int) -> float:
+    """Bytes on the wire per byte of the collective's buffer (nccl-tests' bus bandwidth factors)."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+
+
+def collective_time(kind: str, nbytes: float, n: int, bw: tuple[float, float]) -> float:
+    """Seconds for one collective of `nbytes` (its buffer) over n ranks at (busbw, latency)."""
+    return 0.0 if n <= 1 else ring(kind, n) * nbytes / bw[0] + bw[1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _table(name: str, S: int, M: int, v: int):
+    from jaxpar.pipeline import registry
+
+    return registry.table(name, S, M, v)
+
+
+def recompute_passes(lay: Layout) -> tuple[float, float]:
+    """(extra full-layer forwards, extra attention-core forwards) per microbatch that jaxpar's program runs."""
+    full = {"full": 1.0}.get(lay.remat, 0.0)
+    core = 1.0 if lay.remat in ("selective", "dots", "attention") else 0.0
+    if lay.stage > 1 and lay.pipeline_remat:
+        full += 2.0 if lay.schedule == "zb_h1" else 1.0  # ZB-H1 recomputes in B and again in W
+    return full, core
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """One layer's seconds per microbatch on one device (forward, backward, attention-core forward, one tensor
+    collective, the forward matmuls alone) and its matmul FLOPs per forward pass; the head's forward seconds."""
+    fwd: float
+    bwd: float
+    core: float
+    tp: float
+    mm_fwd: float
+    flops_fwd: float
+    flops_core: float
+    head_fwd: float
+    transfer: float  # bytes of one [b, s, h] activation
+
+
+def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
+    t, b, s, h = lay.tensor, lay.micro_batch(model.global_batch), model.seq, model.embed
+    rate = cl.device.peak_flops * MATMUL_EFFICIENCY
+    lin = 2 * b * s * model.layer_params() / t
+    core = 4 * b * s * s * h / t * (0.5 if model.fused_attention else 1.0)
+    work = (lin + core) / rate + ELEMENTWISE_TRAFFIC * activation_bytes(model, lay) / cl.device.hbm_bw
+    x = b * s * h * model.compute_bytes
+    bw = cl.group_bw(t, 1)
+    tp = collective_time("all-reduce", x, t, bw) + (bw[1] if lay.sp else 0.0)  # SP: two collectives, one latency more
+    return _Layer(fwd=work + 2 * tp, bwd=2 * work + 2 * tp, core=core / rate, tp=tp, mm_fwd=lin / rate,
+                  flops_fwd=lin + core, flops_core=core, head_fwd=2 * b * s * h * model.padded_vocab(t) / t / rate,
+                  transfer=x)
+
+
+def _pipeline(lay: Layout, cl: Cluster, ly: _Layer, Lc: float, head: float, r_full: float, r_core: float):
+    """(critical path seconds, stage-transfer seconds) of the schedule's tick table with these stage costs."""
+    sc = _table(lay.schedule, lay.stage, lay.microbatches, lay.virtual)
+    if lay.schedule == "zb_h1":  # B: input grads (+ recompute), W: weight grads (+ recompute again)
+        f, b, w = Lc * ly.fwd, Lc * (ly.bwd - ly.mm_fwd + ly.fwd), Lc * (ly.mm_fwd + ly.fwd)
+    else:
+        f, b, w = Lc * ly.fwd, Lc * (ly.bwd + r_full * ly.fwd + r_core * ly.core), 0.0
+    critical = sc.time(f, b, w) + lay.microbatches * head
+    transfers = sc.ticks * (1 if "b" in sc.ok else 2)  # loop engine: both directions in one tick
+    bw, lat = cl.p2p_bw(lay.stage * lay.tensor > cl.gpus_per_node)  # the slowest hop sets the lockstep tick
+    return critical, transfers * (ly.transfer / bw + lat)
+
+
+def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = None) -> dict:
+    """Seconds per step, split into compute (incl. recompute), bubble, tensor / pipeline / data-parallel
+    communication (exposed parts) and the optimizer update; the FLOPs each device runs. `compiled`: the step's
+    collectives over `data` from its compile (`data_collectives`), used for the data-parallel / ZeRO term instead
+    of the analytic one."""
+    ly, (r_full, r_core) = _layer(model, lay, cl), recompute_passes(lay)
+    M, Lc = lay.microbatches, model.layers / lay.stage
+    head_passes = 6 if lay.stage > 1 and lay.schedule in ("gpipe", "circular") else 3  # checkpointed head: twice
+    head = head_passes * ly.head_fwd + 2 * ly.tp
+    recompute = r_full * ly.fwd + r_core * ly.core
+    ideal = M * (Lc * (ly.fwd + ly.bwd + recompute) + head)
+    critical, pp = (ideal, 0.0) if lay.stage == 1 else _pipeline(lay, cl, ly, Lc, head, r_full, r_core)
+    if compiled is None:
+        dp, opt = _data_parallel(model, lay, cl, critical)
+    else:
+        dp, opt = _compiled_dp(model, lay, cl, critical, compiled)
+    rate = cl.device.peak_flops * MATMUL_EFFICIENCY
+    flops = M * (Lc * ((3 + r_full) * ly.flops_fwd + r_core * ly.flops_core) + head_passes * ly.head_fwd * rate)
+    return {"step_s": critical + pp + dp["exposed"] + opt, "compute_s": ideal, "bubble_s": critical - ideal,
+            "pp_comm_s": pp, "tp_comm_s": M * (Lc * (4 + 2 * r_full) + 2) * ly.tp, "dp_comm_s": dp["exposed"],
+            "dp_overlapped_s": dp["hidden"], "dp_bytes": dp["bytes"], "dp_source": dp["source"], "optimizer_s": opt,
+            "recompute_s": M * Lc * recompute, "device_flops": flops}
+
+
+def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> tuple[dict, float]:
+    """Exposed and hidden seconds of the data-parallel / ZeRO collectives, and the optimizer update's seconds."""
+    d, P = lay.data, model.params_per_device(lay)
+    grads, params = 4 * P, model.param_bytes * P
+    opt = 28 * P / (d if lay.zero >= 1 else 1) / cl.device.hbm_bw
+    M, piped = lay.microbatches, lay.stage > 1
+    ops = []  # (kind, bytes, executions); a pipeline gathers / scatters a stage's whole params once per step
+    if lay.zero <= 1:
+        ops.append(("all-reduce", grads, 1))
+    if lay.zero == 2:
+        ops.append(("reduce-scatter", grads, 1 if piped else M))
+    if lay.zero == 3 and piped:
+        ops += [("all-gather", params, 1), ("reduce-scatter", grads, 1)]
+    elif lay.zero == 3:  # per layer and microbatch: a gather in the forward (kept for the backward), again in a
+        L = model.layers  # recompute, and a reduce-scatter of its gradient
+        gathers = L * M * (1 + recompute_passes(lay)[0])
+        ops += [("all-gather", params / L, gathers), ("reduce-scatter", grads / L, L * M)]
+    if lay.zero in (1, 2):
+        ops.append(("all-gather", params, 1))
+    return _overlap(ops, lay, cl, window, "analytic"), opt
+
+
+def _overlap(ops, lay: Layout, cl: Cluster, window: float, source: str) -> dict:
+    """(kind, bytes, executions) over the data group -> exposed / hidden seconds. A collective run n times per step
+    (in the microbatch or layer loop) can hide n - 1 of its runs behind up to `window` seconds of compute (one run,
+    the last reduction or the first gather, has nothing left to overlap); one run once per step is exposed."""
+    d, ops = lay.data, [op for op in ops if op[2] > 0]
+    bw = cl.group_bw(d, lay.tensor * lay.stage)
+    total = sum(n * collective_time(k, b, d, bw) for k, b, n in ops)
+    hideable = sum((n - 1) * collective_time(k, b, d, bw) for k, b, n in ops)
+    hidden = min(hideable, window)
+    return {"exposed": total - hidden, "hidden": hidden, "source": source,
+            "bytes": sum(n * b for k, b, n in ops) if d > 1 else 0.0}
+
+
+def data_collectives(collectives: list, mesh_shape: dict) -> list:
+    """The compile report's collectives (`hlo.hlo_collectives`) that run over the `data` axis: (kind, bytes of the
+    whole buffer, executions per step)."""
+    from jaxpar.hlo_groups import axes_of
+
+    out = []
+    for c in collectives:
+        axes = axes_of(c["group"], mesh_shape)
+        if "data" in axes and c["kind"] != "collective-permute":
+            n = len(c["group"]) if c["group"] else math.prod(mesh_shape.values())  # no groups: every device
+            full = c["bytes"] * (n if c["kind"] == "reduce-scatter" else 1)  # the report gives a scatter's shard
+            out.append((c["kind"], full, c["executions"]))
+    return out
+
+
+def _compiled_dp(model: Model, lay: Layout, cl: Cluster, window: float, ops: list) -> tuple[dict, float]:
+    opt = _data_parallel(model, lay, cl, window)[1]
+    return _overlap(ops, lay, cl, window, "compiled"), opt
+
+
+def model_flops_per_step(model: Model) -> float:
+    """PaLM's 6N + 12·L·h·s per token times the global batch's tokens (recompute excluded; `metrics`)."""
+    n = model.layers * model.layer_params() + model.vocab * model.embed
+    return (6 * n + 12 * model.layers * model.embed * model.seq) * model.global_batch * model.seq
+
+
+def narayanan_flops(model: Model) -> float:
+    """Narayanan et al. 2021, eq. 3: 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)) FLOPs per step (full recompute)."""
+    B, s, l, h, V = model.global_batch, model.seq, model.layers, model.embed, model.vocab
+    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))

@@ -1,0 +1,138 @@
+"""The layouts to rank: every (data, tensor, stage, schedule, virtual stages, microbatches, ZeRO stage, recompute,
+sequence parallelism) that `config.validate` accepts for the config's model and global batch on `gpus` devices."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+from jaxpar.config import ConfigError, validate
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    data: int
+    tensor: int
+    stage: int
+    microbatches: int  # per step, per data replica (train.microbatches)
+    schedule: str = "gpipe"
+    virtual: int = 1
+    zero: int = 0
+    remat: str = "none"  # model.remat
+    pipeline_remat: bool = True
+    sp: bool = False  # model.sequence_parallel
+
+    def micro_batch(self, global_batch: int) -> int:
+        """Sequences per microbatch per data replica: global batch / (data x microbatches)."""
+        return global_batch // (self.data * self.microbatches)
+
+    def overrides(self) -> dict:
+        """The config keys (dotted) that train this layout."""
+        return {"mesh.data": self.data, "mesh.tensor": self.tensor, "mesh.stage": self.stage,
+                "train.microbatches": self.microbatches, "pipeline.schedule": self.schedule,
+                "pipeline.virtual_stages": self.virtual, "optim.zero_stage": self.zero, "model.remat": self.remat,
+                "pipeline.remat": self.pipeline_remat, "model.sequence_parallel": self.sp}
+
+    def flags(self) -> str:
+        """`--config.KEY=VALUE ...` for train.py."""
+        return " ".join(f"--config.{k}={v}" for k, v in self.overrides().items())
+
+    def name(self) -> str:
+        """Short form: (d, t, s) schedule[v] M zero remat SP."""
+        sched = "" if self.stage == 1 else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
+        rem = self.remat if self.stage == 1 or not self.pipeline_remat else "stage"
+        return (f"({self.data},{self.tensor},{self.stage}){sched} M{self.microbatches} z{self.zero} {rem}"
+                + (" SP" if self.sp else ""))
+
+
+def apply(config, layout: Layout):
+    """A copy of `config` with `layout`'s keys set."""
+    c = copy.deepcopy(config)
+    set_layout(c, layout)
+    return c
+
+
+def set_layout(config, layout: Layout):
+    """Set `layout`'s keys in `config` (in place)."""
+    with config.unlocked():
+        for key, v in layout.overrides().items():
+            section, name = key.split(".")
+            config[section][name] = v
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """What the enumeration may choose; None = every value that can run. Tuples restrict (the CLI's --tensor etc.)."""
+    tensor: tuple | None = None
+    stage: tuple | None = None
+    schedule: tuple | None = None
+    zero: tuple | None = (0, 1, 2, 3)
+    remat: tuple | None = ("none", "selective", "full")
+    sp: tuple | None = (False, True)
+    max_micro_batch: int = 16
+    max_virtual: int = 8
+    gpus_per_node: int = 8  # tensor stays within a node (`mesh.node_order`): sizes dividing it
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _recompute(stage: int, schedule: str, space: Space):
+    """(model.remat, pipeline.remat) pairs: one stage: model.remat; pipelines: the stage recompute
+    (pipeline.remat=True, model.remat none), or with pipeline.remat=False (1f1b only) model.remat."""
+    remats = space.remat or ("none", "selective", "full")
+    if stage == 1:
+        return [(r, True) for r in remats]
+    pairs = [("none", True)]
+    if schedule == "1f1b":
+        pairs += [(r, False) for r in remats]
+    return pairs
+
+
+def _schedules(stage: int, layers: int, space: Space):
+    """(schedule, virtual stages) pairs for `stage` stages."""
+    if stage == 1:
+        return [("gpipe", 1)]
+    names = space.schedule or ("gpipe", "1f1b", "zb_h1", "circular")
+    out = []
+    for name in names:
+        vs = [v for v in divisors(layers // stage) if 1 < v <= space.max_virtual] if name in ("circular", "1f1b") \
+            else []
+        out += ([(name, 1)] if name != "circular" else []) + [(name, v) for v in vs]
+    return out
+
+
+def candidates(config, gpus: int, space: Space = Space()):
+    """Every `Layout` of `space` that `validate(config, gpus)` accepts, with tensor within a node."""
+    work = copy.deepcopy(config)
+    for layout in _grid(config, gpus, space):
+        set_layout(work, layout)
+        try:
+            validate(work, gpus)
+        except ConfigError:
+            continue
+        yield layout
+
+
+def _grid(config, gpus: int, space: Space):
+    """Every combination before validation (products of the mesh sizes equal to gpus)."""
+    L, B = int(config.model.layers), int(config.train.global_batch_size)
+    node = min(space.gpus_per_node, gpus)
+    tensors = [t for t in space.tensor or [t for t in divisors(gpus) if t & (t - 1) == 0 and t <= 8]
+               if node % t == 0]
+    for t in tensors:
+        for s in space.stage or divisors(gpus // t if gpus % t == 0 else 1):
+            if gpus % (t * s) or L % s:
+                continue
+            d = gpus // (t * s)
+            if B % d:
+                continue
+            per_replica = B // d
+            for M in divisors(per_replica):
+                if per_replica // M > space.max_micro_batch or (s > 1 and M < s):
+                    continue
+                for (sched, v), zero, sp in itertools.product(_schedules(s, L, space), space.zero or (0,),
+                                                              space.sp if t > 1 else (False,)):
+                    for remat, premat in _recompute(s, sched, space):
+                        yield Layout(d, t, s, M, sched, v, zero, remat, premat, sp)
