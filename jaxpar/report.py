@@ -97,7 +97,8 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
     compiled = lowered_or_compiled
     if not hasattr(compiled, "memory_analysis") and hasattr(compiled, "compile"):
         compiled = compiled.compile()
-    col = hlo_collectives(compiled.as_text())
+    text = compiled.as_text()  # once: a large model's HLO text takes seconds to print
+    col = hlo_collectives(text)
     xla_flops = None
     try:
         ca = compiled.cost_analysis()
@@ -114,7 +115,7 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
         "loops": col["loops"],
         "flops_per_step": None if flops_per_step is None else float(flops_per_step),
         "xla_flops": xla_flops,
-        "hlo_flops": hlo_flops(compiled.as_text()),
+        "hlo_flops": hlo_flops(text),
     }
 
 
