@@ -7,8 +7,8 @@ import itertools
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-import pytest
 
 from helpers import tiny_config
 from jaxpar import config as jcfg
@@ -17,6 +17,8 @@ from jaxpar import trainer
 from jaxpar.plan import cost, hardware, memory
 from jaxpar.plan.space import Layout, Space, apply, candidates, set_layout
 from jaxpar.pipeline.registry import NAMES
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def small():
@@ -105,7 +107,7 @@ def test_time_model_monotone():
 def test_narayanan_table1_within_15_percent():
     """Predicted TFLOP/s per GPU (the paper's FLOP count) within 15 % of every row, the planner choosing the
     microbatch and interleaving (analytic only: memory is bench/plan_published.py's)."""
-    sys.path.insert(0, "bench")
+    sys.path.insert(0, str(ROOT / "bench"))
     from plan_published import MEGATRON_2021, TABLE1, megatron_config
 
     for name, h, l, a, t, p, n, B, pub in TABLE1[:4]:  # 1T's 64-stage tick tables: the bench's
@@ -117,8 +119,9 @@ def test_narayanan_table1_within_15_percent():
 
 def test_cli_json_and_bad_input(tmp_path):
     out = tmp_path / "plan.json"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "jaxpar.plan", "--config", "configs/shakespeare.py",
-                                     "--nocompile", *a], capture_output=True, text=True, timeout=300)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "jaxpar.plan", "--config",
+                                     str(ROOT / "configs" / "shakespeare.py"), "--nocompile", *a],
+                                    capture_output=True, text=True, timeout=300, cwd=ROOT)
     r = run("--gpus", "8", "--json", str(out), "--top", "3")
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())
