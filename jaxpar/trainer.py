@@ -166,39 +166,6 @@ def init_from_export(directory: str, steps, state) -> dict:
     return steps.from_canonical(canon)
 
 
-def compile_report(config, vocab: int = 0, devices=None) -> dict:
-    """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
-    allocated) and return the compile report (`report.compile_report`) with `compile_s`, the float32 gradient
-    buffer's bytes, the layout, and the optimized HLO under `hlo_text`. vocab 0: the config's, else the data's."""
-    from jaxpar import report
-
-    devices = list(jax.devices() if devices is None else devices)
-    hf.apply(config)
-    shape = validate(config, len(devices))
-    vocab = vocab or max(int(config.model.vocab_size), 0) or distributed.process_0_first(
-        lambda: data.prepare(config), "jaxpar/prepare").vocab_size
-    steps = build(config, make_mesh(shape, devices), vocab)
-    abstract = steps.abstract_state()
-    B, T = int(config.train.global_batch_size), int(config.model.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
-             for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing).items()}
-    t0 = time.perf_counter()
-    compiled = steps.train.lower(abstract, batch).compile()
-    compile_s = time.perf_counter() - t0
-    rep = report.compile_report(compiled, abstract_state=abstract,
-                                flops_per_step=gpt.flops_per_token(steps.cfg) * B * T)
-    rep["compile_s"] = compile_s  # lowering + compiling (a persistent-cache hit skips the compiling)
-    grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
-                         abstract["params"], steps.grad_shardings)
-    rep["state_bytes"]["grad_buffer"] = report.state_group_bytes({"g": grads})["g"]
-    rep["layout"] = {**dict(steps.mesh.shape), "zero_stage": int(config.optim.zero_stage),
-                     "microbatches": int(config.train.microbatches), "schedule": config.pipeline.schedule,
-                     "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(abstract["params"]))),
-                     "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype}
-    rep["hlo_text"] = compiled.as_text()
-    return rep
-
-
 def dry_run(config, workdir: str) -> dict:
     """Compile the train step for the config's layout without training; write WORKDIR/compile_report.json.
 
@@ -208,7 +175,7 @@ def dry_run(config, workdir: str) -> dict:
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
     from jaxpar import report
 
-    rep = compile_report(config)
+    rep = report.for_config(config)
     hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)

@@ -27,6 +27,10 @@ class Candidate:
     def peak(self) -> float:
         return self.memory["peak"] if self.memory else sum(self.estimate)
 
+    def rank(self, capacity: float) -> tuple:
+        """The plan's order: compiled and fitting, then unknown (not compiled), then not fitting; each by step time."""
+        return {True: 0, None: 1, False: 2}[self.fits(capacity)], self.time["step_s"]
+
     def fits(self, capacity: float) -> bool | None:
         """True / False from the compiled bytes; uncompiled: False when the exact state bytes alone exceed
         `capacity`, else None (an estimate is no verdict)."""
@@ -85,8 +89,7 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
         ratio[kind] = min(ratio.get(kind, float("inf")), max(c.memory["peak"] - state, 0.0) / max(act, 1.0))
         c.time = cost.step_time(model, c.layout, cluster, c.memory["data_collectives"])
         found += c.fits(capacity) is True
-    order = {True: 0, None: 1, False: 2}
-    cands.sort(key=lambda c: (order[c.fits(capacity)], c.time["step_s"]))
+    cands.sort(key=lambda c: c.rank(capacity))
     return Plan(model, cluster, capacity, cands, len(cands), compiler.compiles if compiler else 0)
 
 

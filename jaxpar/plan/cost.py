@@ -173,10 +173,9 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
     recompute = r_full * ly.fwd + r_core * ly.core
     ideal = M * (Lc * (ly.fwd + ly.bwd + recompute) + head)
     critical, pp = (ideal, 0.0) if lay.stage == 1 else _pipeline(lay, cl, ly, Lc, head, r_full, r_core)
-    if compiled is None:
-        dp, opt = _data_parallel(model, lay, cl, critical)
-    else:
-        dp, opt = _compiled_dp(model, lay, cl, critical, compiled)
+    dp = (_data_parallel(model, lay, cl, critical) if compiled is None
+          else _overlap(compiled, lay, cl, critical, "compiled"))
+    opt = 28 * model.params_per_device(lay) / (lay.data if lay.zero >= 1 else 1) / cl.device.hbm_bw  # AdamW
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     flops = M * (Lc * ((3 + r_full) * ly.flops_fwd + r_core * ly.flops_core) + head_passes * ly.head_fwd * rate)
     return {"step_s": critical + pp + dp["exposed"] + opt, "compute_s": ideal, "bubble_s": critical - ideal,
@@ -185,11 +184,10 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
             "recompute_s": M * Lc * recompute, "device_flops": flops}
 
 
-def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> tuple[dict, float]:
-    """Exposed and hidden seconds of the data-parallel / ZeRO collectives, and the optimizer update's seconds."""
-    d, P = lay.data, model.params_per_device(lay)
+def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> dict:
+    """Exposed and hidden seconds of the analytic data-parallel / ZeRO collectives (`_overlap`)."""
+    P = model.params_per_device(lay)
     grads, params = 4 * P, model.param_bytes * P
-    opt = 28 * P / (d if lay.zero >= 1 else 1) / cl.device.hbm_bw
     M, piped = lay.microbatches, lay.stage > 1
     ops = []  # (kind, bytes, executions); a pipeline gathers / scatters a stage's whole params once per step
     if lay.zero <= 1:
@@ -204,7 +202,7 @@ def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> tup
         ops += [("all-gather", params / L, gathers), ("reduce-scatter", grads / L, L * M)]
     if lay.zero in (1, 2):
         ops.append(("all-gather", params, 1))
-    return _overlap(ops, lay, cl, window, "analytic"), opt
+    return _overlap(ops, lay, cl, window, "analytic")
 
 
 def _overlap(ops, lay: Layout, cl: Cluster, window: float, source: str) -> dict:
@@ -233,11 +231,6 @@ def data_collectives(collectives: list, mesh_shape: dict) -> list:
             full = c["bytes"] * (n if c["kind"] == "reduce-scatter" else 1)  # the report gives a scatter's shard
             out.append((c["kind"], full, c["executions"]))
     return out
-
-
-def _compiled_dp(model: Model, lay: Layout, cl: Cluster, window: float, ops: list) -> tuple[dict, float]:
-    opt = _data_parallel(model, lay, cl, window)[1]
-    return _overlap(ops, lay, cl, window, "compiled"), opt
 
 
 def model_flops_per_step(model: Model) -> float:

@@ -48,7 +48,7 @@ class Compiler:
     def memory(self, lay: Layout) -> dict:
         """{"peak": bytes, "temp", "argument", ..., "source": "compiled" | "derived (data 2)", "compile_s",
         "collectives_by_kind", "data_collectives" (`cost.data_collectives`)} of the layout's train step."""
-        from jaxpar import trainer
+        from jaxpar import report
 
         B = int(self.config.train.global_batch_size)
         k = key(lay, B)
@@ -59,7 +59,7 @@ class Compiler:
                 c.train.global_batch_size = B // lay.data * dc
                 c.xla.compile_cache = False
             n = dc * lay.tensor * lay.stage
-            rep = trainer.compile_report(c, self.vocab, self.devices[:n])
+            rep = report.for_config(c, self.vocab, self.devices[:n])
             self.compiles += 1
             mesh = {a: rep["layout"][a] for a in ("data", "stage", "tensor")}
             self.cache[k] = {**rep["memory"], "compile_s": rep["compile_s"], "state_bytes": rep["state_bytes"],

@@ -33,8 +33,7 @@ def rows(p: Plan, top: int) -> list[dict]:
     limit = ok[0].time["step_s"] if ok else float("inf")
     no = [c for c in p.ranked if c.fits(p.capacity) is False and c.time["step_s"] < limit][:top]
     out = []
-    order = {True: 0, None: 1, False: 2}  # the plan's ranking: compiled and fitting, unknown, not fitting
-    for c in sorted(ok + no, key=lambda c: (order[c.fits(p.capacity)], c.time["step_s"])):
+    for c in sorted(ok + no, key=lambda c: c.rank(p.capacity)):
         r = summary(p, c)
         r["why"] = why(p, c, best)
         out.append(r)
