@@ -87,6 +87,10 @@ def main(argv):
         best = p.ranked[0] if p.ranked else None
         with open(_JSON.value, "w") as f:
             json.dump([dict(planner.summary(p, c), why=table.why(p, c, best)) for c in p.ranked], f, indent=1)
+    pinned = [f"--{n}={v}" for n, vals in (("tensor", space.tensor), ("stage", space.stage)) for v in vals or ()
+              if cl.gpus % v]
+    if not p.ranked and pinned:
+        sys.exit(f"error: {', '.join(pinned)} does not divide the {cl.gpus} devices; pick divisors of {cl.gpus}.")
     if not p.ranked:
         sys.exit(f"error: no layout of {config.name} on {cl.gpus} devices in the searched space passes validate "
                  f"(global batch {config.train.global_batch_size}, heads {config.model.heads}, layers "

@@ -22,6 +22,8 @@ def why(p: Plan, c, best) -> str:
     deltas.append((other, "matmul and elementwise work"))
     d, name = max(deltas)
     total = c.time["step_s"] - best.time["step_s"]
+    if abs(total) <= 1e-9 * best.time["step_s"]:
+        return "ties with the best"
     return f"{name} +{d:.3g} s (step +{total:.3g} s)" if d > 0 else f"step +{total:.3g} s"
 
 
