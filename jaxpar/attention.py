@@ -2,7 +2,7 @@
 kernel JAX ships, `jax.experimental.pallas.ops.gpu.attention`, the one that takes segment ids). Knows no model.
 
 Shapes: q `[batch, t, heads, head_dim]`, k and v `[batch, s, heads, head_dim]` (grouped KV heads repeated by the
-caller), segment_ids `[batch, t]` int32 (t = s). Scale 1/sqrt(head_dim); softmax in float32 in every kernel.
+caller), segment_ids `[batch, t]` int32 (t = s). Scale 1/sqrt(head_dim); softmax in float32 in every kernel (float64 in float64 reference runs).
 
 `choose(implementation, ...)` resolves `model.attention`:
   - "xla": XLA's attention: materialises the `[batch, heads, t, s]` scores (O(T²) memory); packed documents become a
@@ -83,11 +83,23 @@ def xla(q, k, v, mask=None, segment_ids=None):
     if segment_ids is not None:
         same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
         mask = same & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
-    if jax.default_backend() == "cpu" and dt not in (jnp.float32, jnp.float64):
+    if dt == jnp.float64:
+        return _float64(q, k, v, mask)
+    if jax.default_backend() == "cpu" and dt != jnp.float32:
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
     if mask is None:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
     return jax.nn.dot_product_attention(q, k, v, mask=mask).astype(dt)
+
+
+def _float64(q, k, v, mask):
+    """Attention with its softmax in float64 (reference runs; `jax.nn.dot_product_attention` computes every softmax
+    in float32, which would put float32 rounding into a float64 run)."""
+    t, s = q.shape[1], k.shape[1]
+    mask = jnp.tril(jnp.ones((t, s), bool)) if mask is None else mask
+    scores = jnp.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1])
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", probs, v)
 
 
 def _cudnn(q, k, v):

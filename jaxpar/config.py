@@ -175,9 +175,9 @@ def nearest_multiples(value: int, m: int) -> str:
     return " or ".join(str(x) for x in dict.fromkeys((lo, hi)) if x > 0)
 
 
-def _check_float64(tr, stages: int) -> list[str]:
-    """float64 is for reference runs (the tests' exact-arithmetic stand-in): both dtypes, JAX's x64 mode, and the
-    accumulation path (the pipelines keep float32 loss sums and gradient buffers)."""
+def _check_float64(tr) -> list[str]:
+    """float64 is for reference runs (the tests' exact-arithmetic stand-in): both dtypes and JAX's x64 mode. Every
+    layout runs it (loss sums and gradient buffers are at least the compute dtype: `dtypes.at_least_f32`)."""
     wide = [k for k in ("param_dtype", "compute_dtype") if tr[k] == "float64"]
     if not wide:
         return []
@@ -188,9 +188,6 @@ def _check_float64(tr, stages: int) -> list[str]:
         errs.append(f"train.{wide[0]}='float64' needs the other dtype float64 too (a float64 reference run).")
     if not jax.config.jax_enable_x64:
         errs.append("float64 needs JAX's 64-bit mode: set JAX_ENABLE_X64=1 (or run inside `jax.enable_x64(True)`).")
-    if stages > 1:
-        errs.append(f"float64 with mesh.stage={stages}: float64 reference runs use the accumulation path; set "
-                    f"--config.mesh.stage=1.")
     return errs
 
 
@@ -411,7 +408,7 @@ def validate(config, num_devices: int) -> dict[str, int]:
     for k in ("param_dtype", "compute_dtype"):
         if tr[k] not in DTYPES:
             errs.append(f"train.{k}={tr[k]!r}: pick one of {DTYPES}.")
-    errs += _check_float64(tr, s)
+    errs += _check_float64(tr)
     errs += _check_loss_scale(config)
     if tr.nonfinite not in ("stop", "skip"):
         errs.append(f"train.nonfinite={tr.nonfinite!r}: pick 'stop' or 'skip'.")

@@ -17,17 +17,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import constrain
-
-
-def _f(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _chunk(h, w, y, m, vocab_real: int, grads: bool):
     """One chunk: h `[b, c, d]`, w `[d, V]`, y `[b, c]` int32, m `[b, c]` -> loss sum, and with `grads` (dh
     `[b, c, d]` compute dtype, dw `[d, V]` float32) of that sum."""
-    f = _f(h.dtype)
+    f = at_least_f32(h.dtype)
     z = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=f)
     z = constrain(z, ("batch", "seq", "vocab"))
     ids = jnp.arange(z.shape[-1])
@@ -98,4 +95,4 @@ def cross_entropy(h, w, targets, mask, vocab_real: int, chunk: int):
     w `[embed, vocab]` (any dtype; used in h's), targets `[batch, seq]` int32, mask `[batch, seq]` float32 (loss
     weights) -> (loss_sum, token_count) float32 scalars. `chunk`: positions per chunk (`chunk_size`)."""
     c = chunk_size(h.shape[1], chunk)
-    return _loss(h, w, targets, mask.astype(_f(h.dtype)), vocab_real, c), mask.sum()
+    return _loss(h, w, targets, mask.astype(at_least_f32(h.dtype)), vocab_real, c), mask.sum()

@@ -3,7 +3,7 @@
 Each takes the microbatched inputs `xs` (leaves `[M, batch / M, ...]`: x, y int32 `[.., seq]`, w float32 mask,
 ids int32 global row index, optional seg int32 `[.., seq]` document segments) and offers
 
-    loss_and_grads(params, xs, norm, rng) -> (loss_sum, grads of norm · loss_sum)   (float32)
+    loss_and_grads(params, xs, norm, rng) -> (loss_sum, grads of norm · loss_sum)   (at least float32)
     loss(params, xs) -> (loss_sum, token_count)                                    (evaluation: no dropout)
 
 - `Accumulate` (no pipeline): a scan over the microbatches on each data shard; ZeRO's reductions by hand
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxpar import model as gpt
 from jaxpar import pipeline
+from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules
 from jaxpar.manual import vary
 
@@ -50,7 +51,7 @@ class Accumulate:
                 return s * ex["norm"], s
 
             g, s = jax.grad(f, has_aux=True)(params)
-            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(gpt.at_least_f32(a.dtype)), g)), s
+            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), g)), s
 
         def body(carry, mb):
             gacc, lsum = carry
@@ -108,7 +109,7 @@ class PipelineAutodiff:
     def loss_and_grads(self, params, xs, norm, rng):
         f = lambda p: (lambda s: (s * norm, s))(self._forward(self.fence(p), xs, rng)[0])
         grads, lsum = jax.grad(f, has_aux=True)(params)
-        return lsum, self.fence(jax.tree.map(lambda a: a.astype(jnp.float32), grads))
+        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads))
 
     def loss(self, params, xs):
         return self._forward(self.fence(params), xs, None)[:2]
@@ -126,7 +127,7 @@ class PipelineLoop(PipelineAutodiff):
         layer = lambda p, a, index, mb: self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"))
         with activation_rules(self.rules, None, manual=PIPE_MANUAL):
             lsum, _, _, dshared, dlayers = pipeline.run_loop(
-                first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm, jnp.float32),
+                first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
                 remat=self.remat)
         grads = gpt.join_params(dshared, dlayers)
-        return lsum, self.fence(jax.tree.map(lambda a: a.astype(jnp.float32), grads))
+        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads))

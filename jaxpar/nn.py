@@ -21,16 +21,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import attention as kernels
+from jaxpar.dtypes import at_least_f32  # noqa: F401 (re-exported)
 from jaxpar.logical import constrain
 
 LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per dimension
 ROLE = "role"  # the Param metadata key holding its role: weight | bias | norm | embedding | position
-
-
-def at_least_f32(dtype):
-    """float32 for float32 and narrower dtypes, float64 for float64 (reference runs): where statistics, logits and
-    gradient sums are computed."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def param(key, shape, std, names, dtype, role="weight"):

@@ -25,6 +25,7 @@ from jaxpar import gradients, loss_scale
 from jaxpar import model as gpt
 from jaxpar import pipeline
 from jaxpar.config import step_rules
+from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules
 from jaxpar.optim import OptimSettings, applied_updates, make_optimizer, schedule
 from jaxpar.train_state import init_state, layout
@@ -184,7 +185,7 @@ def build_steps(st: StepSettings, cfg: gpt.GPTConfig, mesh) -> Steps:
 
         The backward pass runs on the loss times `scale` (fp16 loss scaling); the grads returned are unscaled."""
         mask, xs = microbatched(batch, st.microbatches)
-        total = jnp.maximum(mask.sum(), 1.0)
+        total = jnp.maximum(mask.sum(dtype=at_least_f32(cfg.compute_dtype)), 1.0)  # float64 in float64 runs
         lsum, grads = grad_fn.loss_and_grads(params, xs, scale / total, rng)
         grads = jax.lax.with_sharding_constraint(grads, lay.grads)
         return lsum / total, jax.tree.map(lambda g: g / scale, grads)

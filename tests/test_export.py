@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from helpers import assert_params_close, run_config
+from helpers import assert_params_exact, run_config
 from jaxpar import export, runs, trainer
 from jaxpar.data import ByteTokenizer
 from jaxpar.generate import generate
@@ -52,14 +52,14 @@ def pipeline_run(corpus, tmp_path_factory):
     return wd, out
 
 
-@pytest.fixture(scope="module")
-def float64_export(corpus, tmp_path_factory):
-    """The export of the same 3 steps in float64 on 1 device: the exact-arithmetic reference of the two runs above."""
-    tmp = tmp_path_factory.mktemp("float64")
+def float64_export(corpus, tmp, **over):
+    """The export's arrays of a float64 run (JAX's x64 mode) of `run_config` with `over`."""
     wd, out = tmp / "run", tmp / "export"
     with jax.enable_x64(True):
-        trainer.run(run_config(corpus, tmp, **{"mesh.data": 1, "train.steps": 3, "train.param_dtype": "float64",
-                                               "train.compute_dtype": "float64"}), str(wd), devices=jax.devices()[:1])
+        n = over.get("mesh.data", 1) * over.get("mesh.tensor", 1) * over.get("mesh.stage", 1)
+        trainer.run(run_config(corpus, tmp, **over, **{"train.param_dtype": "float64",
+                                                       "train.compute_dtype": "float64"}), str(wd),
+                    devices=jax.devices()[:n])
         assert export.main(["--workdir", str(wd), "--out", str(out)]) == 0
     return load_file(str(out / export.WEIGHTS_FILE))
 
@@ -83,14 +83,15 @@ def test_export_equals_the_checkpoint_bitwise(which, request):
     assert (meta["tokenizer_kind"], meta["tokenizer_vocab_size"]) == ("byte", tok.vocab_size)
 
 
-def test_exports_are_layout_free(tensor_run, pipeline_run, float64_export):
-    """The pipeline run's layers come out in model order: after 3 AdamW steps it matches the tensor-parallel run
-    within `assert_params_close`'s bound (a layer order left stage-major would be O(1) off)."""
-    a = load_file(str(tensor_run[1] / export.WEIGHTS_FILE))
-    b = load_file(str(pipeline_run[1] / export.WEIGHTS_FILE))
-    assert sorted(a) == sorted(b) == sorted(float64_export)
-    assert all(a[k].shape == b[k].shape for k in a)
-    assert_params_close(b, a, float64_export)
+def test_exports_are_layout_free(corpus, tmp_path):
+    """The pipeline layout's layers come out in model order: after 3 AdamW steps its export equals the 1-device
+    run's, float64 on both sides (`helpers.assert_params_exact`; a layer order left stage-major would be O(1) off)."""
+    piped = float64_export(corpus, tmp_path / "pipeline", **PIPELINE)
+    one = float64_export(corpus, tmp_path / "one", **{**PIPELINE, "mesh.data": 1, "mesh.tensor": 1, "mesh.stage": 1,
+                                                      "train.microbatches": 1, "pipeline.schedule": "gpipe",
+                                                      "pipeline.virtual_stages": 1})
+    assert sorted(piped) == sorted(one) and all(piped[k].shape == one[k].shape for k in one)
+    assert_params_exact(piped, one)
 
 
 @pytest.mark.parametrize("which", ["tensor_run", "pipeline_run"])

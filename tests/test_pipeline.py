@@ -1,11 +1,12 @@
-"""Pipeline parallelism over `stage`: every (data, tensor, stage) x schedule equals the 1-device run; bubbles
+"""Pipeline parallelism over `stage`: every (data, tensor, stage) x schedule equals the 1-device run
+(`helpers.assert_equals_one_device`); bubbles
 never reach the loss or the gradients; stage grads stay sharded; the schedule tables match the theory."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_params_close, assert_trees_close, batch, float64_params, place, steps_for, tiny_config
+from helpers import assert_equals_one_device, assert_trees_close, batch, steps_for, place, tiny_config
 from jaxpar import pipeline
 from jaxpar.mesh import make_mesh
 from jaxpar.step import map_blocks, to_microbatches
@@ -24,44 +25,16 @@ def microbatches_for(data: int) -> int:
     return 8 if 16 % (data * 8) == 0 else 16 // data
 
 
-def run(c):
-    n = c.mesh.data * c.mesh.tensor * c.mesh.stage
-    s = steps_for(c, VOCAB, jax.devices()[:n])
-    state = s.init(0)
-    b = batch(16, 16, VOCAB)
-    loss0, grads = jax.device_get(s.grads(state["params"], place(s, b)))
-    losses = []
-    for _ in range(3):
-        state, m = s.train(state, place(s, b))
-        losses.append(float(m["loss"]))
-    return float(loss0), grads, losses, jax.device_get(s.to_canonical(state)["params"])
-
-
-def params_f64():
-    """The float64 run of `run`'s 3 steps (the same for every layout, schedule and M)."""
-    return float64_params(pipe_config(), VOCAB, [batch(16, 16, VOCAB)] * 3)
-
-
-@pytest.fixture(scope="module")
-def reference():
-    return run(pipe_config())
-
+BATCHES = [batch(16, 16, VOCAB)] * 3
 
 LAYOUTS = [(1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2), (4, 1, 2)]
 CASES = [(lay, "gpipe", 1) for lay in LAYOUTS] + [(lay, "circular", 2) for lay in LAYOUTS if 8 % (lay[2] * 2) == 0]
 
 
 @pytest.mark.parametrize("layout,schedule,v", CASES, ids=lambda x: str(x))
-def test_pipeline_equals_one_device(reference, layout, schedule, v):
+def test_pipeline_equals_one_device(layout, schedule, v):
     d, t, s = layout
-    M = microbatches_for(d)
-    c = pipe_config(d, t, s, schedule, v, M=M)
-    ref = run(pipe_config(M=M)) if M != 8 else reference
-    loss0, grads, losses, params = run(c)
-    np.testing.assert_allclose(loss0, ref[0], rtol=1e-6)
-    assert_trees_close(grads, ref[1])
-    np.testing.assert_allclose(losses, ref[2], rtol=1e-6)
-    assert_params_close(params, ref[3], params_f64())
+    assert_equals_one_device(pipe_config(d, t, s, schedule, v, M=microbatches_for(d)), VOCAB, BATCHES)
 
 
 def test_per_microbatch_losses_meet_their_own_labels():

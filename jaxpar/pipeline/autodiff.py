@@ -34,7 +34,8 @@ DATA = "data"  # manual too: each device runs its rows; the gradient is reduced 
 
 def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, *, remat: bool = True,
         bubble_fill: float = 0.0, skip_bubbles: bool = True):
-    """Run the pipeline -> (loss_sum, count, per_microbatch_loss_sum `[M]`), float32, summed over microbatches.
+    """Run the pipeline -> (loss_sum, count, per_microbatch_loss_sum `[M]`) in `last_fn`'s dtypes (float32; float64
+    in float64 runs), summed over microbatches.
 
     Args:
       shared: params used by first_fn / last_fn (replicated over `stage`).
@@ -69,8 +70,8 @@ class _Ticks:
         self.first = jax.checkpoint(lambda shared, mb, x, pred: jax.lax.cond(
             pred, lambda: vary(first_fn(shared, mb)), lambda: x), prevent_cse=False)
         self.last = jax.checkpoint(lambda shared, y, mb, pred: jax.lax.cond(
-            pred, lambda: vary(last_fn(shared, y, mb)), lambda: (_zero(), _zero())), prevent_cse=False)
-        self.first_fn = first_fn
+            pred, lambda: vary(last_fn(shared, y, mb)), lambda: _zeros(self.out_dtypes)), prevent_cse=False)
+        self.first_fn, self.last_fn = first_fn, last_fn
 
     def _work(self, chunks, r, x, cid, mb, ok):
         """The stage's layers on its slot, skipped in bubbles."""
@@ -89,6 +90,8 @@ class _Ticks:
         # other stages would never join it)
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), vary(stacked))  # [v, Lc, ...]
         shared = vary(shared)
+        self.out_dtypes = tuple(a.dtype for a in jax.eval_shape(
+            lambda sh, mb: self.last_fn(sh, vary(jnp.zeros(act.shape, act.dtype)), mb), shared, take(xs, 0)))
 
         def tick(carry, row):
             recv, loop_buf, loss, count, per_mb = carry
@@ -109,11 +112,12 @@ class _Ticks:
             return (nxt, loop_buf, loss + ls, count + c, per_mb), None
 
         fill = lambda *lead: vary(jnp.full(lead + act.shape, self.fill_value, act.dtype))
-        init = (fill(), fill(M if v > 1 else 1), _zero(), _zero(), vary(jnp.zeros((M,), jnp.float32)))
+        init = (fill(), fill(M if v > 1 else 1), *_zeros(self.out_dtypes), vary(jnp.zeros((M,), self.out_dtypes[0])))
         (_, _, loss, count, per_mb), _ = jax.lax.scan(tick, init, tables)
         both = (AXIS, DATA)
         return jax.lax.psum(loss, both), jax.lax.psum(count, both), jax.lax.psum(per_mb, both)
 
 
-def _zero():
-    return vary(jnp.zeros((), jnp.float32))
+def _zeros(dtypes):
+    """Per-device zeros of (loss_sum, count) in `last_fn`'s dtypes."""
+    return tuple(vary(jnp.zeros((), d)) for d in dtypes)

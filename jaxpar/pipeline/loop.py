@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.dtypes import at_least_f32
 from jaxpar.manual import put as put_at, take, vary
 from jaxpar.pipeline.autodiff import AXIS, DATA
 from jaxpar.pipeline.tables import LANES, Schedule
@@ -45,12 +46,12 @@ def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
       stacked: the layers' params, leaves `[L, ...]` in stage-major order (`tables.to_stage_major`: with v chunks
         per stage, stage s holds chunks s, s + S, ...), sharded on `stage` along axis 0, replicated over `data`.
       xs: per-microbatch inputs, leaves `[M, batch / M, ...]`, rows sharded on `data` (axis 1).
-      seed: float32 scalar, the cotangent of each microbatch's loss_sum (e.g. 1 / tokens of the global batch).
+      seed: scalar in the loss sum's dtype, the cotangent of each microbatch's loss_sum (e.g. 1 / tokens of the global batch).
       remat: True: keep stage inputs and recompute the forward in B; False: keep the vjp residuals (1F1B only).
 
     Returns:
-      (loss_sum, count, per-microbatch loss sums `[M]`, shared grads, stacked grads): float32, summed over
-      microbatches and the `data` axis (one all-reduce per step), grads shaped like `shared` / `stacked`.
+      (loss_sum, count, per-microbatch loss sums `[M]`, shared grads, stacked grads): sums in `last_fn`'s dtypes,
+      grads at least float32 (`dtypes.at_least_f32`: float64 in float64 runs), summed over microbatches and the `data` axis (one all-reduce per step), grads shaped like `shared` / `stacked`.
     """
     if not remat and schedule.split:
         raise ValueError(f"remat=False with the split schedule {schedule.name!r} (see pipeline.registry.errors)")
@@ -64,15 +65,12 @@ def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
 
 
 def _f32(t):
-    return jax.tree.map(lambda a: a.astype(jnp.float32), t)
+    """Gradients in their buffer dtype: at least float32 (float64 in float64 reference runs)."""
+    return jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), t)
 
 
 def _zeros_like(t):
-    return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), t))
-
-
-def _zero():
-    return vary(jnp.zeros((), jnp.float32))
+    return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, at_least_f32(a.dtype)), t))
 
 
 class _Engine:
@@ -93,11 +91,14 @@ class _Engine:
         self.chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
         self.Lc = jax.tree.leaves(stacked)[0].shape[0] // v
         self.act = jax.eval_shape(self.first_fn, self.shared, take(xs, 0))
+        self.out_dtypes = tuple(a.dtype for a in jax.eval_shape(
+            lambda sh, mb: self.last_fn(sh, self._zact(), mb), self.shared, take(xs, 0)))
+        self.seed = self.seed.astype(self.out_dtypes[0])  # the cotangent of a loss sum has its dtype
         if not self.remat:  # the residuals' shapes
             self.res_shapes = jax.eval_shape(
                 lambda: self._fwd_vjp(self._zact(), take(self.chunks, 0), self.s, take(xs, 0)))[1]
-        init = (self._buffers(), _zeros_like(self.chunks), _zeros_like(self.shared), _zero(), _zero(),
-                vary(jnp.zeros((sc.microbatches,), jnp.float32)))
+        init = (self._buffers(), _zeros_like(self.chunks), _zeros_like(self.shared), *self._zeros(),
+                vary(jnp.zeros((sc.microbatches,), self.out_dtypes[0])))
         (_, dchunks, dshared, loss, count, per_mb), _ = jax.lax.scan(self._tick, init, tables)
         dstacked = jax.tree.map(lambda a: a.reshape(v * self.Lc, *a.shape[2:]), dchunks)
         both = (AXIS, DATA)
@@ -105,6 +106,10 @@ class _Engine:
                 jax.lax.psum(dshared, both), jax.lax.psum(dstacked, DATA))
 
     # ---- pieces -------------------------------------------------------------------------------------------------
+    def _zeros(self):
+        """Per-device zero (loss_sum, count) in the dtypes `last_fn` returns (float64 loss sums in float64 runs)."""
+        return tuple(vary(jnp.zeros((), d)) for d in self.out_dtypes)
+
     def _zact(self):
         return vary(jnp.zeros(self.act.shape, self.act.dtype))
 
@@ -174,14 +179,14 @@ class _Engine:
             else:
                 dc, da = self._pull_from(self._at(bufs["res"], i, r))(g)
                 dsh = jax.vjp(lambda sh: self.first_fn(sh, mb), shared)[1](da)[0]
-            return _f32(dc), _f32(dsh), self._zact(), _zero(), _zero()
+            return _f32(dc), _f32(dsh), self._zact(), *self._zeros()
 
         def middle():
             if self.remat:
                 dc, dx = jax.vjp(lambda p, a: self._stage(p, a, c, mb)[0], chunk, x)[1](g)
             else:
                 dc, dx = self._pull_from(self._at(bufs["res"], i, r))(g)
-            return _f32(dc), _zeros_like(shared), dx, _zero(), _zero()
+            return _f32(dc), _zeros_like(shared), dx, *self._zeros()
 
         def last():
             (ls, cnt), pull = jax.vjp(lambda p, sh, a: self.last_fn(sh, self._stage(p, a, c, mb)[0], mb),
@@ -189,7 +194,7 @@ class _Engine:
             dc, dsh, dx = pull((self.seed, jnp.zeros_like(cnt)))
             return _f32(dc), _f32(dsh), dx, ls, cnt
 
-        idle = lambda: (_zeros_like(chunk), _zeros_like(shared), self._zact(), _zero(), _zero())
+        idle = lambda: (_zeros_like(chunk), _zeros_like(shared), self._zact(), *self._zeros())
         return self._by_role(role, first, middle, last, idle)
 
     def _b_split(self, bufs, i, r, role):
@@ -202,12 +207,12 @@ class _Engine:
         def first():
             _, pull, ins = jax.vjp(lambda sh, t: stage(self.first_fn(sh, mb), t), shared, taps0, has_aux=True)
             dsh, cts = pull(g)
-            return _f32(dsh), self._zact(), _zero(), _zero(), ins, cts
+            return _f32(dsh), self._zact(), *self._zeros(), ins, cts
 
         def middle():
             _, pull, ins = jax.vjp(stage, x, taps0, has_aux=True)
             dx, cts = pull(g)
-            return _zeros_like(shared), dx, _zero(), _zero(), ins, cts
+            return _zeros_like(shared), dx, *self._zeros(), ins, cts
 
         def last():
             def f(sh, a, t):
@@ -217,7 +222,7 @@ class _Engine:
             dsh, dx, cts = pull((self.seed, jnp.zeros_like(cnt)))
             return _f32(dsh), dx, ls, cnt, ins, cts
 
-        idle = lambda: (_zeros_like(shared), self._zact(), _zero(), _zero(), taps0, taps0)
+        idle = lambda: (_zeros_like(shared), self._zact(), *self._zeros(), taps0, taps0)
         return self._by_role(role, first, middle, last, idle)
 
     def _w_lane(self, bufs, i, r, ok):
