@@ -3,6 +3,8 @@
 DIR is a run directory (its config, tokenizer and latest checkpoint are loaded, whatever layout trained it), an
 export written by `python -m jaxpar.export` (it holds model_config.json), or `hf:DIR`, a Hugging Face directory
 (GPT-2 or Llama; float32 on one device).
+
+Guide: docs/getting-started.md (sampling), docs/models.md (Hugging Face directories).
 """
 import os
 import sys

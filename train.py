@@ -3,6 +3,8 @@
 Rerunning the same command resumes from the latest checkpoint in WORKDIR (default: runs/<config file name>).
 Several processes (hosts): under `srun` nothing to add; elsewhere --coordinator, --num_processes, --process_id (or
 JAXPAR_* variables, see jaxpar/distributed.py); on one machine: `python -m jaxpar.launch --num_processes N -- train.py`.
+
+Guides: docs/getting-started.md, docs/layouts.md (--dry_run), docs/multihost.md; every key: docs/config.md.
 """
 import os
 import sys

@@ -1,8 +1,8 @@
 """GPT-2 small (124M: 12 layers, d_model 768, 12 heads, 1024 tokens) for one GPU server, data parallel.
 
-Point `data.corpus` at your text files (a glob) and `data.tokenizer` at a tokenizer.json (e.g. GPT-2's), or let
-jaxpar train a byte-level BPE on the corpus. Global batch 512 x 1024 tokens = 0.5M tokens per step (GPT-3 paper,
-Table 2.1, for this size); lr and schedule as nanoGPT's GPT-2 reproduction.
+Point `data.sources` at your text files (`text:GLOB`, see docs/data.md) and `data.tokenizer` at a tokenizer.json (e.g.
+GPT-2's), or let jaxpar train a byte-level BPE on the corpus. Global batch 512 x 1024 tokens = 0.5M tokens per step
+(GPT-3 paper, Table 2.1, for this size); lr and schedule as nanoGPT's GPT-2 reproduction.
 """
 from jaxpar.config import base_config
 

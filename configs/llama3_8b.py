@@ -1,11 +1,12 @@
-"""Llama 3 8B (32 layers, d_model 4096, 32 heads, 8 KV heads, SwiGLU 14336, vocab 128256, RoPE θ 500000, untied,
-8192 tokens) for one 8-GPU server (H100/H200 80+ GB): tensor 8 over NVLink, each device one KV head.
+"""Llama 3 8B (32 layers, d_model 4096, 32 heads, 8 KV heads, SwiGLU 14336, vocab 128256, RoPE θ 500000, untied, 8192
+tokens) for one 8-GPU server (H100/H200 80+ GB): tensor 8 over NVLink, each device one KV head.
 
-Why tensor 8 and not ZeRO-3 over data 8: until the fused attention lands, attention materialises its
-`[heads, seq, seq]` float32 scores: 32 heads x 8192² x 4 B = 8.6 GB per sequence and layer on a device that holds all
-heads, 1.1 GB with 4 heads per device. Full recompute keeps one layer's activations at a time. `--dry_run` shows the
-per-device bytes (README). To continue pre-training or fine-tune Meta's weights, add
-`--config.init_from=hf:/path/to/Meta-Llama-3-8B` (the shape and tokenizer then come from that directory).
+Why tensor 8 and not ZeRO-3 over data 8: on the XLA attention path (CPU, or `model.attention=xla`), attention
+materialises its `[heads, seq, seq]` float32 scores: 32 heads x 8192² x 4 B = 8.6 GB per sequence and layer on a
+device that holds all heads, 1.1 GB with 4 heads per device (on GPU `model.attention=auto` picks a fused kernel). Full
+recompute keeps one layer's activations at a time. `--dry_run` shows the per-device bytes (docs/layouts.md). To
+continue pre-training or fine-tune Meta's weights, add `--config.init_from=hf:/path/to/Meta-Llama-3-8B` (the shape and
+tokenizer then come from that directory).
 """
 from jaxpar.config import base_config
 

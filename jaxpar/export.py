@@ -319,7 +319,8 @@ def parse_size(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m jaxpar.export ...`; returns the exit code: 0 done, 2 bad input (one line on stderr)."""
     ap = argparse.ArgumentParser(prog="python -m jaxpar.export",
-                                 description="Export a run's checkpoint params as safetensors + JSON.")
+                                 description="Export a run's checkpoint params as safetensors + JSON.",
+                                 epilog="Guide: docs/models.md (Hugging Face) and docs/checkpoints.md.")
     ap.add_argument("--workdir", required=True, help="run directory written by train.py")
     ap.add_argument("--out", required=True, help="export directory to write (must not exist or be empty)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")

@@ -327,7 +327,8 @@ def main(argv=None) -> int:
 
     from jaxpar.config import base_config
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxpar.preprocess", description=__doc__.split("\n")[0],
+                                epilog="Guide: docs/data.md.")
     p.add_argument("--sources", required=True, help="a source or a blend '0.3 A 0.7 B' (see jaxpar/data/sources.py)")
     p.add_argument("--tokenizer", default="byte", help="byte | bpe | a tokenizer.json")
     p.add_argument("--out", required=True, help="PREFIX of PREFIX.bin/.idx (megatron), or a directory (tokens)")

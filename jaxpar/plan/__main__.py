@@ -3,6 +3,8 @@
 Prints the table (predicted tokens/s, TFLOP/s per GPU and MFU by PaLM's model FLOPs, memory per device and where it
 comes from, fits, why it loses) and the `--config.*` flags that train the best; `--json PATH` writes the candidates
 best first; `--measure` runs the best layout's step on the devices present and prints predicted vs measured.
+
+Guide: docs/planning.md.
 """
 import json
 import os

@@ -1,0 +1,100 @@
+"""The documentation cannot drift from the code: every `--config.KEY` written in README.md and docs/ is a key of
+`base_config()`, every `configs/*.py` and `python -m jaxpar.X` named exists, every relative link resolves, the config
+reference lists exactly the keys of `base_config()` with their defaults, and the README stays a landing page."""
+import ast
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar.config import DEFAULT_RULES, base_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def flat_keys(config, prefix=""):
+    """{dotted key: default} of a ConfigDict (the `rules` table is one key)."""
+    out = {}
+    for k, v in config.items():
+        if hasattr(v, "items") and k != "rules":
+            out.update(flat_keys(v, prefix + k + "."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+KEYS = flat_keys(base_config())
+
+
+def unknown_config_keys(text: str) -> list[str]:
+    """The `--config.KEY` spellings in `text` that name no key of `base_config()`."""
+    found = re.findall(r"--config\.([A-Za-z_][\w.]*[A-Za-z_0-9])", text)
+    return sorted({k for k in found if k not in KEYS and not k.isupper()})  # KEY, X: placeholders
+
+
+def missing_paths(text: str) -> list[str]:
+    """`configs/*.py` files and `python -m jaxpar.X` modules named in `text` that do not exist."""
+    missing = [p for p in re.findall(r"\bconfigs/[\w.-]+\.py\b", text) if not (ROOT / p).exists()]
+    for mod in re.findall(r"python3? -m (jaxpar(?:\.\w+)*)", text):
+        if importlib.util.find_spec(mod) is None:
+            missing.append(mod)
+    return sorted(set(missing))
+
+
+def broken_links(page: pathlib.Path) -> list[str]:
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        path = target.split("#")[0]
+        if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+            out.append(target)
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_config_key_module_config_file_and_link_exists(page):
+    text = page.read_text()
+    assert unknown_config_keys(text) == [], f"{page.name}: --config keys that base_config() does not have"
+    assert missing_paths(text) == [], f"{page.name}: configs or modules that do not exist"
+    assert broken_links(page) == [], f"{page.name}: links to files that do not exist"
+
+
+def test_the_check_catches_a_stale_key():
+    assert unknown_config_keys("python train.py --config.model.layers=2 --config.data.corpus=x") == ["data.corpus"]
+    assert missing_paths("python train.py --config configs/llama4.py; python -m jaxpar.nothing") == [
+        "configs/llama4.py", "jaxpar.nothing"]
+
+
+def reference_rows():
+    """{key: default} from the table of docs/config.md (defaults as Python literals)."""
+    rows = {}
+    keys_section = (ROOT / "docs/config.md").read_text().split("## Keys")[1].split("\n## ")[0]
+    for key, default in re.findall(r"^\| `([\w.]+)` \| `([^`]*)` \|", keys_section, re.M):
+        rows[key] = DEFAULT_RULES if default == "DEFAULT_RULES" else ast.literal_eval(default)
+    return rows
+
+
+def test_config_reference_lists_every_key_with_its_default():
+    rows = reference_rows()
+    assert sorted(rows) == sorted(KEYS), "docs/config.md and base_config() list different keys"
+    wrong = {k: (rows[k], KEYS[k]) for k in KEYS if rows[k] != KEYS[k] or type(rows[k]) is not type(KEYS[k])}
+    assert wrong == {}, "docs/config.md: (written, actual) defaults"
+    text = (ROOT / "docs/config.md").read_text()
+    for logical, mesh in DEFAULT_RULES:  # the rules table
+        assert re.search(rf"^\| `{logical}` \| {'`' + mesh + '`' if mesh else 'none'}", text, re.M), logical
+
+
+def test_readme_is_a_landing_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+@pytest.mark.parametrize("cmd", [["train.py"], ["sample.py"], ["-m", "jaxpar.plan"], ["-m", "jaxpar.preprocess"],
+                                 ["-m", "jaxpar.export"]], ids=" ".join)
+def test_every_command_line_names_its_guide(cmd):
+    out = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    guides = re.findall(r"docs/[\w/-]+\.md", out.stdout + out.stderr)
+    assert guides and all((ROOT / g).exists() for g in guides), (cmd, guides)
