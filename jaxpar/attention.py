@@ -85,11 +85,12 @@ def xla(q, k, v, mask=None, segment_ids=None):
         mask = same & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
     if dt == jnp.float64:
         return _float64(q, k, v, mask)
-    if jax.default_backend() == "cpu" and dt != jnp.float32:
-        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))  # XLA:CPU lacks low-precision fused attention
-    if mask is None:
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(dt)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask).astype(dt)
+    attend = lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None).astype(dt)
+    if dt == jnp.float32:
+        return attend(q, k, v, mask)
+    # XLA:CPU lacks low-precision fused attention: float32 there, decided when the program is lowered for its platform
+    wide = lambda q, k, v, mask: attend(*(a.astype(jnp.float32) for a in (q, k, v)), mask)
+    return jax.lax.platform_dependent(q, k, v, mask, cpu=wide, default=attend)
 
 
 def _float64(q, k, v, mask):
@@ -106,13 +107,23 @@ def _cudnn(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def _mha_args(q):
+def _mha_args(q, interpret: bool):
     from jax.experimental.pallas.ops.gpu import attention as mod
 
     # mha's static arguments, in its order: sm_scale, causal, block_sizes, backward_pass_impl, num_warps,
     # num_stages, grid, interpret, debug, return_residuals
     return mod, (1.0 / math.sqrt(q.shape[-1]), True, mod.BlockSizes.get_default(), "triton", None, 2, None,
-                 jax.default_backend() != "gpu", False, False)
+                 interpret, False, False)
+
+
+def _on_gpu(kernel):
+    """`kernel(interpret, *arrays)` compiled (Triton) on GPUs and in Pallas' interpret mode elsewhere, chosen when the
+    program is lowered for its platform, not from this process's backend: a CPU-only host can lower the GPU program
+    (`tests/test_lowering.py`)."""
+    def run(*arrays):
+        gpu = lambda *a: kernel(False, *a)
+        return jax.lax.platform_dependent(*arrays, cuda=gpu, rocm=gpu, default=lambda *a: kernel(True, *a))
+    return run
 
 
 def _sharded(fn, names, out_names, *arrays):
@@ -134,22 +145,25 @@ _SEG, _LSE = ("batch", None), ("batch", "heads", None)
 def _pallas(q, k, v, segment_ids=None):
     """The Pallas flash kernel per shard; its forward and backward kernels each run under `per_shard`, and the
     custom_vjp sits outside them (so the gradients keep the varying-axes types of an enclosing shard_map)."""
-    mod, args = _mha_args(q)
-    return _sharded(lambda q, k, v, s: mod.mha(q, k, v, s, *args), (_QKV,) * 3 + (_SEG,), _QKV, q, k, v,
-                    segment_ids)
+    def fwd(interpret, q, k, v, s):
+        mod, args = _mha_args(q, interpret)
+        return mod.mha(q, k, v, s, *args)
+    return _sharded(_on_gpu(fwd), (_QKV,) * 3 + (_SEG,), _QKV, q, k, v, segment_ids)
 
 
 def _pallas_fwd(q, k, v, segment_ids=None):
-    mod, args = _mha_args(q)
-    fwd = lambda q, k, v, s: tuple(mod.mha(q, k, v, s, *args[:-1], True))  # return_residuals: (out, lse)
-    out, lse = _sharded(fwd, (_QKV,) * 3 + (_SEG,), (_QKV, _LSE), q, k, v, segment_ids)
+    def fwd(interpret, q, k, v, s):
+        mod, args = _mha_args(q, interpret)
+        return tuple(mod.mha(q, k, v, s, *args[:-1], True))  # return_residuals: (out, lse)
+    out, lse = _sharded(_on_gpu(fwd), (_QKV,) * 3 + (_SEG,), (_QKV, _LSE), q, k, v, segment_ids)
     return out, (q, k, v, segment_ids, out, lse)
 
 
 def _pallas_bwd(res, do):
-    mod, args = _mha_args(res[0])
-    bwd = lambda q, k, v, s, o, lse, do: tuple(mod._mha_backward(*args, (q, k, v, s, o, lse), do)[:3])
-    grads = _sharded(bwd, (_QKV,) * 3 + (_SEG, _QKV, _LSE, _QKV), (_QKV,) * 3, *res, do)
+    def bwd(interpret, q, k, v, s, o, lse, do):
+        mod, args = _mha_args(q, interpret)
+        return tuple(mod._mha_backward(*args, (q, k, v, s, o, lse), do)[:3])
+    grads = _sharded(_on_gpu(bwd), (_QKV,) * 3 + (_SEG, _QKV, _LSE, _QKV), (_QKV,) * 3, *res, do)
     return (*(vary_like(g, x) for g, x in zip(grads, res[:3])), None)
 
 

@@ -71,7 +71,11 @@ def per_shard(fn, in_names, out_names):
     if ctx is None:
         return fn
     rules, mesh, manual = ctx
-    m = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    current = jax.sharding.get_abstract_mesh()
+    if current.manual_axes:  # inside a shard_map: also one traced after its rules context was left (a custom_vjp's
+        # backward, transposed inside the pipeline's shard_map), so the mesh in force is the one to split over
+        mesh, manual = None, tuple(dict.fromkeys((*manual, *current.manual_axes)))
+    m = mesh if mesh is not None else current
     auto = frozenset(a for a in m.axis_names if a not in manual and a not in m.manual_axes)
     if not auto:
         return fn

@@ -1,0 +1,123 @@
+"""The GPU program, checked without a GPU: jaxpar's train and evaluation steps traced and lowered for CUDA
+(`jax.export` with `platforms=["cuda"]`) from abstract inputs on 8 fake CPU devices, with the attention kernel a GPU
+would pick. A lowering that fails here is the error the first GPU user would meet; a module without the fused
+kernel's Triton call, or with XLA's `[seq, seq]` attention scores, means the kernel choice did not reach the step.
+`bench/gpu.py --smoke` runs here too, so the one-shot GPU bench cannot rot.
+
+Kernels join here as they are added: one case per (kernel, layout kind) that only a GPU compiles."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import steps_for, tiny_config
+from jaxpar import attention as kernels
+from jaxpar import launch
+from jaxpar.data.loader import batch_shapes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 250
+SEQ = 32  # the only dimension of 32 in these models: a "32x32" tensor is XLA's attention scores or mask
+TRITON = "__gpu$xla.gpu.triton"
+SCORES = re.compile(r"[<x]32x32x")
+LLAMA = {"model.arch": "llama", "model.kv_heads": 2, "model.tie_embeddings": False}
+
+# (name, (data, tensor, stage), overrides); every case bf16, documents packed, head_dim 16
+CASES = [
+    ("gpt2 (1,1,1)", (1, 1, 1), {}),
+    ("llama (2,2,2) gpipe", (2, 2, 2), {**LLAMA, "train.microbatches": 2}),
+    ("gpt2 (2,1,4) 1f1b", (2, 1, 4), {"pipeline.schedule": "1f1b", "train.microbatches": 4}),
+    ("llama (1,2,4) zb_h1", (1, 2, 4), {**LLAMA, "pipeline.schedule": "zb_h1", "train.microbatches": 4}),
+    ("gpt2 (4,2,1) zero3 sp", (4, 2, 1), {"optim.zero_stage": 3, "model.sequence_parallel": True}),
+    ("llama (4,2,1) zero3 sp", (4, 2, 1), {**LLAMA, "optim.zero_stage": 3, "model.sequence_parallel": True}),
+]
+
+
+def gpu_config(layout, over, attention="auto", packing="documents"):
+    d, t, s = layout
+    c = tiny_config(**{"model.seq_len": SEQ, "model.layers": 4, "model.embed": 64, "model.heads": 4,
+                       "model.mlp": 128, "train.param_dtype": "float32", "train.compute_dtype": "bfloat16",
+                       "data.packing": packing, "mesh.data": d, "mesh.tensor": t, "mesh.stage": s, **over})
+    if attention == "auto":  # what `auto` resolves to on a GPU, not on this host
+        attention = kernels.choose("auto", jnp.bfloat16, SEQ, 16, packing == "documents", backend="gpu")[0]
+    c.model.attention = attention
+    return c
+
+
+def lowered(config):
+    """(train, evaluate) StableHLO text, each lowered for CUDA from abstract inputs with this layout's shardings."""
+    n = config.mesh.data * config.mesh.tensor * config.mesh.stage
+    s = steps_for(config, VOCAB, jax.devices()[:n])
+    state = s.abstract_state()
+    batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
+             for k, (shape, dtype) in batch_shapes(16, SEQ, config.data.packing).items()}
+    export = lambda f, *args: jax.export.export(  # noqa: E731
+        f, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
+    return export(s.train, state, batch).mlir_module(), export(s.evaluate, state["params"], batch).mlir_module()
+
+
+@pytest.mark.parametrize("name,layout,over", CASES, ids=[c[0] for c in CASES])
+def test_train_and_eval_steps_lower_for_cuda_with_the_fused_kernel(name, layout, over):
+    config = gpu_config(layout, over)
+    assert config.model.attention == "pallas"  # packed documents on a GPU: the Pallas kernel takes segment ids
+    train, evaluate = lowered(config)
+    # forward and backward kernels in the train step, the forward in evaluation; no XLA attention anywhere
+    assert train.count(TRITON) >= 2 and evaluate.count(TRITON) >= 1
+    assert not SCORES.search(train) and not SCORES.search(evaluate)
+
+
+def test_the_checks_see_xla_attention():
+    """The control: the same step with `model.attention=xla` has XLA's scores and no Triton call."""
+    train, evaluate = lowered(gpu_config((2, 2, 2), {**LLAMA, "train.microbatches": 2}, attention="xla"))
+    assert TRITON not in train and SCORES.search(train) and SCORES.search(evaluate)
+
+
+def cudnn_detected() -> str | None:
+    """None when cuDNN's attention can be lowered here, else why not."""
+    q = jax.ShapeDtypeStruct((1, SEQ, 4, 16), jnp.bfloat16)
+    try:
+        jax.export.export(jax.jit(lambda q: kernels.attention(q, q, q, None, "cudnn")), platforms=["cuda"])(q)
+    except Exception as e:  # noqa: BLE001 (JAX raises RuntimeError or ValueError depending on the install)
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    return None
+
+
+def test_cudnn_lowers_where_cudnn_is_detected():
+    """Unpacked bf16 with head_dim 16 on a GPU: `auto` picks cuDNN. Its lowering needs cuDNN installed (JAX checks
+    at trace time); without it the test is skipped and says why."""
+    config = gpu_config((2, 2, 2), {**LLAMA, "train.microbatches": 2}, packing="concat")
+    assert config.model.attention == "cudnn"
+    why = cudnn_detected()
+    if why is not None:
+        pytest.skip(f"cuDNN cannot be lowered on this host ({why})")
+    train, _ = lowered(config)
+    assert "cudnn" in train.lower() and not SCORES.search(train)
+
+
+def test_lowered_module_is_for_cuda_not_the_host():
+    """The export really targets CUDA (the platform recorded in the module), and the host stays a CPU."""
+    q = jax.ShapeDtypeStruct((2, SEQ, 4, 16), jnp.bfloat16)
+    s = jnp.zeros((2, SEQ), np.int32)
+    exp = jax.export.export(jax.jit(lambda q, s: kernels.attention(q, q, q, s, "pallas")), platforms=["cuda"],
+                            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(q, s)
+    assert exp.platforms == ("cuda",) and jax.default_backend() == "cpu"
+    assert TRITON in exp.mlir_module()
+
+
+def test_gpu_bench_smoke_runs_every_row():
+    """`bench/gpu.py --smoke`: the one-shot GPU bench's logic on tiny models, so it cannot rot between GPU runs; every
+    row and the loss check finish without an error."""
+    env = launch.cpu_env(os.environ, 1)
+    out = subprocess.run([sys.executable, "bench/gpu.py", "--smoke", "--steps", "2"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout[:out.stdout.rindex("\n}") + 2])
+    assert len(result["rows"]) == 9 and not result["skipped"], result
+    assert [r for r in result["rows"] if "error" in r] == []
+    assert result["loss_check"] and "error" not in result["loss_check"], result["loss_check"]
