@@ -18,7 +18,7 @@ from jaxpar import model as gpt
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ConfigError, validate
 from jaxpar.mesh import make_mesh
-from jaxpar.step import build
+from jaxpar.step import build, model_config
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "try again"; the SLURM template requeues on it
 
@@ -197,6 +197,7 @@ def run(config, workdir: str, devices=None) -> dict:
     devices = list(jax.devices() if devices is None else devices)
     hf.apply(config)  # init_from=hf:DIR: the model's shape and tokenizer are DIR's
     shape = validate(config, len(devices))
+    check_hf_weights(config, workdir, shape["tensor"])  # before data preparation, which can take hours
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
     vocab = max(int(config.model.vocab_size), info.vocab_size)
@@ -220,20 +221,30 @@ def run(config, workdir: str, devices=None) -> dict:
 def check_before_writing(config, workdir: str, fp: dict, steps) -> None:
     """Refuse a mismatched resume (or a fine-tuning start from an export of another model) before anything is
     created or written."""
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    latest = None
-    if os.path.isdir(ckpt_dir):
-        probe = Checkpointer(workdir, 1, 1, async_save=False, read_only=True)
-        latest = probe.latest_step()
-        if latest is not None:
-            check_resume(probe.read_meta(latest).get("fingerprint", {}), fp, bool(config.train.allow_batch_change))
-        probe.close()
-    if config.init_from and latest is None:
-        if hf.directory_of(config.init_from) is not None:
-            hf.check(hf.directory_of(config.init_from), steps.cfg)
-        else:
-            check_export(config.init_from, steps.cfg)
+    latest, meta = latest_checkpoint(workdir)
+    if latest is not None:
+        check_resume(meta.get("fingerprint", {}), fp, bool(config.train.allow_batch_change))
+    if config.init_from and latest is None and hf.directory_of(config.init_from) is None:
+        check_export(config.init_from, steps.cfg)  # (hf:DIR: `check_hf_weights`, before the data)
     distributed.barrier("jaxpar/resume_check")  # every process looked (isdir) before process 0 creates the folder
+
+
+def check_hf_weights(config, workdir: str, tensor: int) -> None:
+    """With `init_from = hf:DIR` and no checkpoint to resume: every tensor the model needs is in DIR's weight files,
+    complete and of the shape config.json implies (headers only), before anything is prepared or written."""
+    directory = hf.directory_of(config.init_from)
+    if directory is None or latest_checkpoint(workdir)[0] is not None:
+        return
+    hf.check(directory, model_config(config, int(config.model.vocab_size), tensor))
+
+
+def latest_checkpoint(workdir: str) -> tuple[int | None, dict | None]:
+    """(the latest complete checkpoint's step, its metadata), or (None, None); reads only."""
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return None, None
+    with Checkpointer(workdir, 1, 1, async_save=False, read_only=True) as probe:
+        latest = probe.latest_step()
+        return latest, (None if latest is None else probe.read_meta(latest))
 
 
 def write_run_files(config, workdir: str, info) -> None:

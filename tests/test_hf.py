@@ -248,6 +248,8 @@ def copy(src, dst):
     ({"num_key_value_heads": 3}, r"model.kv_heads=3 does not divide model.heads=4"),
     ({"vocab_size": 200}, r"has 256 symbols but the embedding has only vocab_size=200"),
     ({"hidden_size": None}, r"config.json: a value of the wrong type"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, r"RoPE type 'linear'; jaxpar"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu'; jaxpar's llama MLP is SwiGLU"),
     ({"num_attention_heads": 0}, r"num_attention_heads=0; jaxpar needs head_dim"),
     ({"intermediate_size": 64}, r"tensor 'model.layers.0.mlp.gate_proj.weight' is \[48, 32\], but config.json "
                                 r"implies \[64, 32\]"),
@@ -256,9 +258,13 @@ def test_bad_config_is_refused_before_anything_is_written(models, corpus, tmp_pa
     bad = copy(models["llama"][1], tmp_path / "bad")
     edit_config(bad, **change)
     wd = tmp_path / "run"
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as refused:
         trainer.run(run_config(corpus, tmp_path, **{"init_from": f"hf:{bad}"}), str(wd))
     assert not wd.exists()
+    # what is refused and why, once: a feature refusal is not called a type error, and names the file once
+    msg = str(refused.value)
+    assert msg.count(str(bad / "config.json")) <= 1, msg
+    assert ("wrong type" in msg) == ("wrong type" in match), msg
 
 
 def test_missing_or_truncated_shard_is_refused(models, corpus, tmp_path):
@@ -269,8 +275,16 @@ def test_missing_or_truncated_shard_is_refused(models, corpus, tmp_path):
     truncated = copy(sharded, tmp_path / "truncated")
     with open(truncated / shards[2], "r+b") as f:
         f.truncate(os.path.getsize(truncated / shards[2]) - 10)
-    for d, match in ((missing, rf"{shards[1]} is missing"), (truncated, rf"{shards[2]} is truncated")):
+    bin_only = copy(sharded, tmp_path / "bin_only")  # a PyTorch-pickle checkpoint: no safetensors
+    for n in os.listdir(bin_only):
+        if ".safetensors" in n:
+            os.remove(bin_only / n)
+    (bin_only / "pytorch_model.bin").write_bytes(b"not read")
+    for d, match in ((missing, rf"{shards[1]} is missing"), (truncated, rf"{shards[2]} is truncated"),
+                     (bin_only, r"safetensors")):
         wd = tmp_path / f"run_{d.name}"
         with pytest.raises(ConfigError, match=match):
             trainer.run(run_config(corpus, tmp_path, **{"init_from": f"hf:{d}"}), str(wd))
         assert not wd.exists()
+        # refused before the corpus was tokenized: no prepared data in the cache
+        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())

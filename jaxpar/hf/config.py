@@ -51,6 +51,8 @@ def model_settings(hf: dict, where: str) -> dict:
     arch = arch_of(hf, where)
     try:
         return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, where)
+    except HFError:  # a refusal names what is refused and why, once (HFError is a ValueError)
+        raise
     except KeyError as e:
         raise HFError(f"{where}: no {e.args[0]!r}, which a {arch} config.json must have.") from e
     except (TypeError, ValueError) as e:
