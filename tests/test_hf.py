@@ -21,9 +21,10 @@ transformers = pytest.importorskip("transformers")
 from helpers import run_config, steps_for  # noqa: E402
 from jaxpar import hf, runs, trainer  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
-from jaxpar.data import ByteTokenizer  # noqa: E402
+from jaxpar.data import BPETokenizer, ByteTokenizer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402
 from jaxpar.logical import activation_rules  # noqa: E402
+from jaxpar.model import GPTConfig, init_params  # noqa: E402
 from jaxpar.nn import rope_frequencies  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
@@ -288,3 +289,20 @@ def test_missing_or_truncated_shard_is_refused(models, corpus, tmp_path):
         assert not wd.exists()
         # refused before the corpus was tokenized: no prepared data in the cache
         assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def test_export_names_the_end_of_text_token_for_auto_tokenizer(tmp_path):
+    """A BPE tokenizer's end-of-text id is in config.json (bos/eos ids) and by name in tokenizer_config.json, so
+    `AutoTokenizer` reports it and `generate` can stop on it; the byte tokenizer, which has none, names none."""
+    bpe = BPETokenizer.train(["to be or not to be, that is the question\n"] * 50, vocab_size=300)
+    cfg = GPTConfig(vocab_size=384, vocab_real=bpe.vocab_size, seq_len=8, layers=1, embed=16, heads=2, mlp=32)
+    params = jax.device_get(init_params(cfg, jax.random.key(0)))
+    for tok, name in ((bpe, "bpe"), (ByteTokenizer(), "byte")):
+        out = tmp_path / name
+        out.mkdir()
+        hf.save(params, cfg, tok, str(out), "float32", 1 << 30)
+        auto = transformers.AutoTokenizer.from_pretrained(str(out))
+        meta = json.loads((out / "config.json").read_text())
+        assert auto.eos_token_id == meta["eos_token_id"] == tok.eot_id
+        if tok.eot_id is not None:
+            assert auto.eos_token == auto.bos_token == auto.convert_ids_to_tokens(tok.eot_id)

@@ -213,9 +213,13 @@ def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> 
     names = files.write(out, tensors(), max_shard_bytes)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config(cfg, dtype, tokenizer), f, indent=2)
-    tokenizer.to_hf().save(os.path.join(out, TOKENIZER))
+    hf_tok = tokenizer.to_hf()
+    hf_tok.save(os.path.join(out, TOKENIZER))
+    # the end-of-text token by name, as config.json's bos/eos ids say (AutoTokenizer then knows it; generate stops)
+    eot = {} if tokenizer.eot_id is None else dict.fromkeys(("bos_token", "eos_token"),
+                                                              hf_tok.id_to_token(tokenizer.eot_id))
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_positions}, f)
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_positions, **eot}, f)
     return names + ["config.json", TOKENIZER, "tokenizer_config.json"]
 
 
