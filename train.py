@@ -54,5 +54,12 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from jaxpar.config import ConfigError, check_command_line  # defaults only: no backend starts
+
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     flags.mark_flag_as_required("config")
     app.run(main)

@@ -5,7 +5,9 @@ runs before anything is compiled or written and raises `ConfigError` naming the 
 """
 from __future__ import annotations
 
+import difflib
 import numbers
+import re
 
 import ml_collections
 
@@ -372,12 +374,62 @@ def step_rules(config) -> tuple:
     return tuple((n, "tensor") if n == "act_seq" else (n, a) for n, a in rules)
 
 
+RENAMED = {"data.corpus": "data.sources"}  # keys of older jaxpar versions: their names now
+
+
+def flat_keys(config, prefix: str = "") -> list[str]:
+    """The dotted keys of a config (`rules` is one key)."""
+    out = []
+    for k, v in config.items():
+        if isinstance(v, ml_collections.ConfigDict) and k != "rules":
+            out += flat_keys(v, prefix + k + ".")
+        else:
+            out.append(prefix + k)
+    return out
+
+
+def unknown_keys(keys) -> list[str]:
+    """One message per key of `keys` that `base_config()` does not have, naming its new name or the nearest key."""
+    known = set(flat_keys(base_config()))
+    errs = []
+    for k in keys:
+        if k in known or k.split(".")[0] == "rules":
+            continue
+        near = RENAMED.get(k) or _nearest(k, sorted(known))
+        hint = f"; it is now {near}" if k in RENAMED else (f"; did you mean {near}?" if near else "")
+        errs.append(f"{k}: no such config key{hint} (every key: docs/config.md).")
+    return errs
+
+
+def _nearest(key: str, known: list[str]) -> str | None:
+    """The known key `key` most likely meant: one it begins (optim.zero -> optim.zero_stage), else the closest
+    spelling in its own section, else anywhere."""
+    longer = [k for k in known if k.startswith(key)]
+    if longer:
+        return min(longer, key=len)
+    section = [k for k in known if k.rsplit(".", 1)[0] == key.rsplit(".", 1)[0]]
+    return next(iter(difflib.get_close_matches(key, section, 1, 0.6) or difflib.get_close_matches(key, known, 1, 0.6)),
+                None)
+
+
+def check_command_line(argv) -> None:
+    """`--config.KEY=VALUE` arguments naming no key: one line each, before ml_collections meets them (its error is a
+    traceback). Raises ConfigError."""
+    keys = [m.group(1) for a in argv if (m := re.match(r"--config\.([^=\s]+)", a))]
+    errs = unknown_keys(keys)
+    if errs:
+        raise ConfigError(" ".join(f"--config.{e}" for e in errs))
+
+
 def validate(config, num_devices: int) -> dict[str, int]:
     """Check every rule before anything compiles. Returns the resolved mesh shape.
 
     Raises:
       ConfigError: naming the offending numbers and the fix.
     """
+    unknown = unknown_keys(flat_keys(config))
+    if unknown:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(unknown))
     shape = mesh_shape(config, num_devices)
     d, t, s = shape["data"], shape["tensor"], shape["stage"]
     m, tr, o = config.model, config.train, config.optim

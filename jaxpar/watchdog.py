@@ -121,13 +121,22 @@ def _check() -> None:
                      PEER_LOST_EXIT_CODE)
         beat_at, bound = _W.beat_at, step_bound()
         if bound > 0 and beat_at is not None and now - beat_at > bound:
-            how = "dist.step_timeout_s" if _W.step_timeout > 0 else (
-                f"dist.step_timeout_s auto: max({_W.auto_min:g} s, {_W.auto_factor:g} x the slowest step "
-                f"{_W.slowest:.2f} s)")
-            where = "" if _W.phase == "step" else f" (in its {_W.phase})"
-            fail(f"no training step finished within {bound:g} s ({how}): step {_W.step + 1}{where} has not finished "
-                 f"{now - beat_at:.0f} s after step {_W.step} did; it is stuck in this process or waits for a stuck "
-                 f"one.", STALLED_EXIT_CODE)
+            fail(stall_message(now), STALLED_EXIT_CODE)
+
+
+def stall_message(now: float) -> str:
+    """What the step watchdog says when the step after `_W.step` has not finished within the bound."""
+    if _W.step_timeout > 0:
+        how = "dist.step_timeout_s"
+    elif _W.slowest > 0:
+        how = (f"dist.step_timeout_s auto: max({_W.auto_min:g} s, {_W.auto_factor:g} x the slowest step "
+               f"{_W.slowest:.2f} s)")
+    else:  # only the first, compiling step has finished, and it is not timed
+        how = "dist.step_timeout_s auto: no step has been timed yet, so the minimum, dist.step_timeout_min_s"
+    where = "" if _W.phase == "step" else f" (in its {_W.phase})"
+    return (f"no training step finished within {step_bound():g} s ({how}): step {_W.step + 1}{where} has not "
+            f"finished {now - _W.beat_at:.0f} s after step {_W.step} did; it is stuck in this process or waits for a "
+            f"stuck one.")
 
 
 def _listen(coordinator: str) -> None:

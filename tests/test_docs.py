@@ -10,24 +10,13 @@ import sys
 
 import pytest
 
-from jaxpar.config import DEFAULT_RULES, base_config
+from jaxpar.config import DEFAULT_RULES, _get, base_config, flat_keys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
 
 
-def flat_keys(config, prefix=""):
-    """{dotted key: default} of a ConfigDict (the `rules` table is one key)."""
-    out = {}
-    for k, v in config.items():
-        if hasattr(v, "items") and k != "rules":
-            out.update(flat_keys(v, prefix + k + "."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-KEYS = flat_keys(base_config())
+KEYS = {k: _get(base_config(), k) for k in flat_keys(base_config())}  # {dotted key: default}
 
 
 def unknown_config_keys(text: str) -> list[str]:

@@ -4,6 +4,7 @@ tests/test_multihost.py."""
 import json
 import os
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 
 from helpers import batch, place, steps_for, tiny_config
-from jaxpar import launch, loss_scale
+from jaxpar import launch, loss_scale, trainer
 from jaxpar.config import ConfigError, validate
 from jaxpar.distributed import DistributedError, resolve
+from jaxpar.watchdog import STALLED_EXIT_CODE
 from test_preemption import command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,9 +163,41 @@ def test_out_of_range_values_fail_in_validate_naming_the_key(key, value):
 
 def test_an_out_of_range_value_fails_in_trainer_run_and_writes_nothing(corpus, tmp_path):
     from helpers import run_config
-    from jaxpar import trainer
 
     wd = tmp_path / "run"
     with pytest.raises(ConfigError, match=r"optim.b2=1.0 must be a number in \[0, 1\)"):
         trainer.run(run_config(corpus, tmp_path, **{"optim.b2": 1.0}), str(wd))
     assert not wd.exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("key,says", [("data.corpus", "it is now data.sources"),
+                                      ("model.layer", "did you mean model.layers?"),
+                                      ("optim.zero", "did you mean optim.zero_stage?")])
+def test_an_unknown_config_key_is_refused_naming_the_key_it_meant(corpus, tmp_path, key, says):
+    """A key `base_config()` does not have (a renamed one, a typo) is refused in `validate` with one line naming the
+    key it meant, and `trainer.run` writes nothing; on the command line it is that line and exit 2, not
+    ml_collections' traceback."""
+    c = tiny_config(**{"mesh.data": 1})
+    section, name = key.split(".")
+    c[section][name] = 1  # ConfigDict takes a new field silently: before, the run trained on the default
+    with pytest.raises(ConfigError, match=f"{key}: no such config key; {says}".replace("?", r"\?")):
+        validate(c, 1)
+    wd = tmp_path / "run"
+    with pytest.raises(ConfigError, match="no such config key"):
+        trainer.run(c, str(wd), devices=jax.devices()[:1])
+    assert not wd.exists()
+    res = subprocess.run(command(corpus, tmp_path, 1) + [f"--config.{key}=1"], env=launch.cpu_env(os.environ, 8),
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert res.stderr.strip().splitlines()[-1] == f"error: --config.{key}: no such config key; {says} (every key: " \
+                                                  f"docs/config.md)."
+
+
+def test_a_stall_right_after_the_compiling_step_says_no_step_was_timed():
+    """The first step compiles and is not timed: a stall in the second says so, not 'the slowest step 0.00 s'."""
+    code = ("import time; from jaxpar import watchdog; watchdog.arm_steps(-1, min_s=0.5, factor=20); "
+            "watchdog.beat(1); time.sleep(20)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert res.returncode == STALLED_EXIT_CODE, res.stderr
+    assert "no step has been timed yet" in res.stderr and "0.00 s" not in res.stderr, res.stderr
+    assert "within 0.5 s" in res.stderr and "step 2 has not finished" in res.stderr

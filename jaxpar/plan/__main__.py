@@ -128,5 +128,12 @@ def _measure(config, p, best):
 
 
 if __name__ == "__main__":
+    from jaxpar.config import ConfigError, check_command_line  # defaults only: no backend starts
+
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     flags.mark_flags_as_required(["config", "gpus"])
     app.run(main)
