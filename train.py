@@ -38,6 +38,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     from jaxpar import trainer
+    from jaxpar.checkpoint import CheckpointSaveError
     from jaxpar.data import DataError
 
     workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
@@ -45,6 +46,8 @@ def main(argv):
         (trainer.dry_run if _DRY_RUN.value else trainer.run)(config, workdir)
     except (ConfigError, DataError) as e:
         distributed.stop_all(2, f"error: {e}")
+    except CheckpointSaveError as e:  # a full disk, a lost mount: the message says what to do, no traceback
+        distributed.stop_all(1, f"error: {e}")
     except trainer.Preempted as e:
         print(f"jaxpar: {e}", file=sys.stderr)
         sys.exit(trainer.PREEMPTED_EXIT_CODE)

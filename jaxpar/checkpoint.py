@@ -22,10 +22,12 @@ order (Orbax synchronises the processes and picks the one that writes shared fil
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from typing import Any
@@ -50,10 +52,26 @@ class CheckpointSaveError(RuntimeError):
     checkpoints are left on disk.
     """
 
-    def __init__(self, step: int | None, cause: BaseException):
+    def __init__(self, step: int | None, cause: BaseException, full: str = ""):
         self.step = step
         where = f"step {step}" if step is not None else "a step"
-        super().__init__(f"checkpoint save of {where} failed: {type(cause).__name__}: {cause}")
+        why = full or f"{type(cause).__name__}: {cause}"
+        super().__init__(f"checkpoint save of {where} failed: {why}")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error` (or what it was raised from) is a write into a full disk (ENOSPC, also as tensorstore says)."""
+    while error is not None:
+        if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of every array in `tree` (global sizes): about what a checkpoint of it writes."""
+    return int(sum(np.prod(np.shape(a)) * np.dtype(getattr(a, "dtype", np.float32)).itemsize
+                   for a in jax.tree.leaves(tree)))
 
 
 class Checkpointer:
@@ -102,6 +120,7 @@ class Checkpointer:
         with _quiet(read_only):  # Orbax warns about every option a read-only manager ignores, and the mode itself
             self._mngr = ocp.CheckpointManager(self.directory, options=options, handler_registry=registry)
         self._pending: int | None = None  # step of the last save whose outcome has not been checked yet
+        self._pending_bytes = 0  # bytes of the state that save is writing (for a full disk's message)
         self._closed = False
         self._read_only = bool(read_only)
         self._cleaners: list[threading.Thread] = []
@@ -152,7 +171,7 @@ class Checkpointer:
             raise CheckpointSaveError(step, FileExistsError(
                 f"{os.path.join(self.directory, str(step))} exists but is not a complete checkpoint; remove it"))
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)})
-        self._pending = step
+        self._pending, self._pending_bytes = step, tree_bytes(state)
         saved = False
         try:
             saved = self._mngr.save(step, args=args, force=True)
@@ -333,7 +352,15 @@ class Checkpointer:
             self._mngr.reload()
         except Exception:  # noqa: BLE001
             log.exception("re-reading %s after a failed save", self.directory)
-        raise CheckpointSaveError(step, e) from e
+        raise CheckpointSaveError(step, e, self._full_disk_message() if disk_full(e) else "") from e
+
+    def _full_disk_message(self) -> str:
+        free = shutil.disk_usage(self.directory).free
+        kept = self.latest_step()
+        last = f"step {kept}, is kept and restorable" if kept is not None else "none exists yet"
+        return (f"no space left on the device of {self.directory}: {free:,} bytes free, and a checkpoint of this "
+                f"train state needs about {self._pending_bytes:,} bytes; the last complete checkpoint, {last}. Free "
+                f"space (or move the workdir), then rerun the same command to resume from it.")
 
 
 def _remove_tree(path: str) -> None:
@@ -377,3 +404,49 @@ def _quiet(on: bool):
         yield
     finally:
         logging.set_verbosity(before)
+
+
+class _OneLineOrbaxErrors(logging.Filter):
+    """Orbax's background save threads log each failure with its traceback, several times over, and asyncio logs
+    their tasks' exceptions again when they are collected; the failure reaches the training loop as one
+    `CheckpointSaveError` naming its cause. So Orbax's records keep their first line, and asyncio's echoes of a full
+    disk or of the event loop that failure closed are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio" and record.exc_info:
+            value = record.exc_info[1]
+            return not (disk_full(value) or _closed_loop_echo(value))
+        if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+            record.msg, record.args = record.getMessage().splitlines()[0][:300], None
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+for _name in ("absl", "asyncio"):
+    logging.getLogger(_name).addFilter(_OneLineOrbaxErrors())
+
+
+def _closed_loop_echo(value) -> bool:
+    return isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+
+
+def _ignore_closed_loop_echoes() -> None:
+    """When a save fails, Orbax's other writer threads finish into the event loop the failure closed, and Python
+    prints each "Event loop is closed" (as an unraisable exception, or from a callback through `sys.excepthook`).
+    They echo the failure the training loop raises as one `CheckpointSaveError`: not printed."""
+    if getattr(sys.unraisablehook, "jaxpar", False):
+        return
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def on_unraisable(u):
+        if not _closed_loop_echo(u.exc_value):
+            unraisable(u)
+
+    def on_exception(kind, value, tb):
+        if not _closed_loop_echo(value):
+            excepthook(kind, value, tb)
+    on_unraisable.jaxpar = True
+    sys.unraisablehook, sys.excepthook = on_unraisable, on_exception
+
+
+_ignore_closed_loop_echoes()
