@@ -63,7 +63,8 @@ def measure(directory: str, mode: str) -> dict:
     import jax
 
     from jaxpar import hf
-    from jaxpar.config import base_config, validate
+    from jaxpar.config import base_config
+    from jaxpar.validate import validate
     from jaxpar.hf import files
     from jaxpar.mesh import make_mesh
     from jaxpar.step import build as build_steps

@@ -46,7 +46,8 @@ from absl import app, flags, logging  # noqa: E402
 
 from jaxpar import pipeline  # noqa: E402
 from common import m_axis, write_results  # noqa: E402
-from jaxpar.config import ConfigError, base_config, validate  # noqa: E402
+from jaxpar.config import ConfigError, base_config  # noqa: E402
+from jaxpar.validate import validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.model import split_params  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402

@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
 from common import m_axis, write_results  # noqa: E402
-from jaxpar.config import base_config, validate  # noqa: E402
+from jaxpar.config import base_config  # noqa: E402
+from jaxpar.validate import validate  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
 from jaxpar.step import build  # noqa: E402

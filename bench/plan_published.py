@@ -152,7 +152,8 @@ def deepspeed(compile_):
 
 def refusal(c, d, t, s):
     """validate's message for the mesh (d, t, s) with one microbatch per stage."""
-    from jaxpar.config import ConfigError, validate
+    from jaxpar.config import ConfigError
+    from jaxpar.validate import validate
     from jaxpar.plan.space import Layout, apply
 
     try:

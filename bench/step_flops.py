@@ -32,7 +32,7 @@ def compiled_step(argv):
     from ml_collections import config_flags
 
     from jaxpar import model as gpt
-    from jaxpar.config import validate
+    from jaxpar.validate import validate
     from jaxpar.data import batch_shapes
     from jaxpar.mesh import make_mesh
     from jaxpar.report import memory_bytes

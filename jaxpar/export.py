@@ -31,63 +31,20 @@ import sys
 import tempfile
 
 import jax
-import numpy as np
+
+from jaxpar import hf
+from jaxpar.config import DTYPES, base_config
+from jaxpar.data import load_tokenizer
+from jaxpar.model import (SHAPE_FIELDS, Forward, GPTConfig, flatten, init_params, param_items,  # noqa: F401
+                          unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
+from jaxpar.validate import check_model
 
 FORMAT = "jaxpar-gpt-v1"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
 TOKENIZER_DIR = "tokenizer"
-_SEP = "."
 # param dtypes -> safetensors dtype tags
 _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
-
-
-# ------------------------------------------------------------------------------------------ flat <-> nested
-
-def _items(tree: dict, prefix: str = ""):
-    """(dotted key, leaf) of a nested dict of leaves, depth-first in sorted key order."""
-    for k in sorted(tree):
-        if not isinstance(k, str) or not k or _SEP in k:
-            raise ValueError(f"param key {prefix}{k!r}: keys must be non-empty strings without {_SEP!r}.")
-        v = tree[k]
-        if isinstance(v, dict):
-            yield from _items(v, f"{prefix}{k}{_SEP}")
-        else:
-            yield f"{prefix}{k}", v
-
-
-def flatten(params: dict) -> dict[str, np.ndarray]:
-    """A nested params dict -> `{"blocks.wqkv": array, ...}` of host numpy arrays, shape and dtype unchanged.
-
-    Leaves may be jax arrays (on any devices or sharding; they are gathered to the host) or numpy arrays.
-
-    Raises:
-      ValueError: a key is not a non-empty string, or contains ".".
-    """
-    flat = dict(_items(params))
-    return {k: np.asarray(v, order="C") for k, v in jax.device_get(flat).items()}
-
-
-def unflatten(flat: dict) -> dict:
-    """The inverse of `flatten`: `{"a.b": x}` -> `{"a": {"b": x}}`; leaves are kept as given (no copy or cast).
-
-    Raises:
-      ValueError: an empty key or key part, or a key that is both a leaf and a prefix of another (`a` and `a.b`).
-    """
-    out: dict = {}
-    for key in sorted(flat):
-        parts = key.split(_SEP) if isinstance(key, str) else [""]
-        if not all(parts):
-            raise ValueError(f"flat key {key!r}: empty name part.")
-        node = out
-        for i, p in enumerate(parts[:-1]):
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"flat key {key!r}: {_SEP.join(parts[:i + 1])!r} is also a leaf.")
-        if parts[-1] in node:
-            raise ValueError(f"flat key {key!r} is also a prefix of other keys.")
-        node[parts[-1]] = flat[key]
-    return out
 
 
 # ----------------------------------------------------------------------------------------------- export
@@ -124,7 +81,6 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False,
     meta = {"format": FORMAT if fmt == "jaxpar" else "hf", **dataclasses.asdict(run.fwd.cfg), "step": int(run.step),
             "tokenizer_kind": run.tokenizer.kind, "tokenizer_vocab_size": int(run.tokenizer.vocab_size)}
     if fmt == "hf":
-        from jaxpar import hf
 
         fill = lambda tmp: hf.save(jax.device_get(run.params), run.fwd.cfg, run.tokenizer, tmp,
                                    dtype or run.fwd.cfg.param_dtype, max_shard_bytes)
@@ -188,8 +144,6 @@ _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (s
 
 def _gpt_config(meta: dict, where: str):
     """GPTConfig from model_config.json's fields, type-checked; ValueError naming the first bad field."""
-    from jaxpar.config import DTYPES
-    from jaxpar.model import SHAPE_FIELDS, GPTConfig
 
     kw = {}
     for f in dataclasses.fields(GPTConfig):
@@ -208,7 +162,7 @@ def _gpt_config(meta: dict, where: str):
             raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)}; expected >= 1.")
     import ml_collections
 
-    from jaxpar.config import base_config, check_model
+
 
     model = ml_collections.ConfigDict({k: getattr(cfg, k) for k in base_config().model if hasattr(cfg, k)})
     errs = check_model(model, 1, cfg.mlp)  # the model's rules, the ones `validate` applies to a run
@@ -265,8 +219,6 @@ def load_export(directory: str, device=None):
     """
     from safetensors import SafetensorError, safe_open
 
-    from jaxpar.data import load_tokenizer
-    from jaxpar.model import Forward, init_params
 
     directory = os.fspath(directory)
     cpath, wpath, tdir = (os.path.join(directory, n) for n in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_DIR))
@@ -280,7 +232,7 @@ def load_export(directory: str, device=None):
                          f"{cfg.vocab_real}.")
 
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    expected = dict(_items(shapes))
+    expected = dict(param_items(shapes))
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     try:
         with safe_open(wpath, framework="numpy") as f:

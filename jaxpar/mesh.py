@@ -1,6 +1,6 @@
 """The device mesh `(data, stage, tensor)`: tensor on neighbouring devices (the fastest links), data outermost.
 
-`make_mesh(shape)` takes the resolved sizes from `config.validate`. Devices are ordered by (node, process, id) and
+`make_mesh(shape)` takes the resolved sizes from `validate.validate`. Devices are ordered by (node, process, id) and
 reshaped to (data, stage, tensor), tensor fastest: a tensor group (and a stage x tensor block, when a node holds
 one) lies within a node and `data` spans nodes, so tensor-parallel traffic never crosses the network. The node of
 each process comes from `jaxpar.distributed`; without it each process counts as its own node.

@@ -13,6 +13,8 @@ import re
 
 import jax
 
+from jaxpar.model import model_flops_per_token  # noqa: F401 (the model spec owns the formula)
+
 __all__ = [
     "PEAK_BF16_FLOPS",
     "model_flops_per_token",
@@ -26,39 +28,6 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------------------------
 # FLOPs and MFU
 # ---------------------------------------------------------------------------------------------------------------
-
-def model_flops_per_token(n_params: int, layers: int, embed: int, seq_len: int) -> float:
-    """Model FLOPs per trained token (forward + backward), PaLM's MFU numerator.
-
-    Formula (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling with Pathways", Appendix B, "Compute
-    usage and model FLOPs utilization"): ``6 N + 12 L H Q T`` with H heads of size Q, so ``H Q = d_model``:
-
-        flops_per_token = 6 * n_params + 12 * layers * embed * seq_len
-
-    * ``6 N``: every parameter takes part in one multiply-add (2 FLOPs) per token in the forward pass and two in
-      the backward pass (gradient w.r.t. activations and w.r.t. weights).
-    * ``12 L d T``: the attention score and value matmuls (``Q K^T`` and ``P V``), which have no parameters:
-      2 matmuls x 2 FLOPs x T x d per token per layer forward, x3 for forward + backward. As in PaLM, the full
-      T x T attention matrix is counted (the causal mask's skipped half is not subtracted).
-    * Rematerialisation (activation recompute) is excluded by definition: these are *model* FLOPs, so MFU does
-      not go up when the trainer recomputes more (PaLM Appendix B contrasts this with hardware FLOPs utilisation).
-
-    Args:
-      n_params: N, the number of trained parameters with the tied token embedding counted once (its matmul is
-        the output projection to the vocabulary; the input lookup is a gather with no FLOPs) and the learned
-        position embedding left out (a lookup and an add, no matmul). The caller computes N from the params tree.
-      layers: L, the number of transformer blocks.
-      embed: d_model, the residual width (= heads x head size).
-      seq_len: T, the training sequence length in tokens.
-
-    Returns:
-      FLOPs per token (float).
-    """
-    for name, v in (("n_params", n_params), ("layers", layers), ("embed", embed), ("seq_len", seq_len)):
-        if v < 0:
-            raise ValueError(f"{name}={v} must be >= 0.")
-    return 6.0 * float(n_params) + 12.0 * float(layers) * float(embed) * float(seq_len)
-
 
 # Dense (no structured sparsity) peak bf16 tensor-core / MXU throughput in FLOP/s per JAX device, keyed by a
 # substring of `jax.Device.device_kind`. Sources: the vendors' product data sheets (NVIDIA H100, H200, A100, A10,

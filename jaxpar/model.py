@@ -23,8 +23,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jaxpar.config import mlp_width, padded_vocab
 from jaxpar.cross_entropy import cross_entropy
 from jaxpar.logical import constrain
 from jaxpar.nn import BLOCKS, LOGICAL, NORMS, ROLE, KVCache, at_least_f32, param  # noqa: F401 (re-exported)
@@ -104,8 +106,6 @@ def identity_defaults(saved: dict) -> dict:
 def config_from(config, vocab_real: int, tensor: int) -> GPTConfig:
     """The model of a run config (`config.model`, the dtypes of `config.train`); the vocabulary padded to a multiple
     of 128 and of the tensor size (`config.padded_vocab`)."""
-    from jaxpar.config import mlp_width, padded_vocab
-
     m = config.model
     rope = {k: m[k] for k in ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                               "rope_high_freq_factor", "rope_original_max_len")}
@@ -177,17 +177,99 @@ def decay_mask(cfg: GPTConfig) -> dict:
     return jax.tree.map(lambda r: r == "weight", param_roles(cfg))
 
 
+def model_flops_per_token(n_params: int, layers: int, embed: int, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward), PaLM's MFU numerator.
+
+    Formula (Chowdhery et al. 2022, "PaLM: Scaling Language Modeling with Pathways", Appendix B, "Compute
+    usage and model FLOPs utilization"): ``6 N + 12 L H Q T`` with H heads of size Q, so ``H Q = d_model``:
+
+        flops_per_token = 6 * n_params + 12 * layers * embed * seq_len
+
+    * ``6 N``: every parameter takes part in one multiply-add (2 FLOPs) per token in the forward pass and two in
+      the backward pass (gradient w.r.t. activations and w.r.t. weights).
+    * ``12 L d T``: the attention score and value matmuls (``Q K^T`` and ``P V``), which have no parameters:
+      2 matmuls x 2 FLOPs x T x d per token per layer forward, x3 for forward + backward. As in PaLM, the full
+      T x T attention matrix is counted (the causal mask's skipped half is not subtracted).
+    * Rematerialisation (activation recompute) is excluded by definition: these are *model* FLOPs, so MFU does
+      not go up when the trainer recomputes more (PaLM Appendix B contrasts this with hardware FLOPs utilisation).
+
+    Args:
+      n_params: N, the number of trained parameters with the tied token embedding counted once (its matmul is
+        the output projection to the vocabulary; the input lookup is a gather with no FLOPs) and the learned
+        position embedding left out (a lookup and an add, no matmul). The caller computes N from the params tree.
+      layers: L, the number of transformer blocks.
+      embed: d_model, the residual width (= heads x head size).
+      seq_len: T, the training sequence length in tokens.
+
+    Returns:
+      FLOPs per token (float).
+    """
+    for name, v in (("n_params", n_params), ("layers", layers), ("embed", embed), ("seq_len", seq_len)):
+        if v < 0:
+            raise ValueError(f"{name}={v} must be >= 0.")
+    return 6.0 * float(n_params) + 12.0 * float(layers) * float(embed) * float(seq_len)
+
+
 def flops_per_token(cfg: GPTConfig) -> float:
-    """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`metrics.model_flops_per_token`), N = the parameters that
+    """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`model_flops_per_token`), N = the parameters that
     take part in a matmul: every weight, and the token table only as the tied LM head (as an input table it is a
     lookup, as TorchTitan counts); no norm, bias or position table."""
-    from jaxpar.metrics import model_flops_per_token
-
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     matmul = ("weight", "embedding") if cfg.tie_embeddings else ("weight",)
     n = sum(math.prod(a.shape) for a, r in zip(jax.tree.leaves(shapes), jax.tree.leaves(param_roles(cfg)))
             if r in matmul)
     return model_flops_per_token(n, cfg.layers, cfg.embed, cfg.seq_len)
+
+
+# ---- canonical parameter keys: one flat name per leaf ("blocks.wqkv"), what exports and Hugging Face files key by ----
+
+KEY_SEP = "."
+
+
+def param_items(tree: dict, prefix: str = ""):
+    """(dotted key, leaf) of a nested dict of leaves, depth-first in sorted key order."""
+    for k in sorted(tree):
+        if not isinstance(k, str) or not k or KEY_SEP in k:
+            raise ValueError(f"param key {prefix}{k!r}: keys must be non-empty strings without {KEY_SEP!r}.")
+        v = tree[k]
+        if isinstance(v, dict):
+            yield from param_items(v, f"{prefix}{k}{KEY_SEP}")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def flatten(params: dict) -> dict[str, np.ndarray]:
+    """A nested params dict -> `{"blocks.wqkv": array, ...}` of host numpy arrays, shape and dtype unchanged.
+
+    Leaves may be jax arrays (on any devices or sharding; they are gathered to the host) or numpy arrays.
+
+    Raises:
+      ValueError: a key is not a non-empty string, or contains ".".
+    """
+    flat = dict(param_items(params))
+    return {k: np.asarray(v, order="C") for k, v in jax.device_get(flat).items()}
+
+
+def unflatten(flat: dict) -> dict:
+    """The inverse of `flatten`: `{"a.b": x}` -> `{"a": {"b": x}}`; leaves are kept as given (no copy or cast).
+
+    Raises:
+      ValueError: an empty key or key part, or a key that is both a leaf and a prefix of another (`a` and `a.b`).
+    """
+    out: dict = {}
+    for key in sorted(flat):
+        parts = key.split(KEY_SEP) if isinstance(key, str) else [""]
+        if not all(parts):
+            raise ValueError(f"flat key {key!r}: empty name part.")
+        node = out
+        for i, p in enumerate(parts[:-1]):
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"flat key {key!r}: {KEY_SEP.join(parts[:i + 1])!r} is also a leaf.")
+        if parts[-1] in node:
+            raise ValueError(f"flat key {key!r} is also a prefix of other keys.")
+        node[parts[-1]] = flat[key]
+    return out
 
 
 # ---- the per-layer / shared split: the only place that names the per-layer subtree ---------------------------------

@@ -21,7 +21,7 @@ from jaxpar import model as gpt
 
 @dataclasses.dataclass(frozen=True)
 class OptimSettings:
-    """`config.optim`'s keys this room reads (validated in `config.validate`)."""
+    """`config.optim`'s keys this room reads (validated in `validate.validate`)."""
     lr: float
     min_lr_ratio: float
     warmup_steps: int

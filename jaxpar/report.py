@@ -126,7 +126,7 @@ def for_config(config, vocab: int = 0, devices=None) -> dict:
     buffer's bytes, the layout, and the optimized HLO under `hlo_text`. vocab 0: the config's, else the data's."""
     from jaxpar import data, distributed, hf
     from jaxpar import model as gpt
-    from jaxpar.config import validate
+    from jaxpar.validate import validate
     from jaxpar.mesh import make_mesh
     from jaxpar.step import build
 

@@ -42,7 +42,7 @@ def model_config(config, vocab_real: int, tensor: int) -> gpt.GPTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-    """The config keys the step reads, resolved once (validated in `config.validate`)."""
+    """The config keys the step reads, resolved once (validated in `validate.validate`)."""
     rules: tuple
     zero_stage: int
     microbatches: int
@@ -164,7 +164,7 @@ def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
 
 
 def build(config, mesh, vocab_real: int) -> Steps:
-    """Shardings and jitted steps for `config` on `mesh` (call `config.validate` first)."""
+    """Shardings and jitted steps for `config` on `mesh` (call `validate.validate` first)."""
     return build_steps(StepSettings.from_config(config), model_config(config, vocab_real, mesh.shape["tensor"]),
                        mesh)
 

@@ -16,7 +16,8 @@ import numpy as np
 from jaxpar import data, distributed, hf, metrics, monitor, watchdog
 from jaxpar import model as gpt
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import ConfigError, validate
+from jaxpar.config import ConfigError
+from jaxpar.validate import validate
 from jaxpar.mesh import make_mesh
 from jaxpar.step import build, model_config
 

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jaxpar import config as jcfg
+from jaxpar.validate import validate
 from jaxpar.mesh import make_mesh
 from jaxpar.step import build
 
@@ -33,7 +34,7 @@ def batch(n, seq, vocab, seed=0):
 
 def steps_for(config, vocab, devices=None):
     devices = jax.devices() if devices is None else devices
-    shape = jcfg.validate(config, len(devices))
+    shape = validate(config, len(devices))
     return build(config, make_mesh(shape, devices), vocab)
 
 

@@ -13,7 +13,7 @@ import pytest
 from jaxpar import data, runs, trainer
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.mesh import make_mesh
-from jaxpar.config import validate
+from jaxpar.validate import validate
 from jaxpar.step import build
 from jaxpar.model import identity_defaults
 

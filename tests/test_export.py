@@ -237,7 +237,7 @@ def test_init_from_places_the_export_in_another_layout(tensor_run, corpus, tmp_p
     """Fine-tuning start: an export of a (4,2,1) run placed into a circular (2,2,2) layout, bitwise."""
     _, out = tensor_run
     c = run_config(corpus, tmp_path, **{**PIPELINE, "model.layers": 4})
-    from jaxpar.config import validate
+    from jaxpar.validate import validate
     from jaxpar.mesh import make_mesh
     from jaxpar.step import build
 

@@ -13,7 +13,8 @@ import pytest
 
 from helpers import batch, place, steps_for, tiny_config
 from jaxpar import launch, loss_scale, trainer
-from jaxpar.config import ConfigError, validate
+from jaxpar.config import ConfigError
+from jaxpar.validate import validate
 from jaxpar.distributed import DistributedError, resolve
 from jaxpar.watchdog import STALLED_EXIT_CODE
 from test_preemption import command

@@ -11,7 +11,8 @@ import pytest
 from helpers import assert_trees_close, batch, place, steps_for, tiny_config
 from jaxpar import attention as kernels
 from jaxpar import model as gpt
-from jaxpar.config import ConfigError, validate
+from jaxpar.config import ConfigError
+from jaxpar.validate import validate
 from jaxpar.hlo_flops import hlo_flops
 from jaxpar.logical import activation_rules
 from jaxpar.step import split_batch

@@ -12,7 +12,8 @@ import pytest
 from helpers import assert_equals_one_device, run_config, tiny_config
 from jaxpar import model as gpt
 from jaxpar import trainer
-from jaxpar.config import ConfigError, validate
+from jaxpar.config import ConfigError
+from jaxpar.validate import validate
 from jaxpar.generate import generate
 from test_pipeline import BATCHES, VOCAB, microbatches_for, pipe_config
 from test_resume import losses

@@ -17,11 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.export import _items, unflatten
 from jaxpar.hf import files, keys
 from jaxpar.hf.config import arch_of, hf_config, model_settings, read_json
 from jaxpar.hf.files import HFError
-from jaxpar.model import Forward, init_params
+from jaxpar.model import Forward, init_params, param_items, unflatten
 
 PREFIX = "hf:"
 TOKENIZER = "tokenizer.json"
@@ -80,7 +79,7 @@ def maps(cfg, have: dict | None = None) -> list[keys.Map]:
 
 def _leaves(cfg, mapping) -> dict:
     """{dotted param path: (its ShapeDtypeStruct, one layer's shape)} for the params `mapping` names."""
-    shapes = dict(_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
+    shapes = dict(param_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
     return {m.ours: (shapes[m.ours], tuple(shapes[m.ours].shape[1 if m.per_layer else 0:])) for m in mapping}
 
 
@@ -167,7 +166,7 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
     have = check(directory, cfg)
     order = list(range(cfg.layers)) if layer_order is None else list(layer_order)
     mapping = maps(cfg, have)
-    sh, leaves = dict(_items(shardings)), _leaves(cfg, mapping)
+    sh, leaves = dict(param_items(shardings)), _leaves(cfg, mapping)
     reader, flat = files.Reader(have), {}
     try:
         for m in mapping:
@@ -182,7 +181,8 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
 def load(directory: str, device=None, param_dtype: str = "float32"):
     """-> (Forward, params on one device, tokenizer) of DIR, for sampling (float32 params and compute)."""
     from jaxpar import data
-    from jaxpar.config import base_config, validate
+    from jaxpar.config import base_config
+    from jaxpar.validate import validate
     from jaxpar.model import config_from
 
     config = base_config()
@@ -201,7 +201,7 @@ def load(directory: str, device=None, param_dtype: str = "float32"):
 def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> list[str]:
     """Write host params (canonical layer order) of `cfg` as an HF directory in `out` (which exists): config.json,
     the weights in `dtype`, tokenizer.json and tokenizer_config.json. Returns the names written."""
-    flat = dict(_items(params))
+    flat = dict(param_items(params))
     np_dtype = jnp.dtype(dtype)
 
     def tensors():

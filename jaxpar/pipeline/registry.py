@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from jaxpar.config import nearest_multiples
 from jaxpar.pipeline import tables
 
 
@@ -21,7 +22,7 @@ def _no_checks(S, M, v, remat):
 
 
 def _check_1f1b(S, M, v, remat):
-    from jaxpar.config import nearest_multiples
+
 
     if v > 1 and M % S:
         return [f"train.microbatches={M} is not a multiple of mesh.stage={S}, which interleaved 1F1B "

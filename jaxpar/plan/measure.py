@@ -10,7 +10,7 @@ import numpy as np
 def time_step(config, vocab: int, steps: int = 5, devices=None) -> dict:
     """-> {"step_s", "compile_s", "loss", "memory" (XLA's per-device bytes), "mesh", "device_kind"}; step_s is the
     mean over `steps` steps after a warm-up step."""
-    from jaxpar.config import validate
+    from jaxpar.validate import validate
     from jaxpar.mesh import make_mesh
     from jaxpar.report import memory_bytes
     from jaxpar.step import build

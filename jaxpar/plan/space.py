@@ -1,12 +1,15 @@
 """The layouts to rank: every (data, tensor, stage, schedule, virtual stages, microbatches, ZeRO stage, recompute,
-sequence parallelism) that `config.validate` accepts for the config's model and global batch on `gpus` devices."""
+sequence parallelism) that `validate.validate` accepts for the config's model and global batch on `gpus` devices."""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import itertools
 
-from jaxpar.config import ConfigError, validate
+from jaxpar.config import ConfigError
+
+
+from jaxpar.validate import validate
 
 
 @dataclasses.dataclass(frozen=True)
