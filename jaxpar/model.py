@@ -214,11 +214,22 @@ def flops_per_token(cfg: GPTConfig) -> float:
     """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`model_flops_per_token`), N = the parameters that
     take part in a matmul: every weight, and the token table only as the tied LM head (as an input table it is a
     lookup, as TorchTitan counts); no norm, bias or position table."""
+    return model_flops_per_token(param_counts(cfg)["matmul"], cfg.layers, cfg.embed, cfg.seq_len)
+
+
+def param_counts(cfg: GPTConfig) -> dict[str, int]:
+    """The model's parameter counts (abstract: nothing allocated), what the planner and reports read: "total";
+    "layer" (one block, every tensor) and "layer_matmul" (its matmul weights); "shared" (outside the blocks: the
+    tables, the final norm); "matmul" (N of `flops_per_token`)."""
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+    roles = param_roles(cfg)
     matmul = ("weight", "embedding") if cfg.tie_embeddings else ("weight",)
-    n = sum(math.prod(a.shape) for a, r in zip(jax.tree.leaves(shapes), jax.tree.leaves(param_roles(cfg)))
-            if r in matmul)
-    return model_flops_per_token(n, cfg.layers, cfg.embed, cfg.seq_len)
+    size = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))  # noqa: E731
+    mm = lambda tree, r: sum(math.prod(a.shape) for a, x in zip(jax.tree.leaves(tree), jax.tree.leaves(r))  # noqa
+                             if x in matmul)
+    (shared, layers), (_, layer_roles) = split_params(shapes), split_params(roles)
+    return {"total": size(shapes), "layer": size(layers) // cfg.layers,
+            "layer_matmul": mm(layers, layer_roles) // cfg.layers, "shared": size(shared), "matmul": mm(shapes, roles)}
 
 
 # ---- canonical parameter keys: one flat name per leaf ("blocks.wqkv"), what exports and Hugging Face files key by ----

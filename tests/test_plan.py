@@ -2,6 +2,7 @@
 its time model's monotonicity, and its fit to Narayanan et al. 2021, Table 1 (analytic; the compiles of that table
 are bench/plan_published.py's)."""
 import copy
+import importlib.util
 import dataclasses
 import itertools
 import json
@@ -9,15 +10,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import pytest
 
 from helpers import tiny_config
 from jaxpar import config as jcfg
 from jaxpar.validate import validate
 from jaxpar import plan as planner
+from jaxpar import model as gpt
 from jaxpar import trainer
 from jaxpar.plan import cost, hardware, memory
 from jaxpar.plan.space import Layout, Space, apply, candidates, set_layout
 from jaxpar.pipeline.registry import NAMES
+from jaxpar.step import model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -150,3 +155,21 @@ def test_data_parallel_bytes_match_the_compile():
         a, k = cost.step_time(m, lay, cl)["dp_bytes"], cost.step_time(m, lay, cl, compiled)["dp_bytes"]
         assert abs(k / a - 1) < tol, (lay, a, k)
         assert {kind for kind, _, _ in compiled} >= ({"all-gather"} if lay.zero else {"all-reduce"})
+
+
+@pytest.mark.parametrize("name", ["shakespeare", "llama3_8b"])
+def test_planner_counts_and_flops_are_the_trainers(name):
+    """One model spec: the planner's parameter count, FLOPs per token and vocabulary are what the trainer builds
+    (abstract shapes; the byte tokenizer has 256 ids everywhere)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    config = mod.get_config()
+    vocab = planner.vocab_of(config)
+    assert vocab == (256 if name == "shakespeare" else 128256)
+    model = cost.Model.from_config(config, vocab)
+    built = model_config(config, vocab, int(config.mesh.tensor))  # what trainer.run builds for this config
+    shapes = jax.eval_shape(lambda: gpt.init_params(built, jax.random.key(0)))
+    assert model.params == sum(a.size for a in jax.tree.leaves(shapes))
+    assert model.flops_per_token == gpt.flops_per_token(built)
+    assert cost.model_flops_per_step(model) == gpt.flops_per_token(built) * model.global_batch * model.seq

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar import data
 from jaxpar.plan import cost, memory
 from jaxpar.plan.hardware import GiB, Cluster
 from jaxpar.plan.space import Layout, Space, candidates
@@ -50,16 +51,14 @@ class Plan:
 
 
 def vocab_of(config) -> int:
-    """The real vocabulary: model.vocab_size, else the tokenizer's (byte: 257; bpe: data.bpe_vocab_size), else the
-    prepared data's."""
+    """The real vocabulary: model.vocab_size, else the tokenizer's (byte: 256, `data.ByteTokenizer`; bpe: at most
+    data.bpe_vocab_size), else the prepared data's."""
     if int(config.model.vocab_size) > 0:
         return int(config.model.vocab_size)
     if config.data.tokenizer == "byte":
-        return 257
+        return data.ByteTokenizer.vocab_size
     if config.data.tokenizer == "bpe":
         return int(config.data.bpe_vocab_size)
-    from jaxpar import data
-
     return data.prepare(config).vocab_size
 
 

@@ -23,6 +23,9 @@ import dataclasses
 import functools
 import math
 
+from jaxpar import model as gpt
+from jaxpar.attention import choose
+from jaxpar.config import padded_vocab
 from jaxpar.plan.hardware import Cluster
 from jaxpar.plan.space import Layout
 
@@ -33,7 +36,7 @@ ELEMENTWISE_TRAFFIC = 3.0  # HBM bytes moved per activation byte stored, per for
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """The numbers of a config's model the cost model reads."""
+    """The numbers of a config's model the cost model reads; counts and FLOPs from the model spec (`jaxpar.model`)."""
     layers: int
     embed: int
     heads: int
@@ -41,45 +44,49 @@ class Model:
     mlp: int
     seq: int
     vocab: int  # real vocabulary (padded per layout)
-    gated: bool  # SwiGLU (3 MLP matrices)
     tied: bool
     positions: int  # rows of a learned position table (0: none)
     compute_bytes: int
     param_bytes: int
     fused_attention: bool
     global_batch: int
+    layer_total: int  # parameters of one block (the model spec's `param_counts`)
+    layer_matmul: int  # its matmul weights
+    shared_other: int  # parameters outside the blocks that are not a vocabulary table (positions, final norm)
+    flops_per_token: float  # PaLM's 6N + 12·L·d·T of the model spec (`model.flops_per_token`)
+    params: int  # every parameter, as the trainer builds them (tensor 1)
 
     @classmethod
     def from_config(cls, config, vocab: int):
-        from jaxpar.attention import choose
-        from jaxpar.config import mlp_width
-
         m, tr = config.model, config.train
-        kernel, _ = choose(m.attention, tr.compute_dtype, m.seq_len, m.embed // m.heads,
-                           config.data.packing == "documents", backend="gpu")
+        cfg = gpt.config_from(config, vocab, 1)
+        counts = gpt.param_counts(cfg)
+        kernel, _ = choose(m.attention, tr.compute_dtype, m.seq_len, cfg.head_dim, config.data.packing == "documents",
+                           backend="gpu")
         nbytes = {"float32": 4, "float64": 8}
-        return cls(layers=m.layers, embed=m.embed, heads=m.heads, kv_heads=m.kv_heads or m.heads,
-                   mlp=mlp_width(config), seq=m.seq_len, vocab=vocab, gated=m.arch == "llama",
-                   tied=bool(m.tie_embeddings), positions=(m.max_positions or m.seq_len) if m.arch == "gpt2" else 0,
+        tables = cfg.vocab_size * cfg.embed * (1 if cfg.tie_embeddings else 2)
+        return cls(layers=cfg.layers, embed=cfg.embed, heads=cfg.heads, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
+                   seq=cfg.seq_len, vocab=vocab, tied=cfg.tie_embeddings,
+                   positions=cfg.max_positions if cfg.arch == "gpt2" else 0,
                    compute_bytes=nbytes.get(tr.compute_dtype, 2), param_bytes=nbytes.get(tr.param_dtype, 2),
-                   fused_attention=kernel != "xla", global_batch=int(tr.global_batch_size))
+                   fused_attention=kernel != "xla", global_batch=int(tr.global_batch_size),
+                   layer_total=counts["layer"], layer_matmul=counts["layer_matmul"],
+                   shared_other=counts["shared"] - tables, flops_per_token=gpt.flops_per_token(cfg),
+                   params=counts["total"])
 
     def padded_vocab(self, t: int) -> int:
-        from jaxpar.config import padded_vocab
-
         return padded_vocab(self.vocab, t)
 
     def layer_params(self) -> int:
-        """Matmul weights of one layer (norms and biases are O(h))."""
-        h, hd = self.embed, self.embed // self.heads
-        return h * (h + 2 * self.kv_heads * hd) + h * h + (3 if self.gated else 2) * h * self.mlp
+        """Matmul weights of one layer (the model spec's)."""
+        return self.layer_matmul
 
     def params_per_device(self, lay: Layout) -> float:
         """Parameters one device holds before ZeRO: its stage's layers split over tensor, plus the embedding
-        (and untied head) split over tensor and the position table, held by every stage (jaxpar's layout)."""
+        (and untied head) split over tensor and the rest held whole, by every stage (jaxpar's layout)."""
         h, t = self.embed, lay.tensor
-        shared = self.padded_vocab(t) * h / t * (1 if self.tied else 2) + self.positions * h
-        return self.layers / lay.stage * (self.layer_params() / t + 4 * h) + shared
+        shared = self.padded_vocab(t) * h / t * (1 if self.tied else 2) + self.shared_other
+        return self.layers / lay.stage * self.layer_total / t + shared
 
 
 def activation_bytes(model: Model, lay: Layout) -> float:
@@ -234,9 +241,8 @@ def data_collectives(collectives: list, mesh_shape: dict) -> list:
 
 
 def model_flops_per_step(model: Model) -> float:
-    """PaLM's 6N + 12·L·h·s per token times the global batch's tokens (recompute excluded; `metrics`)."""
-    n = model.layers * model.layer_params() + model.vocab * model.embed
-    return (6 * n + 12 * model.layers * model.embed * model.seq) * model.global_batch * model.seq
+    """PaLM's 6N + 12·L·h·s per token (the model spec's `flops_per_token`) times the global batch's tokens."""
+    return model.flops_per_token * model.global_batch * model.seq
 
 
 def narayanan_flops(model: Model) -> float:
