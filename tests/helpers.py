@@ -3,14 +3,17 @@ the 1-device run" (float32 before the optimizer, float64 after it), with session
 import hashlib
 import json
 import os
+import sys
 
 import jax
 import numpy as np
 
 from jaxpar import config as jcfg
-from jaxpar.validate import validate
 from jaxpar.mesh import make_mesh
 from jaxpar.step import build
+from jaxpar.validate import validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(**over):
@@ -25,6 +28,20 @@ def tiny_config(**over):
         else:
             c[k] = v
     return c
+
+
+VOCAB = 250  # not a multiple of 128: every test model pads its vocabulary
+
+
+def pipe_config(data=1, tensor=1, stage=1, schedule="gpipe", v=1, M=8, **over):
+    c = tiny_config(**{"model.layers": 8, "train.microbatches": M, "mesh.data": data, "mesh.tensor": tensor,
+                       "mesh.stage": stage, "pipeline.schedule": schedule, "pipeline.virtual_stages": v, **over})
+    return c
+
+
+def microbatches_for(data: int) -> int:
+    """8 microbatches (>= every stage count here) where batch 16 allows it at this data size, else 16 / data."""
+    return 8 if 16 % (data * 8) == 0 else 16 // data
 
 
 def batch(n, seq, vocab, seed=0):
@@ -182,3 +199,20 @@ def assert_params_exact(p, p_ref, tol=F64_TOL):
             with open(log, "a") as f:
                 f.write(json.dumps({"leaf": jax.tree_util.keystr(path), "rel_err": e, "of_bound": e / tol}) + "\n")
         assert e <= tol, f"{jax.tree_util.keystr(path)}: relative L2 {e:.3g} > {tol} (float64 on both sides)"
+
+
+BATCHES = [batch(16, 16, VOCAB)] * 3  # the pipeline and layout tests' three steps
+
+
+def command(corpus, tmp_path, steps):
+    return [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs/shakespeare.py"),
+            "--workdir", str(tmp_path / "run"), f"--config.data.sources={corpus}/*.txt",
+            f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.model.layers=2", "--config.model.embed=32",
+            "--config.model.mlp=64", "--config.model.seq_len=16", "--config.train.global_batch_size=8",
+            f"--config.train.steps={steps}", "--config.checkpoint.every_steps=100000", "--config.log.every_steps=1",
+            "--config.eval.every_steps=100000", "--config.eval.batches=1", "--config.log.progress=False"]
+
+
+def losses(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r["loss"] for r in map(json.loads, f)}

@@ -8,7 +8,7 @@ import pytest
 from helpers import assert_equals_one_device, assert_trees_close, batch, place, steps_for
 from jaxpar import pipeline
 from jaxpar.mesh import make_mesh
-from test_pipeline import BATCHES, VOCAB, microbatches_for, pipe_config
+from helpers import BATCHES, VOCAB, microbatches_for, pipe_config
 
 # ZeRO 1 only shards the optimizer state (nothing the pipeline sees); 2 and 3 change what enters and leaves the loop
 CASES = [((1, 1, 8), "1f1b", {}), ((2, 1, 4), "1f1b", {}), ((1, 2, 4), "1f1b", {}),

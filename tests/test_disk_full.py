@@ -10,7 +10,7 @@ import pytest
 
 from jaxpar import launch, runs
 from jaxpar.checkpoint import Checkpointer
-from test_preemption import command
+from helpers import command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,7 +17,7 @@ from jaxpar.config import ConfigError
 from jaxpar.validate import validate
 from jaxpar.distributed import DistributedError, resolve
 from jaxpar.watchdog import STALLED_EXIT_CODE
-from test_preemption import command
+from helpers import command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 250

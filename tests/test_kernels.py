@@ -16,7 +16,7 @@ from jaxpar.validate import validate
 from jaxpar.hlo_flops import hlo_flops
 from jaxpar.logical import activation_rules
 from jaxpar.step import split_batch
-from test_pipeline import VOCAB, microbatches_for, pipe_config
+from helpers import VOCAB, microbatches_for, pipe_config
 
 LLAMA = {"model.arch": "llama", "model.kv_heads": 2, "model.tie_embeddings": False}
 SP = {"model.sequence_parallel": True, "model.loss_chunk": 4}  # 4 chunks of the 16 positions

@@ -15,8 +15,8 @@ from jaxpar import trainer
 from jaxpar.config import ConfigError
 from jaxpar.validate import validate
 from jaxpar.generate import generate
-from test_pipeline import BATCHES, VOCAB, microbatches_for, pipe_config
-from test_resume import losses
+from helpers import BATCHES, VOCAB, microbatches_for, pipe_config
+from helpers import losses
 
 # heads 8, kv_heads 2: four query heads per KV head; at tensor 2 the KV heads split, at tensor 4 each is replicated
 LLAMA = {"model.arch": "llama", "model.kv_heads": 2, "model.tie_embeddings": False}

@@ -6,26 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_equals_one_device, assert_trees_close, batch, steps_for, place, tiny_config
+from helpers import (BATCHES, VOCAB, assert_equals_one_device, assert_trees_close, batch, microbatches_for,
+                     pipe_config, place, steps_for)
 from jaxpar import pipeline
 from jaxpar.mesh import make_mesh
 from jaxpar.step import map_blocks, to_microbatches
 
-VOCAB = 250
 
-
-def pipe_config(data=1, tensor=1, stage=1, schedule="gpipe", v=1, M=8, **over):
-    c = tiny_config(**{"model.layers": 8, "train.microbatches": M, "mesh.data": data, "mesh.tensor": tensor,
-                       "mesh.stage": stage, "pipeline.schedule": schedule, "pipeline.virtual_stages": v, **over})
-    return c
-
-
-def microbatches_for(data: int) -> int:
-    """8 microbatches (>= every stage count here) where batch 16 allows it at this data size, else 16 / data."""
-    return 8 if 16 % (data * 8) == 0 else 16 // data
-
-
-BATCHES = [batch(16, 16, VOCAB)] * 3
 
 LAYOUTS = [(1, 1, 2), (1, 1, 4), (1, 1, 8), (2, 1, 4), (1, 2, 4), (2, 2, 2), (4, 1, 2)]
 CASES = [(lay, "gpipe", 1) for lay in LAYOUTS] + [(lay, "circular", 2) for lay in LAYOUTS if 8 % (lay[2] * 2) == 0]

@@ -4,22 +4,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
+from helpers import command
 from jaxpar import launch
 from jaxpar.trainer import PREEMPTED_EXIT_CODE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def command(corpus, tmp_path, steps):
-    return [sys.executable, os.path.join(ROOT, "train.py"), "--config", os.path.join(ROOT, "configs/shakespeare.py"),
-            "--workdir", str(tmp_path / "run"), f"--config.data.sources={corpus}/*.txt",
-            f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.model.layers=2", "--config.model.embed=32",
-            "--config.model.mlp=64", "--config.model.seq_len=16", "--config.train.global_batch_size=8",
-            f"--config.train.steps={steps}", "--config.checkpoint.every_steps=100000", "--config.log.every_steps=1",
-            "--config.eval.every_steps=100000", "--config.eval.batches=1", "--config.log.progress=False"]
 
 
 def logged_steps(path):

@@ -1,7 +1,6 @@
 """Resume through `trainer.run` onto other layouts (the next step's loss equals the uninterrupted run's, the restored
 state equals the saved one bitwise), a global-batch change on request, and a failed save surfacing from the loop."""
 import hashlib
-import json
 import os
 import shutil
 
@@ -10,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import run_config
+from helpers import losses, run_config
 from jaxpar import data, trainer
 from jaxpar.checkpoint import Checkpointer, CheckpointSaveError
 from jaxpar.config import ConfigError
@@ -24,9 +23,7 @@ SOURCES = {
 }
 
 
-def losses(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
 
 
 def leaves(tree):

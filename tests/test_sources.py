@@ -3,7 +3,6 @@ and written, JSONL/Parquet against the same text, blends, a resumed preparation,
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -266,7 +265,7 @@ def test_blend_with_packing_resumes_exactly_under_another_data_parallel_size(cor
 
     from helpers import LOSS_F64_RTOL, run_config
     from jaxpar import trainer
-    from test_resume import losses
+    from helpers import losses
 
     blend = f"0.3 text:{corpus}/[abc].txt 0.7 text:{corpus}/[def].txt"
     # float64 (helpers.F64_TOL): step 4's loss follows an optimizer step taken on another layout

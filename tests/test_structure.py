@@ -106,3 +106,13 @@ def test_the_cycle_check_catches_a_cycle(tmp_path):
     (pkg / "a.py").write_text("from jaxpar import b\n")
     (pkg / "b.py").write_text("def f():\n    from jaxpar.a import g  # inside a function: still a cycle\n")
     assert cycles(import_graph(pkg)) == [["jaxpar.a", "jaxpar.b"]]
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures and helpers live in tests/helpers.py and tests/conftest.py, not in other test modules."""
+    tests = pathlib.Path(__file__).resolve().parent
+    bad = [f"{f.name}: {n}" for f in sorted(tests.glob("test_*.py")) for node in ast.walk(ast.parse(f.read_text()))
+           if isinstance(node, (ast.Import, ast.ImportFrom))
+           for n in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+           if n.startswith("test_")]
+    assert not bad, bad
