@@ -74,7 +74,7 @@ def measure(directory: str, mode: str) -> dict:
     c.mesh.update(data=2, tensor=2, stage=2)
     c.model.seq_len = 128
     c.train.update(microbatches=2, global_batch_size=8)
-    hf.apply(c)
+    c = hf.apply(c)
     steps = build_steps(c, make_mesh(validate(c, 8)), c.model.vocab_size)
     shardings = steps.state_shardings["params"]
     jax.block_until_ready(jax.device_put(np.zeros(4), jax.devices()[0]) + 1)

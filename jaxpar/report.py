@@ -131,7 +131,7 @@ def for_config(config, vocab: int = 0, devices=None) -> dict:
     from jaxpar.step import build
 
     devices = list(jax.devices() if devices is None else devices)
-    hf.apply(config)
+    config = hf.apply(config)
     shape = validate(config, len(devices))
     vocab = vocab or max(int(config.model.vocab_size), 0) or distributed.process_0_first(
         lambda: data.prepare(config), "jaxpar/prepare").vocab_size

@@ -196,7 +196,7 @@ def run(config, workdir: str, devices=None) -> dict:
     `devices`: the devices to lay the mesh over (default: all, `jax.devices()`); a subset (e.g. one device of a
     process that has eight) is meant for tests and single-process runs."""
     devices = list(jax.devices() if devices is None else devices)
-    hf.apply(config)  # init_from=hf:DIR: the model's shape and tokenizer are DIR's
+    config = hf.apply(config)  # init_from=hf:DIR: the model's shape and tokenizer are DIR's
     shape = validate(config, len(devices))
     check_hf_weights(config, workdir, shape["tensor"])  # before data preparation, which can take hours
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others

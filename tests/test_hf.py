@@ -98,7 +98,9 @@ def test_import_onto_2_2_2_gives_transformers_logits_and_loss(models, corpus, tm
     model, single, _ = models[arch]
     config = run_config(corpus, tmp_path, **{"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2,
                                              "train.microbatches": 2, "init_from": f"hf:{single}"})
-    hf.apply(config)
+    before = config.to_json()
+    config, given = hf.apply(config), config
+    assert given.to_json() == before and config.model.arch == arch  # a new config; the caller's is left alone
     steps = steps_for(config, V)
     params = hf.load_params(str(single), steps.cfg, steps.state_shardings["params"], steps.layer_order)
     some = jax.tree.leaves(params)[0]

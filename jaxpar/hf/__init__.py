@@ -53,13 +53,13 @@ def settings(directory: str) -> dict:
     return {**out, "data.tokenizer": tok_path}
 
 
-def apply(config, say: bool = True) -> None:
-    """With `init_from = hf:DIR`, set the config's model shape and tokenizer to DIR's (model.seq_len stays); `say`:
-    print which keys it changed (process 0)."""
+def apply(config, say: bool = True):
+    """A copy of `config`, with `init_from = hf:DIR`, whose model shape and tokenizer are DIR's (model.seq_len stays);
+    `config` itself is never changed. `say`: print which keys it changed (process 0)."""
     directory = directory_of(config.init_from)
     if directory is None:
-        return
-    changed = []
+        return config
+    config, changed = config.copy_and_resolve_references(), []
     for key, v in settings(directory).items():
         sect, name = key.split(".")
         if config[sect][name] != v:
@@ -67,6 +67,7 @@ def apply(config, say: bool = True) -> None:
         config[sect][name] = v
     if say and changed and jax.process_index() == 0:
         print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
+    return config
 
 
 def maps(cfg, have: dict | None = None) -> list[keys.Map]:
