@@ -190,7 +190,7 @@ def load(directory: str, device=None, param_dtype: str = "float32"):
     config.init_from = PREFIX + directory
     config.mesh.update(data=1, tensor=1, stage=1)
     config.train.update(param_dtype=param_dtype, compute_dtype=param_dtype)
-    apply(config, say=False)
+    config = apply(config, say=False)
     config.model.seq_len = config.model.max_positions
     validate(config, 1)  # the model's own rules (heads, kv_heads, RoPE, ...), as for a run
     cfg = config_from(config, config.model.vocab_size, 1)
