@@ -12,6 +12,14 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"] and \
         os.environ.get("JAXPAR_TEST_XLA_OPT", "0") != "default":
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX's persistent compilation cache, shared by the whole run and the processes it starts (train.py, the launcher):
+# the suite compiles the same small programs many times over (each test builds its own steps). Off with
+# JAXPAR_TEST_COMPILE_CACHE=0; a JAX_COMPILATION_CACHE_DIR already set wins.
+if os.environ.get("JAXPAR_TEST_COMPILE_CACHE", "1") != "0" and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxpar-test-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 import numpy as np  # noqa: E402
