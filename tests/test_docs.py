@@ -34,11 +34,21 @@ def missing_paths(text: str) -> list[str]:
     return sorted(set(missing))
 
 
+def anchors(page: pathlib.Path) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
 def broken_links(page: pathlib.Path) -> list[str]:
+    """Relative links to files that do not exist, or to a heading their page does not have."""
     out = []
     for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-        path = target.split("#")[0]
-        if path and not re.match(r"[a-z]+:", path) and not (page.parent / path).exists():
+        path, _, anchor = target.partition("#")
+        if re.match(r"[a-z]+:", path):
+            continue
+        dest = page.parent / path if path else page
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in anchors(dest)):
             out.append(target)
     return out
 
