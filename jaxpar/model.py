@@ -18,18 +18,18 @@ Shapes: tokens `[batch, seq]` int32; activations `[batch, seq, embed]` in the co
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxpar.config import mlp_width, padded_vocab
 from jaxpar.cross_entropy import cross_entropy
 from jaxpar.logical import constrain
-from jaxpar.nn import BLOCKS, LOGICAL, NORMS, ROLE, KVCache, at_least_f32, param  # noqa: F401 (re-exported)
+from jaxpar.nn import (BLOCKS, LOGICAL, NORMS, ROLE, KVCache, at_least_f32, dropout, lookup, param,  # noqa: F401
+                       segment_positions)  # re-exported
+from jaxpar.param_keys import KEY_SEP, flatten, param_items, unflatten  # noqa: F401 (the canonical keys, re-exported)
 
 _LAYERS = "blocks"  # the per-layer subtree of the params (leaves stacked on a leading `layers` axis)
 ARCHS = tuple(BLOCKS)  # model families: "gpt2", "llama"
@@ -232,57 +232,6 @@ def param_counts(cfg: GPTConfig) -> dict[str, int]:
             "layer_matmul": mm(layers, layer_roles) // cfg.layers, "shared": size(shared), "matmul": mm(shapes, roles)}
 
 
-# ---- canonical parameter keys: one flat name per leaf ("blocks.wqkv"), what exports and Hugging Face files key by ----
-
-KEY_SEP = "."
-
-
-def param_items(tree: dict, prefix: str = ""):
-    """(dotted key, leaf) of a nested dict of leaves, depth-first in sorted key order."""
-    for k in sorted(tree):
-        if not isinstance(k, str) or not k or KEY_SEP in k:
-            raise ValueError(f"param key {prefix}{k!r}: keys must be non-empty strings without {KEY_SEP!r}.")
-        v = tree[k]
-        if isinstance(v, dict):
-            yield from param_items(v, f"{prefix}{k}{KEY_SEP}")
-        else:
-            yield f"{prefix}{k}", v
-
-
-def flatten(params: dict) -> dict[str, np.ndarray]:
-    """A nested params dict -> `{"blocks.wqkv": array, ...}` of host numpy arrays, shape and dtype unchanged.
-
-    Leaves may be jax arrays (on any devices or sharding; they are gathered to the host) or numpy arrays.
-
-    Raises:
-      ValueError: a key is not a non-empty string, or contains ".".
-    """
-    flat = dict(param_items(params))
-    return {k: np.asarray(v, order="C") for k, v in jax.device_get(flat).items()}
-
-
-def unflatten(flat: dict) -> dict:
-    """The inverse of `flatten`: `{"a.b": x}` -> `{"a": {"b": x}}`; leaves are kept as given (no copy or cast).
-
-    Raises:
-      ValueError: an empty key or key part, or a key that is both a leaf and a prefix of another (`a` and `a.b`).
-    """
-    out: dict = {}
-    for key in sorted(flat):
-        parts = key.split(KEY_SEP) if isinstance(key, str) else [""]
-        if not all(parts):
-            raise ValueError(f"flat key {key!r}: empty name part.")
-        node = out
-        for i, p in enumerate(parts[:-1]):
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"flat key {key!r}: {KEY_SEP.join(parts[:i + 1])!r} is also a leaf.")
-        if parts[-1] in node:
-            raise ValueError(f"flat key {key!r} is also a prefix of other keys.")
-        node[parts[-1]] = flat[key]
-    return out
-
-
 # ---- the per-layer / shared split: the only place that names the per-layer subtree ---------------------------------
 
 def split_params(params: dict) -> tuple[dict, dict]:
@@ -414,44 +363,3 @@ class Forward:
 
         x, caches = jax.lax.scan(one, x, (params[_LAYERS], caches))
         return self.logits(params, x[:, -1:])[:, 0], caches
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def lookup(table, ids, dtype):
-    """Embedding lookup: table `[vocab, embed]`, ids `[batch, seq]` int32 -> `[batch, seq, embed]` in `dtype`.
-
-    A gather, no matmul FLOPs. Over a `vocab`-sharded table XLA's partitioner makes it Megatron's vocab-parallel
-    lookup (each device gathers the ids in its range, zeros elsewhere, then a sum over `tensor`); the table is cast
-    first so that sum moves `dtype` bytes. The backward scatter-adds in the table's dtype (float32 sums for repeated
-    ids, not bf16)."""
-    return jnp.take(table.astype(dtype), ids, axis=0, mode="clip")
-
-
-def _lookup_fwd(table, ids, dtype):
-    return lookup(table, ids, dtype), (ids, jnp.zeros((table.shape[0], 0), table.dtype))  # the table's rows, dtype
-
-
-def _lookup_bwd(dtype, res, g):
-    ids, like = res
-    dt = jnp.zeros((like.shape[0], g.shape[-1]), like.dtype).at[ids].add(g.astype(like.dtype), mode="clip")
-    return dt, None  # (a sharding constraint here would run outside the pipeline's shard_map context)
-
-
-lookup.defvjp(_lookup_fwd, _lookup_bwd)
-
-
-def segment_positions(segments):
-    """segments `[batch, seq]` int32 -> int32 positions counted from each segment's first token (Megatron's
-    `reset_position_ids`)."""
-    i = jnp.arange(segments.shape[-1], dtype=jnp.int32)
-    first = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
-    return i - jax.lax.cummax(jnp.where(first, i, 0), axis=1)
-
-
-def dropout(x, rate, key, seq_ids):
-    """Inverted dropout whose mask depends only on (key, global sequence id): the same under any layout.
-
-    x `[batch, seq, ...]`, seq_ids `[batch]` int32 (the global index of each sequence in the step's batch)."""
-    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, seq_ids)
-    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)

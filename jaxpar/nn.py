@@ -11,6 +11,7 @@ Shapes: activations `[batch, seq, embed]`; q `[batch, seq, heads, head_dim]`; k,
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -242,3 +243,46 @@ class LlamaBlock(_PreNormBlock):
 
 BLOCKS = {"gpt2": GPT2Block, "llama": LlamaBlock}
 NORMS = {"gpt2": LayerNorm, "llama": RMSNorm}
+
+
+# ---- embedding lookup, packed positions, dropout (used by the model's embed and blocks) ------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def lookup(table, ids, dtype):
+    """Embedding lookup: table `[vocab, embed]`, ids `[batch, seq]` int32 -> `[batch, seq, embed]` in `dtype`.
+
+    A gather, no matmul FLOPs. Over a `vocab`-sharded table XLA's partitioner makes it Megatron's vocab-parallel
+    lookup (each device gathers the ids in its range, zeros elsewhere, then a sum over `tensor`); the table is cast
+    first so that sum moves `dtype` bytes. The backward scatter-adds in the table's dtype (float32 sums for repeated
+    ids, not bf16)."""
+    return jnp.take(table.astype(dtype), ids, axis=0, mode="clip")
+
+
+def _lookup_fwd(table, ids, dtype):
+    return lookup(table, ids, dtype), (ids, jnp.zeros((table.shape[0], 0), table.dtype))  # the table's rows, dtype
+
+
+def _lookup_bwd(dtype, res, g):
+    ids, like = res
+    dt = jnp.zeros((like.shape[0], g.shape[-1]), like.dtype).at[ids].add(g.astype(like.dtype), mode="clip")
+    return dt, None  # (a sharding constraint here would run outside the pipeline's shard_map context)
+
+
+lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def segment_positions(segments):
+    """segments `[batch, seq]` int32 -> int32 positions counted from each segment's first token (Megatron's
+    `reset_position_ids`)."""
+    i = jnp.arange(segments.shape[-1], dtype=jnp.int32)
+    first = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return i - jax.lax.cummax(jnp.where(first, i, 0), axis=1)
+
+
+def dropout(x, rate, key, seq_ids):
+    """Inverted dropout whose mask depends only on (key, global sequence id): the same under any layout.
+
+    x `[batch, seq, ...]`, seq_ids `[batch]` int32 (the global index of each sequence in the step's batch)."""
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(key, seq_ids)
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, x.shape[1:]))(keys)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
