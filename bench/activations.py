@@ -22,9 +22,7 @@ import numpy as np
 
 from common import write_results
 from jaxpar import config as jcfg
-from jaxpar.validate import validate
-from jaxpar.mesh import make_mesh
-from jaxpar.step import build
+from jaxpar.compiled import steps_for
 
 S, B, H, A, V = 512, 4, 256, 4, 256
 
@@ -45,7 +43,7 @@ def temp_bytes(t: int, sp: bool, remat: str, layers: int) -> int:
                    loss_chunk=S, attention="xla")
     c.mesh.update(data=1, tensor=t, stage=1)
     c.train.update(global_batch_size=B, microbatches=1)
-    steps = build(c, make_mesh(validate(c, t), jax.devices()[:t]), V)
+    steps = steps_for(c, V, jax.devices()[:t])
     params = jax.eval_shape(steps.init, 0)["params"]
     params = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), params,
                           steps.state_shardings["params"])

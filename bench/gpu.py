@@ -37,11 +37,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpar import attention, config as jcfg  # noqa: E402
-from jaxpar.validate import validate  # noqa: E402
+from jaxpar.compiled import steps_for  # noqa: E402
 from jaxpar import model as gpt  # noqa: E402
-from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
-from jaxpar.step import build  # noqa: E402
 
 # dense bf16 TFLOP/s (NVIDIA datasheets; H200 = H100 SXM's core), matched in this order against the device kind
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -90,7 +88,7 @@ def device_memory() -> float:
 
 
 def compiled_for(c, vocab):
-    steps = build(c, make_mesh(validate(c, 1), jax.devices()[:1]), vocab)
+    steps = steps_for(c, vocab, jax.devices()[:1])
     state = steps.init(0)
     B, T = c.train.global_batch_size, c.model.seq_len
     tokens = np.random.default_rng(0).integers(0, vocab, (B, T + 1), dtype=np.int32)
@@ -151,7 +149,7 @@ def loss_check(models, batch=4):
     for attn in ("xla", "auto"):
         c = config_for("gpt-1.3b", attn, "full", batch, models)
         vocab = int(c.model.vocab_size)
-        steps = build(c, make_mesh(validate(c, 1), jax.devices()[:1]), vocab)
+        steps = steps_for(c, vocab, jax.devices()[:1])
         params = steps.init(0)["params"]
         tokens = np.random.default_rng(1).integers(0, vocab, (batch, c.model.seq_len + 1), dtype=np.int32)
         s, n = steps.evaluate(params, {"tokens": jax.device_put(tokens, steps.batch_sharding)})

@@ -47,7 +47,7 @@ from absl import app, flags, logging  # noqa: E402
 from jaxpar import pipeline  # noqa: E402
 from common import m_axis, write_results  # noqa: E402
 from jaxpar.config import ConfigError, base_config  # noqa: E402
-from jaxpar.validate import validate  # noqa: E402
+from jaxpar.compiled import steps_for  # noqa: E402
 from jaxpar.mesh import make_mesh  # noqa: E402
 from jaxpar.model import split_params  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
@@ -92,9 +92,8 @@ class Runner:
     """The compiled train step of one config on its devices, with its (donated, updated) state and a fixed batch."""
 
     def __init__(self, config, devices, canonical_state):
-        shape = validate(config, len(devices))
-        steps = build(config, make_mesh(shape, devices), _VOCAB.value)
-        S = shape["stage"]
+        steps = steps_for(config, _VOCAB.value, devices)
+        S = steps.layout.stage
         v = pipeline.virtual_stages(config.pipeline.schedule, S, int(config.pipeline.virtual_stages))
         B, T = int(config.train.global_batch_size), int(config.model.seq_len)
         tokens = np.random.default_rng(0).integers(0, _VOCAB.value, (B, T + 1), dtype=np.int32)

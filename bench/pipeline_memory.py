@@ -26,10 +26,8 @@ from absl import app, flags, logging  # noqa: E402
 
 from common import m_axis, write_results  # noqa: E402
 from jaxpar.config import base_config  # noqa: E402
-from jaxpar.validate import validate  # noqa: E402
-from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.compiled import steps_for  # noqa: E402
 from jaxpar.report import memory_bytes  # noqa: E402
-from jaxpar.step import build  # noqa: E402
 
 _STAGES = flags.DEFINE_integer("stages", 4, "pipeline stages S")
 _MULT = flags.DEFINE_list("mult", ["1", "2", "4", "8"], "microbatches M as multiples of S")
@@ -51,7 +49,7 @@ def measure(name, v, S, M) -> dict:
     c.train.update(global_batch_size=M * _MICRO.value, microbatches=M)
     c.pipeline.update(schedule=name, virtual_stages=v)
     devices = jax.devices()[:S]
-    steps = build(c, make_mesh(validate(c, S), devices), 256)
+    steps = steps_for(c, 256, devices)
     abstract = steps.abstract_state()
     batch = {"tokens": jax.ShapeDtypeStruct((M * _MICRO.value, _SEQ.value + 1), np.int32,
                                             sharding=steps.batch_sharding)}

@@ -84,7 +84,7 @@ def gpt3(compile_):
     plan_s = time.perf_counter() - t0
     rs = table.rows(pl, 10)
     ref_best = next(x for x in pl.ranked if (x.layout.data, x.layout.tensor, x.layout.stage) == (8, 8, 16)
-                    and x.layout.virtual > 1 and x.layout.schedule == "1f1b")  # its best (ranked fits first)
+                    and x.layout.virtual_stages > 1 and x.layout.schedule == "1f1b")  # its best (ranked fits first)
     rank = pl.ranked.index(ref_best) + 1
     assert ref_best.fits(pl.capacity) is not False, ref_best.layout
     nf = lambda x: cost.narayanan_flops(pl.model) / x.time["step_s"] / 1024 / 1e12
@@ -157,7 +157,7 @@ def refusal(c, d, t, s):
     from jaxpar.plan.space import Layout, apply
 
     try:
-        validate(apply(c, Layout(d, t, s, max(s, 1), "1f1b" if s > 1 else "gpipe", zero=2)), d * t * s)
+        validate(apply(c, Layout(d, t, s, max(s, 1), "1f1b" if s > 1 else "gpipe", zero_stage=2)), d * t * s)
     except ConfigError as e:
         return " ".join(str(e).split("\n")[1:]).strip()
     return "no microbatch count fits the batch"

@@ -32,20 +32,15 @@ def compiled_step(argv):
     from ml_collections import config_flags
 
     from jaxpar import model as gpt
-    from jaxpar.validate import validate
-    from jaxpar.data import batch_shapes
-    from jaxpar.mesh import make_mesh
+    from jaxpar.compiled import abstract_batch, steps_for
     from jaxpar.report import memory_bytes
-    from jaxpar.step import build
 
     cfg_flag = config_flags.DEFINE_config_file("config", None, "config file")
     flags.FLAGS(argv)
     config = cfg_flag.value
-    steps = build(config, make_mesh(validate(config, jax.device_count())), int(config.model.vocab_size) or 256)
+    steps = steps_for(config, int(config.model.vocab_size) or 256)
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(s, dt, sharding=steps.batch_sharding)
-             for k, (s, dt) in batch_shapes(B, T, config.data.packing).items()}
-    compiled = steps.train.lower(steps.abstract_state(), batch).compile()
+    compiled = steps.train.lower(steps.abstract_state(), abstract_batch(config, steps)).compile()
     n = jax.device_count()
     return compiled.as_text(), gpt.flops_per_token(steps.cfg) * B * T / n, memory_bytes(compiled)
 

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxpar import distributed
 from jaxpar.save_errors import CheckpointSaveError, disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
@@ -285,8 +286,6 @@ class Checkpointer:
         """Move every step folder without its commit marker (a crash between the arrays and the marker, or what an
         object store leaves) into the trash, which is emptied right after; complete steps are never touched.
         Process 0 does it, then every process passes a barrier, so all of them list the same steps."""
-        from jaxpar import distributed
-
         if jax.process_index() == 0 and os.path.isdir(self.directory):
             for name in sorted(os.listdir(self.directory)):
                 path = os.path.join(self.directory, name)

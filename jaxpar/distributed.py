@@ -19,6 +19,8 @@ import re
 import socket
 import sys
 
+from jaxpar import watchdog
+
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = "JAXPAR_COORDINATOR", "JAXPAR_NUM_PROCESSES", "JAXPAR_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS, ENV_NODE, ENV_PORT = "JAXPAR_LOCAL_DEVICE_IDS", "JAXPAR_NODE", "JAXPAR_COORDINATOR_PORT"
 
@@ -225,8 +227,6 @@ def initialize(plan: Plan, heartbeat_timeout_s: float = 60, init_timeout_s: floa
     import jax
     from jax._src import distributed as jax_distributed  # the coordination client: key-value store, barriers
 
-    from jaxpar import watchdog
-
     if not os.environ.get("JAX_CPU_COLLECTIVES_IMPLEMENTATION"):  # CPU processes need one; gloo needs no MPI
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if plan.process_id != 0:  # JAX aborts from C++ when it cannot connect: find out here first
@@ -302,8 +302,6 @@ def stop_all(code: int, message: str) -> None:
     """Print `message` to stderr and exit with `code`; with several processes, make every other process exit with
     it too (within a second or two) instead of waiting at its next collective."""
     print(message, file=sys.stderr, flush=True)
-    from jaxpar import watchdog
-
     if watchdog.peers_running():
         watchdog.abort(message, code)  # never returns
     sys.exit(code)
@@ -312,8 +310,6 @@ def stop_all(code: int, message: str) -> None:
 def fail_all(error: BaseException) -> None:
     """With several processes: print `error`'s traceback and make every process exit (code 1) with its message.
     One process: return (the caller re-raises)."""
-    from jaxpar import watchdog
-
     if watchdog.peers_running():
         import traceback
 

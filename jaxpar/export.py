@@ -35,6 +35,7 @@ import jax
 from jaxpar import hf
 from jaxpar.config import DTYPES, base_config
 from jaxpar.data import load_tokenizer
+from jaxpar.runs import load_run
 from jaxpar.model import (SHAPE_FIELDS, Forward, GPTConfig, flatten, init_params, param_items,  # noqa: F401
                           unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
 from jaxpar.validate import check_model
@@ -66,8 +67,6 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False,
       FileExistsError: OUT exists and is not an empty directory, and `force` is False (or OUT is a file).
       ValueError: the checkpoint does not match config.json's model; the tokenizer is unreadable; a bad `fmt`/`dtype`.
     """
-    from jaxpar.runs import load_run  # the training stack (optax, orbax) only for exporting, not for loading
-
     workdir, out = os.path.abspath(os.fspath(workdir)), os.path.abspath(os.fspath(out))
     if fmt not in ("jaxpar", "hf") or (dtype is not None and dtype not in _ST_DTYPES):
         raise ValueError(f"--format {fmt!r} / --dtype {dtype!r}: pick jaxpar or hf, and a dtype of {list(_ST_DTYPES)}.")

@@ -11,17 +11,23 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from jaxpar import distributed
+from jaxpar.config import ConfigError
+from jaxpar.layout import Layout
+
 AXES = ("data", "stage", "tensor")
 
 
-def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
-    """Mesh with axes `AXES`, sizes `shape` ({'data', 'stage', 'tensor'}), axis types Auto (compiler-propagated).
+def make_mesh(shape: Layout | dict[str, int], devices=None) -> Mesh:
+    """Mesh with axes `AXES`, sizes `shape` (a `Layout`, or {'data', 'stage', 'tensor'}), axis types Auto
+    (compiler-propagated).
 
     Raises:
       ValueError: the product of the sizes differs from the number of devices.
       ConfigError: the devices cannot keep `tensor` within a node (see `node_order`).
     """
     devices = list(jax.devices() if devices is None else devices)
+    shape = shape.mesh_shape if isinstance(shape, Layout) else shape
     sizes = tuple(int(shape[a]) for a in AXES)
     if int(np.prod(sizes)) != len(devices):
         raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}")
@@ -30,8 +36,6 @@ def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
 
 
 def _nodes():
-    from jaxpar import distributed
-
     return distributed.process_nodes()
 
 
@@ -43,8 +47,6 @@ def node_order(devices, tensor: int, nodes: dict[int, str] | None = None) -> lis
       ConfigError: nodes hold different numbers of devices, or `tensor` does not divide a node's devices (its
         traffic would cross the network).
     """
-    from jaxpar.config import ConfigError
-
     node_of = (lambda p: nodes.get(p, p)) if nodes else (lambda p: p)
     first = {}
     for d in sorted(devices, key=lambda d: d.process_index):

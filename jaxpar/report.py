@@ -17,7 +17,6 @@ Collectives come from the optimized HLO text (`compiled.as_text()`); see `jaxpar
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Mapping
 
 import jax
@@ -118,43 +117,6 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
         "xla_flops": xla_flops,
         "hlo_flops": hlo_flops(text),
     }
-
-
-def for_config(config, vocab: int = 0, devices=None) -> dict:
-    """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
-    allocated) and return its `compile_report` with `compile_s`, the float32 gradient
-    buffer's bytes, the layout, and the optimized HLO under `hlo_text`. vocab 0: the config's, else the data's."""
-    from jaxpar import data, distributed, hf
-    from jaxpar import model as gpt
-    from jaxpar.validate import validate
-    from jaxpar.mesh import make_mesh
-    from jaxpar.step import build
-
-    devices = list(jax.devices() if devices is None else devices)
-    config = hf.apply(config)
-    shape = validate(config, len(devices))
-    vocab = vocab or max(int(config.model.vocab_size), 0) or distributed.process_0_first(
-        lambda: data.prepare(config), "jaxpar/prepare").vocab_size
-    steps = build(config, make_mesh(shape, devices), vocab)
-    abstract = steps.abstract_state()
-    B, T = int(config.train.global_batch_size), int(config.model.seq_len)
-    batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
-             for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing).items()}
-    t0 = time.perf_counter()
-    compiled = steps.train.lower(abstract, batch).compile()
-    compile_s = time.perf_counter() - t0
-    rep = compile_report(compiled, abstract_state=abstract,
-                                flops_per_step=gpt.flops_per_token(steps.cfg) * B * T)
-    rep["compile_s"] = compile_s  # lowering + compiling (a persistent-cache hit skips the compiling)
-    grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
-                         abstract["params"], steps.grad_shardings)
-    rep["state_bytes"]["grad_buffer"] = state_group_bytes({"g": grads})["g"]
-    rep["layout"] = {**dict(steps.mesh.shape), "zero_stage": int(config.optim.zero_stage),
-                     "microbatches": int(config.train.microbatches), "schedule": config.pipeline.schedule,
-                     "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(abstract["params"]))),
-                     "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype}
-    rep["hlo_text"] = compiled.as_text()
-    return rep
 
 
 def _fmt_bytes(n) -> str:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from jaxpar.data.preprocess import cache_root
+
 GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
              "--xla_gpu_enable_pipelined_all_gather=true",
              "--xla_gpu_enable_pipelined_reduce_scatter=true",
@@ -88,8 +90,6 @@ def known_flags(flags, cache_dir: str | None = None) -> tuple:
 
 
 def compile_cache_dir(config) -> str:
-    from jaxpar.data.preprocess import cache_root
-
     return config.xla.compile_cache_dir or str(cache_root(config) / "xla")
 
 
@@ -106,8 +106,6 @@ def configure(config, environ=os.environ) -> dict:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         out["compile_cache"] = path
     if cuda_present(environ) and config.xla.gpu_flags:
-        from jaxpar.data.preprocess import cache_root
-
         os.makedirs(cache_root(config), exist_ok=True)
         extra = known_flags(gpu_flags(config.xla.gpu_flags), str(cache_root(config)))
         environ["XLA_FLAGS"] = merged_flags(environ.get("XLA_FLAGS", ""), extra)

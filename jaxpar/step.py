@@ -28,7 +28,8 @@ from jaxpar.config import step_rules
 from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules
 from jaxpar.optim import OptimSettings, applied_updates, make_optimizer, schedule
-from jaxpar.train_state import init_state, layout
+from jaxpar.layout import Layout
+from jaxpar.train_state import Shardings, init_state, shardings
 from jaxpar.zero import DataParallel
 
 __all__ = ["build", "Steps", "StepSettings", "init_state", "model_config", "split_batch", "to_microbatches",
@@ -42,27 +43,22 @@ def model_config(config, vocab_real: int, tensor: int) -> gpt.GPTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StepSettings:
-    """The config keys the step reads, resolved once (validated in `validate.validate`)."""
+    """The config keys the step reads, resolved once (validated in `validate.validate`): the layout, and how the
+    update treats loss scaling and non-finite values."""
+    layout: Layout
     rules: tuple
-    zero_stage: int
-    microbatches: int
     float16: bool  # compute in float16: dynamic loss scaling
     stop_on_nonfinite: bool  # train.nonfinite == "stop"
-    schedule: str  # pipeline.schedule (a name in `pipeline.SCHEDULES`)
-    virtual_stages: int  # as configured; the schedule decides whether it uses them
-    pipeline_remat: bool
     skip_bubbles: bool
     loss_scale: loss_scale.LossScaleConfig
     optim: OptimSettings
 
     @classmethod
-    def from_config(cls, config) -> "StepSettings":
-        p, tr = config.pipeline, config.train
-        return cls(rules=step_rules(config), zero_stage=int(config.optim.zero_stage),
-                   microbatches=int(tr.microbatches), float16=tr.compute_dtype == "float16",
-                   stop_on_nonfinite=tr.nonfinite == "stop", schedule=p.schedule,
-                   virtual_stages=int(p.virtual_stages), pipeline_remat=bool(p.remat),
-                   skip_bubbles=bool(p.skip_bubbles), loss_scale=loss_scale.from_config(config),
+    def from_config(cls, config, num_devices: int) -> "StepSettings":
+        tr = config.train
+        return cls(layout=Layout.from_config(config, num_devices), rules=step_rules(config),
+                   float16=tr.compute_dtype == "float16", stop_on_nonfinite=tr.nonfinite == "stop",
+                   skip_bubbles=bool(config.pipeline.skip_bubbles), loss_scale=loss_scale.from_config(config),
                    optim=OptimSettings.from_config(config))
 
 
@@ -100,6 +96,7 @@ def map_blocks(state, fn):
 @dataclasses.dataclass
 class Steps:
     """Everything compiled for one layout: shardings, and the jitted `init`, `train` and `evaluate`."""
+    layout: Layout
     cfg: gpt.GPTConfig
     fwd: gpt.Forward
     optimizer: optax.GradientTransformation
@@ -123,17 +120,18 @@ class Steps:
                             shapes, self.state_shardings)
 
 
-def strategy(st: StepSettings, fwd: gpt.Forward, lay, mesh):
+def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
     """The gradient strategy for this layout (`jaxpar/gradients.py`)."""
-    S = mesh.shape["stage"]
+    lo = st.layout
+    S = lo.stage
     if S == 1:
-        dp = DataParallel(mesh, lay.param_specs, lay.grad_specs, st.zero_stage, lay.names)
+        dp = DataParallel(mesh, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names)
         return gradients.Accumulate(fwd, dp, st.rules, mesh)
-    M, v = st.microbatches, st.virtual_stages
-    common = (pipeline.forward_table(st.schedule, S, M, v), mesh, st.rules, lay.unsharded, st.pipeline_remat,
+    M, v = lo.microbatches, lo.virtual_stages
+    common = (pipeline.forward_table(lo.schedule, S, M, v), mesh, st.rules, sh.unsharded, lo.pipeline_remat,
               st.skip_bubbles)
-    if pipeline.SCHEDULES[st.schedule].engine == "loop":
-        return gradients.PipelineLoop(fwd, pipeline.table(st.schedule, S, M, v), *common)
+    if pipeline.SCHEDULES[lo.schedule].engine == "loop":
+        return gradients.PipelineLoop(fwd, pipeline.table(lo.schedule, S, M, v), *common)
     return gradients.PipelineAutodiff(fwd, *common)
 
 
@@ -164,30 +162,34 @@ def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
 
 
 def build(config, mesh, vocab_real: int) -> Steps:
-    """Shardings and jitted steps for `config` on `mesh` (call `validate.validate` first)."""
-    return build_steps(StepSettings.from_config(config), model_config(config, vocab_real, mesh.shape["tensor"]),
-                       mesh)
+    """Shardings and jitted steps for `config` on `mesh` (call `validate.validate` first, or use
+    `jaxpar.compiled.steps_for`, which does both)."""
+    st = StepSettings.from_config(config, mesh.size)
+    if st.layout.mesh_shape != {a: mesh.shape[a] for a in st.layout.mesh_shape}:
+        raise ValueError(f"the config's mesh {st.layout.mesh_shape} is not the mesh given {dict(mesh.shape)}")
+    return build_steps(st, model_config(config, vocab_real, mesh.shape["tensor"]), mesh)
 
 
 def build_steps(st: StepSettings, cfg: gpt.GPTConfig, mesh) -> Steps:
     fwd = gpt.Forward(cfg)
     optimizer = make_optimizer(st.optim, cfg)
     lr_at = schedule(st.optim)
-    lay = layout(cfg, optimizer, st.rules, mesh, st.zero_stage)
-    grad_fn = strategy(st, fwd, lay, mesh)
-    S = mesh.shape["stage"]
-    v = pipeline.virtual_stages(st.schedule, S, st.virtual_stages)
+    lo = st.layout
+    sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage)
+    grad_fn = strategy(st, fwd, sh, mesh)
+    S = lo.stage
+    v = pipeline.virtual_stages(lo.schedule, S, lo.virtual_stages)
     canonical = lambda tree: map_blocks(tree, lambda a: pipeline.from_stage_major(a, S, v))
     stage_major = lambda tree: map_blocks(tree, lambda a: pipeline.to_stage_major(a, S, v))
 
     def loss_and_grads(params, batch, rng, scale=1.0):
-        """Mean loss (nats/token) over the global batch and its grads (float32, sharded as `lay.grads`).
+        """Mean loss (nats/token) over the global batch and its grads (float32, sharded as `sh.grads`).
 
         The backward pass runs on the loss times `scale` (fp16 loss scaling); the grads returned are unscaled."""
-        mask, xs = microbatched(batch, st.microbatches)
+        mask, xs = microbatched(batch, lo.microbatches)
         total = jnp.maximum(mask.sum(dtype=at_least_f32(cfg.compute_dtype)), 1.0)  # float64 in float64 runs
         lsum, grads = grad_fn.loss_and_grads(params, xs, scale / total, rng)
-        grads = jax.lax.with_sharding_constraint(grads, lay.grads)
+        grads = jax.lax.with_sharding_constraint(grads, sh.grads)
         return lsum / total, jax.tree.map(lambda g: g / scale, grads)
 
     def train(state, batch):
@@ -200,7 +202,7 @@ def build_steps(st: StepSettings, cfg: gpt.GPTConfig, mesh) -> Steps:
     def evaluate(params, batch):
         """(loss_sum, token_count) over a batch, microbatched like training."""
         with activation_rules(st.rules, mesh):
-            return grad_fn.loss(params, microbatched(batch, st.microbatches)[1])
+            return grad_fn.loss(params, microbatched(batch, lo.microbatches)[1])
 
     def grads(params, batch):
         """(mean loss, grads in canonical layer order): for tests and tools, no update."""
@@ -208,16 +210,17 @@ def build_steps(st: StepSettings, cfg: gpt.GPTConfig, mesh) -> Steps:
             loss, g = loss_and_grads(params, batch, None)
         return loss, canonical(g)
 
-    state_sh, repl = lay.state, lay.replicated
+    state_sh, repl = sh.state, sh.replicated
     jit_state = lambda f: jax.jit(f, in_shardings=(state_sh,), out_shardings=state_sh) if v > 1 else (lambda s: s)
     return Steps(
-        cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh, grad_shardings=lay.grads,
-        batch_sharding=lay.batch,
+        layout=lo, cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh,
+        grad_shardings=sh.grads,
+        batch_sharding=sh.batch,
         init=jax.jit(lambda seed: stage_major(init_state(cfg, optimizer, seed, st.loss_scale)), static_argnums=0,
                      out_shardings=state_sh),
-        train=jax.jit(train, in_shardings=(state_sh, lay.batch), out_shardings=(state_sh, repl), donate_argnums=0),
-        evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], lay.batch), out_shardings=(repl, repl)),
-        grads=jax.jit(grads, in_shardings=(state_sh["params"], lay.batch)),
+        train=jax.jit(train, in_shardings=(state_sh, sh.batch), out_shardings=(state_sh, repl), donate_argnums=0),
+        evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], sh.batch), out_shardings=(repl, repl)),
+        grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
         layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
         init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=p),

@@ -33,7 +33,7 @@ def init_state(cfg: gpt.GPTConfig, optimizer, seed: int, ls_cfg=loss_scale.LossS
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Shardings:
     """Specs and shardings of one layout. ZeRO stage z shards over `data`: params from z >= 3, the float32 gradient
     buffer from z >= 2, the optimizer state from z >= 1 (Rajbhandari et al. 2020, sec. 5)."""
     names: dict  # logical axis names per param leaf
@@ -46,7 +46,7 @@ class Layout:
     replicated: NamedSharding
 
 
-def layout(cfg: gpt.GPTConfig, optimizer, rules, mesh, zero_stage: int) -> Layout:
+def shardings(cfg: gpt.GPTConfig, optimizer, rules, mesh, zero_stage: int) -> Shardings:
     names = gpt.logical_axes(cfg)
     pshapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
     specs = lambda zero: shd.param_specs(names, pshapes, rules, mesh, zero=zero)
@@ -54,6 +54,6 @@ def layout(cfg: gpt.GPTConfig, optimizer, rules, mesh, zero_stage: int) -> Layou
     ospecs = shd.opt_state_specs(optimizer, jax.eval_shape(optimizer.init, pshapes), specs(zero_stage >= 1))
     state = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P(),
              "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P()}
-    return Layout(names=names, param_specs=pspecs, grad_specs=gspecs, state=shd.named(mesh, state),
+    return Shardings(names=names, param_specs=pspecs, grad_specs=gspecs, state=shd.named(mesh, state),
                   grads=shd.named(mesh, gspecs), unsharded=shd.named(mesh, specs(False)),
                   batch=NamedSharding(mesh, P("data")), replicated=NamedSharding(mesh, P()))

@@ -13,13 +13,14 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import data, distributed, hf, metrics, monitor, watchdog
+from jaxpar import data, distributed, hf, loss_scale, metrics, monitor, report, watchdog
 from jaxpar import model as gpt
 from jaxpar.checkpoint import Checkpointer
+from jaxpar.compiled import report_for, steps_for
 from jaxpar.config import ConfigError
+from jaxpar.export import load_export, read_export_config
+from jaxpar.step import model_config
 from jaxpar.validate import validate
-from jaxpar.mesh import make_mesh
-from jaxpar.step import build, model_config
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "try again"; the SLURM template requeues on it
 
@@ -115,8 +116,6 @@ def check_health(config, state, done: int) -> dict:
     """Raise FloatingPointError if training must stop: a non-finite loss/grad under `train.nonfinite = stop` (every
     update since was skipped, so the state is the last good step's), or fp16 overflows persisting at the minimum
     loss scale. Called before every log and save, so a NaN never reaches a checkpoint."""
-    from jaxpar import loss_scale
-
     bad, first, ls = jax.device_get((state["nonfinite"], state["first_nonfinite"], state["loss_scale"]))
     if bad and config.train.nonfinite == "stop":
         raise FloatingPointError(
@@ -139,8 +138,6 @@ def check_export(directory: str, cfg) -> None:
     Raises:
       ConfigError: the export is missing or unreadable, or its model differs from `cfg` (shape or vocabulary).
     """
-    from jaxpar.export import read_export_config
-
     try:
         got = read_export_config(directory)
     except (FileNotFoundError, ValueError) as e:
@@ -157,8 +154,6 @@ def init_from_export(directory: str, steps, state) -> dict:
     Raises:
       ConfigError: the export's model differs from this config's (shape or vocabulary).
     """
-    from jaxpar.export import load_export
-
     check_export(directory, steps.cfg)
     _, params, _ = load_export(directory)
     canon = steps.to_canonical(state)
@@ -174,9 +169,7 @@ def dry_run(config, workdir: str) -> dict:
     shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
-    from jaxpar import report
-
-    rep = report.for_config(config)
+    rep = report_for(config)
     hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
@@ -197,14 +190,14 @@ def run(config, workdir: str, devices=None) -> dict:
     process that has eight) is meant for tests and single-process runs."""
     devices = list(jax.devices() if devices is None else devices)
     config = hf.apply(config)  # init_from=hf:DIR: the model's shape and tokenizer are DIR's
-    shape = validate(config, len(devices))
-    check_hf_weights(config, workdir, shape["tensor"])  # before data preparation, which can take hours
+    layout = validate(config, len(devices))
+    check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
     vocab = max(int(config.model.vocab_size), info.vocab_size)
     train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab, packing=config.data.packing)
     val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab, packing=config.data.packing)
-    steps = build(config, make_mesh(shape, devices), vocab)
+    steps = steps_for(config, vocab, devices)
     fp = fingerprint(config, info, steps)
     check_before_writing(config, workdir, fp, steps)
     if jax.process_index() == 0:

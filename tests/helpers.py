@@ -9,9 +9,7 @@ import jax
 import numpy as np
 
 from jaxpar import config as jcfg
-from jaxpar.mesh import make_mesh
-from jaxpar.step import build
-from jaxpar.validate import validate
+from jaxpar.compiled import steps_for  # noqa: F401 (the tests' one way to build a config's steps)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,12 +45,6 @@ def microbatches_for(data: int) -> int:
 def batch(n, seq, vocab, seed=0):
     rng = np.random.default_rng(seed)
     return {"tokens": rng.integers(0, vocab, (n, seq + 1), dtype=np.int32)}
-
-
-def steps_for(config, vocab, devices=None):
-    devices = jax.devices() if devices is None else devices
-    shape = validate(config, len(devices))
-    return build(config, make_mesh(shape, devices), vocab)
 
 
 def place(steps, b):

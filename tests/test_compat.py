@@ -12,9 +12,7 @@ import pytest
 
 from jaxpar import data, runs, trainer
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.mesh import make_mesh
-from jaxpar.validate import validate
-from jaxpar.step import build
+from jaxpar.compiled import steps_for
 from jaxpar.model import identity_defaults
 
 OLD = os.path.join(os.path.dirname(__file__), "fixtures", "old_run")
@@ -35,7 +33,7 @@ def old_run(one_file_corpus, tmp_path):
 @needs8
 def test_old_checkpoint_restores_bitwise_and_resumes(old_run):
     work, config, expected = old_run
-    steps = build(config, make_mesh(validate(config, 8)), data.load_tokenizer(str(work / "tokenizer")).vocab_size)
+    steps = steps_for(config, data.load_tokenizer(str(work / "tokenizer")).vocab_size)
     ckpt = Checkpointer(str(work), 1, 1, async_save=False, read_only=True)
     state, meta = ckpt.restore(2, steps.abstract_state())
     ckpt.close()

@@ -1,7 +1,6 @@
 """The documentation cannot drift from the code: every `--config.KEY` written in README.md and docs/ is a key of
 `base_config()`, every `configs/*.py` and `python -m jaxpar.X` named exists, every relative link resolves, the config
 reference lists exactly the keys of `base_config()` with their defaults, and the README stays a landing page."""
-import ast
 import importlib.util
 import pathlib
 import re
@@ -11,6 +10,7 @@ import sys
 import pytest
 
 from jaxpar.config import DEFAULT_RULES, _get, base_config, flat_keys
+from jaxpar.config_keys import KEYS as KEYS_TABLE, reference_table
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
@@ -67,23 +67,23 @@ def test_the_check_catches_a_stale_key():
         "configs/llama4.py", "jaxpar.nothing"]
 
 
-def reference_rows():
-    """{key: default} from the table of docs/config.md (defaults as Python literals)."""
-    rows = {}
-    keys_section = (ROOT / "docs/config.md").read_text().split("## Keys")[1].split("\n## ")[0]
-    for key, default in re.findall(r"^\| `([\w.]+)` \| `([^`]*)` \|", keys_section, re.M):
-        rows[key] = DEFAULT_RULES if default == "DEFAULT_RULES" else ast.literal_eval(default)
-    return rows
-
-
-def test_config_reference_lists_every_key_with_its_default():
-    rows = reference_rows()
-    assert sorted(rows) == sorted(KEYS), "docs/config.md and base_config() list different keys"
-    wrong = {k: (rows[k], KEYS[k]) for k in KEYS if rows[k] != KEYS[k] or type(rows[k]) is not type(KEYS[k])}
-    assert wrong == {}, "docs/config.md: (written, actual) defaults"
+def test_config_reference_is_the_key_table():
+    """docs/config.md's key table is `config_keys.reference_table()` (regenerate: python -m jaxpar.config_keys), and
+    the key table is `base_config()`: every key, with its default."""
     text = (ROOT / "docs/config.md").read_text()
+    assert reference_table() in text.split("## Keys")[1], "docs/config.md: run python -m jaxpar.config_keys"
+    assert sorted(k.name for k in KEYS_TABLE) == sorted(KEYS)
     for logical, mesh in DEFAULT_RULES:  # the rules table
         assert re.search(rf"^\| `{logical}` \| {'`' + mesh + '`' if mesh else 'none'}", text, re.M), logical
+
+
+def test_every_key_rejects_a_value_of_the_wrong_kind():
+    """Each key of the table refuses a value of another type, naming itself (keys left to validate excepted)."""
+    wrong = {int: "x", float: "x", str: 3, bool: "yes"}
+    for k in KEYS_TABLE:
+        if k.kind is not None:
+            assert k.error(wrong[k.kind]) is not None and k.name in k.error(wrong[k.kind]), k.name
+            assert k.error(k.default) is None, k.name
 
 
 def test_readme_is_a_landing_page():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from helpers import assert_params_exact, run_config
+from helpers import assert_params_exact, run_config, steps_for
 from jaxpar import export, runs, trainer
 from jaxpar.data import ByteTokenizer
 from jaxpar.generate import generate
@@ -237,11 +237,7 @@ def test_init_from_places_the_export_in_another_layout(tensor_run, corpus, tmp_p
     """Fine-tuning start: an export of a (4,2,1) run placed into a circular (2,2,2) layout, bitwise."""
     _, out = tensor_run
     c = run_config(corpus, tmp_path, **{**PIPELINE, "model.layers": 4})
-    from jaxpar.validate import validate
-    from jaxpar.mesh import make_mesh
-    from jaxpar.step import build
-
-    steps = build(c, make_mesh(validate(c, jax.device_count())), 256)
+    steps = steps_for(c, 256)
     state = trainer.init_from_export(str(out), steps, steps.init(7))
     got = jax.device_get(steps.to_canonical(state)["params"])
     want = export.flatten(export.load_export(str(out))[1])

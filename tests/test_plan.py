@@ -38,14 +38,14 @@ def canonical(lay: Layout) -> bool:
     kept residuals (pipeline.remat False), by model.remat; v > 1 only for the interleaved schedules, and circular
     with v = 1 is GPipe."""
     if lay.stage == 1:
-        return (lay.schedule, lay.virtual, lay.pipeline_remat) == ("gpipe", 1, True)
+        return (lay.schedule, lay.virtual_stages, lay.pipeline_remat) == ("gpipe", 1, True)
     if lay.pipeline_remat and lay.remat != "none":
         return False
     if not lay.pipeline_remat and lay.schedule != "1f1b":
         return False
     if lay.schedule == "circular":
-        return lay.virtual > 1
-    return lay.virtual == 1 or lay.schedule == "1f1b"
+        return lay.virtual_stages > 1
+    return lay.virtual_stages == 1 or lay.schedule == "1f1b"
 
 
 def test_enumeration_is_exactly_what_validate_accepts():
@@ -75,9 +75,9 @@ def test_compiled_memory_equals_dry_run(tmp_path):
 
     c = small()
     comp = memory.Compiler(c, 256, jax.devices())
-    for lay in (Layout(4, 2, 1, 1, zero=0), Layout(2, 2, 2, 2, "1f1b", zero=1)):
+    for lay in (Layout(4, 2, 1, 1, zero_stage=0), Layout(2, 2, 2, 2, "1f1b", zero_stage=1)):
         got = comp.memory(lay)
-        assert got["source"] == ("derived (data 2)" if lay.zero == 0 else "compiled")
+        assert got["source"] == ("derived (data 2)" if lay.zero_stage == 0 else "compiled")
         rep = trainer.dry_run(apply(c, lay), str(tmp_path / lay.name().replace(" ", "_")))
         assert {k: got[k] for k in rep["memory"]} == rep["memory"], lay
     assert comp.compiles == 2
@@ -149,12 +149,13 @@ def test_data_parallel_bytes_match_the_compile():
     c.train.global_batch_size = 16
     m, cl = cost.Model.from_config(c, 256), hardware.cluster("a100-80g", 8)
     comp = memory.Compiler(c, 256, jax.devices())
-    for lay, tol in ((Layout(8, 1, 1, 2, zero=0), 0.03), (Layout(8, 1, 1, 2, zero=2), 0.03),
-                     (Layout(8, 1, 1, 2, zero=3), 0.10), (Layout(4, 1, 2, 2, "gpipe", zero=2), 0.03)):
+    for lay, tol in ((Layout(8, 1, 1, 2, zero_stage=0), 0.03), (Layout(8, 1, 1, 2, zero_stage=2), 0.03),
+                     (Layout(8, 1, 1, 2, zero_stage=3), 0.10),
+                     (Layout(4, 1, 2, 2, "gpipe", zero_stage=2), 0.03)):
         compiled = comp.memory(lay)["data_collectives"]
         a, k = cost.step_time(m, lay, cl)["dp_bytes"], cost.step_time(m, lay, cl, compiled)["dp_bytes"]
         assert abs(k / a - 1) < tol, (lay, a, k)
-        assert {kind for kind, _, _ in compiled} >= ({"all-gather"} if lay.zero else {"all-reduce"})
+        assert {kind for kind, _, _ in compiled} >= ({"all-gather"} if lay.zero_stage else {"all-reduce"})
 
 
 @pytest.mark.parametrize("name", ["shakespeare", "llama3_8b"])

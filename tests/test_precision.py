@@ -90,7 +90,7 @@ def test_fp16_resume_continues_with_saved_scale_and_counters(corpus, tmp_path):
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_nonfinite_policy(corpus, tmp_path, policy, monkeypatch):
-    real_build = trainer.build
+    real_build = trainer.steps_for
 
     def build(*a, **k):  # the 3rd step gets a NaN loss mask: NaN loss and grads through the real step
         st = real_build(*a, **k)
@@ -105,7 +105,7 @@ def test_nonfinite_policy(corpus, tmp_path, policy, monkeypatch):
         st.train = poisoned
         return st
 
-    monkeypatch.setattr(trainer, "build", build)
+    monkeypatch.setattr(trainer, "steps_for", build)
     c = run_config(corpus, tmp_path, **{"train.nonfinite": policy, "mesh.data": 8})
     wd = str(tmp_path / policy)
     if policy == "stop":

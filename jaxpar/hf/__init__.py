@@ -17,10 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar import data
+from jaxpar.config import base_config
+from jaxpar.data import BPETokenizer
 from jaxpar.hf import files, keys
 from jaxpar.hf.config import arch_of, hf_config, model_settings, read_json
 from jaxpar.hf.files import HFError
-from jaxpar.model import Forward, init_params, param_items, unflatten
+from jaxpar.model import Forward, config_from, init_params, param_items, unflatten
+from jaxpar.validate import validate
 
 PREFIX = "hf:"
 TOKENIZER = "tokenizer.json"
@@ -44,8 +48,6 @@ def settings(directory: str) -> dict:
     if not os.path.isfile(tok_path):
         raise HFError(f"{tok_path} not found; save the tokenizer with transformers (`AutoTokenizer.from_pretrained"
                       f"(DIR).save_pretrained(DIR)` writes it) or copy it next to config.json.")
-    from jaxpar.data import BPETokenizer
-
     n = BPETokenizer.from_file(tok_path).vocab_size
     if n > out["model.vocab_size"]:
         raise HFError(f"{tok_path} has {n} symbols but the embedding has only vocab_size={out['model.vocab_size']} "
@@ -181,11 +183,6 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
 
 def load(directory: str, device=None, param_dtype: str = "float32"):
     """-> (Forward, params on one device, tokenizer) of DIR, for sampling (float32 params and compute)."""
-    from jaxpar import data
-    from jaxpar.config import base_config
-    from jaxpar.validate import validate
-    from jaxpar.model import config_from
-
     config = base_config()
     config.init_from = PREFIX + directory
     config.mesh.update(data=1, tensor=1, stage=1)

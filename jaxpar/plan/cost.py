@@ -26,6 +26,8 @@ import math
 from jaxpar import model as gpt
 from jaxpar.attention import choose
 from jaxpar.config import padded_vocab
+from jaxpar.hlo_groups import axes_of
+from jaxpar.pipeline import registry
 from jaxpar.plan.hardware import Cluster
 from jaxpar.plan.space import Layout
 
@@ -95,7 +97,7 @@ def activation_bytes(model: Model, lay: Layout) -> float:
     attention kernel."""
     b, s, h, t = lay.micro_batch(model.global_batch), model.seq, model.embed, lay.tensor
     scores = 0 if model.fused_attention else 5 * model.heads * s / (h * t)
-    return s * b * h * ((34 / t if lay.sp else 10 + 24 / t) + scores)
+    return s * b * h * ((34 / t if lay.sequence_parallel else 10 + 24 / t) + scores)
 
 
 def ring(kind: str, n: int) -> float:
@@ -112,8 +114,6 @@ def collective_time(kind: str, nbytes: float, n: int, bw: tuple[float, float]) -
 
 @functools.lru_cache(maxsize=4096)
 def _table(name: str, S: int, M: int, v: int):
-    from jaxpar.pipeline import registry
-
     return registry.table(name, S, M, v)
 
 
@@ -149,7 +149,7 @@ def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
     work = (lin + core) / rate + ELEMENTWISE_TRAFFIC * activation_bytes(model, lay) / cl.device.hbm_bw
     x = b * s * h * model.compute_bytes
     bw = cl.group_bw(t, 1)
-    tp = collective_time("all-reduce", x, t, bw) + (bw[1] if lay.sp else 0.0)  # SP: two collectives, one latency more
+    tp = collective_time("all-reduce", x, t, bw) + (bw[1] if lay.sequence_parallel else 0.0)  # SP: two collectives, one latency more
     return _Layer(fwd=work + 2 * tp, bwd=2 * work + 2 * tp, core=core / rate, tp=tp, mm_fwd=lin / rate,
                   flops_fwd=lin + core, flops_core=core, head_fwd=2 * b * s * h * model.padded_vocab(t) / t / rate,
                   transfer=x)
@@ -157,7 +157,7 @@ def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
 
 def _pipeline(lay: Layout, cl: Cluster, ly: _Layer, Lc: float, head: float, r_full: float, r_core: float):
     """(critical path seconds, stage-transfer seconds) of the schedule's tick table with these stage costs."""
-    sc = _table(lay.schedule, lay.stage, lay.microbatches, lay.virtual)
+    sc = _table(lay.schedule, lay.stage, lay.microbatches, lay.virtual_stages)
     if lay.schedule == "zb_h1":  # B: input grads (+ recompute), W: weight grads (+ recompute again)
         f, b, w = Lc * ly.fwd, Lc * (ly.bwd - ly.mm_fwd + ly.fwd), Lc * (ly.mm_fwd + ly.fwd)
     else:
@@ -182,7 +182,7 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
     critical, pp = (ideal, 0.0) if lay.stage == 1 else _pipeline(lay, cl, ly, Lc, head, r_full, r_core)
     dp = (_data_parallel(model, lay, cl, critical) if compiled is None
           else _overlap(compiled, lay, cl, critical, "compiled"))
-    opt = 28 * model.params_per_device(lay) / (lay.data if lay.zero >= 1 else 1) / cl.device.hbm_bw  # AdamW
+    opt = 28 * model.params_per_device(lay) / (lay.data if lay.zero_stage >= 1 else 1) / cl.device.hbm_bw  # AdamW
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     flops = M * (Lc * ((3 + r_full) * ly.flops_fwd + r_core * ly.flops_core) + head_passes * ly.head_fwd * rate)
     return {"step_s": critical + pp + dp["exposed"] + opt, "compute_s": ideal, "bubble_s": critical - ideal,
@@ -197,17 +197,17 @@ def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> dic
     grads, params = 4 * P, model.param_bytes * P
     M, piped = lay.microbatches, lay.stage > 1
     ops = []  # (kind, bytes, executions); a pipeline gathers / scatters a stage's whole params once per step
-    if lay.zero <= 1:
+    if lay.zero_stage <= 1:
         ops.append(("all-reduce", grads, 1))
-    if lay.zero == 2:
+    if lay.zero_stage == 2:
         ops.append(("reduce-scatter", grads, 1 if piped else M))
-    if lay.zero == 3 and piped:
+    if lay.zero_stage == 3 and piped:
         ops += [("all-gather", params, 1), ("reduce-scatter", grads, 1)]
-    elif lay.zero == 3:  # per layer and microbatch: a gather in the forward (kept for the backward), again in a
+    elif lay.zero_stage == 3:  # per layer and microbatch: a gather in the forward (kept for the backward), again in a
         L = model.layers  # recompute, and a reduce-scatter of its gradient
         gathers = L * M * (1 + recompute_passes(lay)[0])
         ops += [("all-gather", params / L, gathers), ("reduce-scatter", grads / L, L * M)]
-    if lay.zero in (1, 2):
+    if lay.zero_stage in (1, 2):
         ops.append(("all-gather", params, 1))
     return _overlap(ops, lay, cl, window, "analytic")
 
@@ -228,8 +228,6 @@ def _overlap(ops, lay: Layout, cl: Cluster, window: float, source: str) -> dict:
 def data_collectives(collectives: list, mesh_shape: dict) -> list:
     """The compile report's collectives (`hlo.hlo_collectives`) that run over the `data` axis: (kind, bytes of the
     whole buffer, executions per step)."""
-    from jaxpar.hlo_groups import axes_of
-
     out = []
     for c in collectives:
         axes = axes_of(c["group"], mesh_shape)

@@ -6,17 +6,15 @@ import time
 import jax
 import numpy as np
 
+from jaxpar.compiled import steps_for
+from jaxpar.report import memory_bytes
+
 
 def time_step(config, vocab: int, steps: int = 5, devices=None) -> dict:
     """-> {"step_s", "compile_s", "loss", "memory" (XLA's per-device bytes), "mesh", "device_kind"}; step_s is the
     mean over `steps` steps after a warm-up step."""
-    from jaxpar.validate import validate
-    from jaxpar.mesh import make_mesh
-    from jaxpar.report import memory_bytes
-    from jaxpar.step import build
-
     devices = list(jax.devices() if devices is None else devices)
-    built = build(config, make_mesh(validate(config, len(devices)), devices), vocab)
+    built = steps_for(config, vocab, devices)
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
     rng = np.random.default_rng(0)
     batch = {"tokens": jax.device_put(rng.integers(0, vocab, (B, T + 1), dtype=np.int32), built.batch_sharding)}

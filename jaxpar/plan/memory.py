@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.compiled import report_for
 from jaxpar.plan.cost import Model, activation_bytes, data_collectives, recompute_passes
 from jaxpar.plan.space import Layout, apply
 
@@ -26,7 +27,7 @@ def compile_flags(flags_: str, devices: int, fast: bool) -> str:
 
 def compile_data_size(lay: Layout) -> int:
     """The data-parallel size the layout is compiled at (see the module docstring)."""
-    return min(lay.data, 2) if lay.zero == 0 else lay.data
+    return min(lay.data, 2) if lay.zero_stage == 0 else lay.data
 
 
 def key(lay: Layout, global_batch: int) -> tuple:
@@ -48,8 +49,6 @@ class Compiler:
     def memory(self, lay: Layout) -> dict:
         """{"peak": bytes, "temp", "argument", ..., "source": "compiled" | "derived (data 2)", "compile_s",
         "collectives_by_kind", "data_collectives" (`cost.data_collectives`)} of the layout's train step."""
-        from jaxpar import report
-
         B = int(self.config.train.global_batch_size)
         k = key(lay, B)
         if k not in self.cache:
@@ -59,7 +58,7 @@ class Compiler:
                 c.train.global_batch_size = B // lay.data * dc
                 c.xla.compile_cache = False
             n = dc * lay.tensor * lay.stage
-            rep = report.for_config(c, self.vocab, self.devices[:n])
+            rep = report_for(c, self.vocab, self.devices[:n])
             self.compiles += 1
             mesh = {a: rep["layout"][a] for a in ("data", "stage", "tensor")}
             self.cache[k] = {**rep["memory"], "compile_s": rep["compile_s"], "state_bytes": rep["state_bytes"],
@@ -76,8 +75,8 @@ def estimate(model: Model, lay: Layout) -> tuple[float, float]:
     activations: stored layer inputs (with recompute) or Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) bytes per layer
     (without), for the microbatches a stage holds, and one loss chunk's float32 logits and their gradient."""
     d, P = lay.data, model.params_per_device(lay)
-    state = P * (model.param_bytes / (d if lay.zero >= 3 else 1) + 4 / (d if lay.zero >= 2 else 1)
-                 + 8 / (d if lay.zero >= 1 else 1))
+    state = P * (model.param_bytes / (d if lay.zero_stage >= 3 else 1) + 4 / (d if lay.zero_stage >= 2 else 1)
+                 + 8 / (d if lay.zero_stage >= 1 else 1))
     b, s, h, t = lay.micro_batch(model.global_batch), model.seq, model.embed, lay.tensor
     per_layer = activation_bytes(model, lay)
     if not model.fused_attention and lay.remat == "none":
@@ -89,8 +88,9 @@ def estimate(model: Model, lay: Layout) -> tuple[float, float]:
         act = L * (stored if full else per_layer) + per_layer
     else:
         held = lay.microbatches if lay.schedule in ("gpipe", "circular") else lay.stage
-        act = held * lay.virtual * (stored if lay.pipeline_remat else L / lay.virtual * per_layer) + L * per_layer
+        v = lay.virtual_stages
+        act = held * v * (stored if lay.pipeline_remat else L / v * per_layer) + L * per_layer
     logits = b * min(s, 1024) * model.padded_vocab(t) / t * 4 * 2
-    if lay.stage > 1 and lay.zero >= 2:  # a pipeline gathers its stage's params and grads whole (README, limits)
-        act += P * (4 + (model.param_bytes if lay.zero == 3 else 0))
+    if lay.stage > 1 and lay.zero_stage >= 2:  # a pipeline gathers its stage's params and grads whole (README, limits)
+        act += P * (4 + (model.param_bytes if lay.zero_stage == 3 else 0))
     return state, act + logits

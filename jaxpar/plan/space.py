@@ -7,60 +7,8 @@ import dataclasses
 import itertools
 
 from jaxpar.config import ConfigError
-
-
+from jaxpar.layout import Layout, apply, set_layout  # noqa: F401 (apply, set_layout: the planner's callers use them)
 from jaxpar.validate import validate
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    data: int
-    tensor: int
-    stage: int
-    microbatches: int  # per step, per data replica (train.microbatches)
-    schedule: str = "gpipe"
-    virtual: int = 1
-    zero: int = 0
-    remat: str = "none"  # model.remat
-    pipeline_remat: bool = True
-    sp: bool = False  # model.sequence_parallel
-
-    def micro_batch(self, global_batch: int) -> int:
-        """Sequences per microbatch per data replica: global batch / (data x microbatches)."""
-        return global_batch // (self.data * self.microbatches)
-
-    def overrides(self) -> dict:
-        """The config keys (dotted) that train this layout."""
-        return {"mesh.data": self.data, "mesh.tensor": self.tensor, "mesh.stage": self.stage,
-                "train.microbatches": self.microbatches, "pipeline.schedule": self.schedule,
-                "pipeline.virtual_stages": self.virtual, "optim.zero_stage": self.zero, "model.remat": self.remat,
-                "pipeline.remat": self.pipeline_remat, "model.sequence_parallel": self.sp}
-
-    def flags(self) -> str:
-        """`--config.KEY=VALUE ...` for train.py."""
-        return " ".join(f"--config.{k}={v}" for k, v in self.overrides().items())
-
-    def name(self) -> str:
-        """Short form: (d, t, s) schedule[v] M zero remat SP."""
-        sched = "" if self.stage == 1 else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
-        rem = self.remat if self.stage == 1 or not self.pipeline_remat else "stage"
-        return (f"({self.data},{self.tensor},{self.stage}){sched} M{self.microbatches} z{self.zero} {rem}"
-                + (" SP" if self.sp else ""))
-
-
-def apply(config, layout: Layout):
-    """A copy of `config` with `layout`'s keys set."""
-    c = copy.deepcopy(config)
-    set_layout(c, layout)
-    return c
-
-
-def set_layout(config, layout: Layout):
-    """Set `layout`'s keys in `config` (in place)."""
-    with config.unlocked():
-        for key, v in layout.overrides().items():
-            section, name = key.split(".")
-            config[section][name] = v
 
 
 @dataclasses.dataclass(frozen=True)

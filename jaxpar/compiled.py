@@ -1,0 +1,58 @@
+"""The one way to turn a config into its step on some devices: validate, lay out the mesh, build (`steps_for`); and
+compile that step with abstract inputs for the compile report (`report_for`: `train.py --dry_run`, the planner).
+
+The trainer, `--dry_run`, the planner's measurements and the tests all build their steps here.
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from jaxpar import data, distributed, hf, report
+from jaxpar import model as gpt
+from jaxpar.mesh import make_mesh
+from jaxpar.step import Steps, build
+from jaxpar.validate import validate
+
+
+def steps_for(config, vocab: int, devices=None) -> Steps:
+    """`config`'s steps on `devices` (default: all): validated (a `ConfigError` before anything compiles), the mesh
+    laid out, the steps built (jitted; each compiles at its first call)."""
+    devices = list(jax.devices() if devices is None else devices)
+    return build(config, make_mesh(validate(config, len(devices)), devices), vocab)
+
+
+def abstract_batch(config, steps: Steps) -> dict:
+    """A global batch of `jax.ShapeDtypeStruct`s with the steps' batch sharding (nothing allocated)."""
+    B, T = int(config.train.global_batch_size), int(config.model.seq_len)
+    return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
+            for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing).items()}
+
+
+def report_for(config, vocab: int = 0, devices=None) -> dict:
+    """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
+    allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
+    layout, and the optimized HLO under `hlo_text`. vocab 0: the config's, else the data's."""
+    config = hf.apply(config)
+    validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
+    vocab = vocab or max(int(config.model.vocab_size), 0) or distributed.process_0_first(
+        lambda: data.prepare(config), "jaxpar/prepare").vocab_size
+    steps = steps_for(config, vocab, devices)
+    abstract = steps.abstract_state()
+    t0 = time.perf_counter()
+    compiled = steps.train.lower(abstract, abstract_batch(config, steps)).compile()
+    compile_s = time.perf_counter() - t0
+    tokens = int(config.train.global_batch_size) * int(config.model.seq_len)
+    rep = report.compile_report(compiled, abstract_state=abstract,
+                                flops_per_step=gpt.flops_per_token(steps.cfg) * tokens)
+    rep["compile_s"] = compile_s  # lowering + compiling (a persistent-cache hit skips the compiling)
+    grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
+                         abstract["params"], steps.grad_shardings)
+    rep["state_bytes"]["grad_buffer"] = report.state_group_bytes({"g": grads})["g"]
+    rep["layout"] = {**steps.layout.as_dict(),
+                     "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(abstract["params"]))),
+                     "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype}
+    rep["hlo_text"] = compiled.as_text()
+    return rep

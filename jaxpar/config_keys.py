@@ -1,0 +1,268 @@
+"""Every config key, written once: its default, type, allowed range and one-line meaning (`KEYS`).
+
+`config.base_config()` is built from this table, `validate` checks each key's type and range from it (`key_errors`;
+the rules between keys stay in `validate`), and the key table of docs/config.md is generated from it
+(`python -m jaxpar.config_keys` rewrites it; `tests/test_docs.py` fails when the two differ). Imports nothing of
+jaxpar.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import pathlib
+import sys
+from typing import Callable
+
+# Logical axis -> mesh axis (None: replicated). Megatron's tensor-parallel pattern: heads and MLP width are split
+# (column-parallel in, row-parallel out), the vocabulary is split (vocab-parallel embedding and logits); the batch is
+# split over data; the stacked layers over stage (the pipeline).
+DEFAULT_RULES = (
+    ("batch", "data"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),  # llama's KV heads: split when tensor divides them, else replicated (see validate)
+    ("mlp", "tensor"),
+    ("kv", None),
+    ("embed", None),
+    ("qkv", None),
+    ("seq", None),
+    ("act_seq", None),  # the residual stream's sequence (norms, dropout, adds); "tensor" with model.sequence_parallel
+    ("layers", "stage"),
+)
+
+MESH_AXES = ("data", "stage", "tensor")  # order of the device grid: tensor last = neighbouring devices
+REMAT_POLICIES = ("none", "selective", "full", "dots", "attention")
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs (validate._check_float64)
+_INF = float("inf")
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    name: str  # dotted: section.key ("name" for a top-level key)
+    default: object
+    kind: type | None  # int, float (ints accepted), bool, str; None: checked in validate (rules, log.profile_steps)
+    meaning: str  # one line, Markdown (the docs' table)
+    test: Callable | None = None  # the allowed range, on a value of the right kind
+    allowed: str = ""  # what `test` allows, in words (messages)
+    choices: tuple | None = None  # the allowed values
+
+    def error(self, v) -> str | None:
+        """One line when `v` is not allowed, naming the key, the value, what is allowed and the fix; else None."""
+        if self.choices is not None:
+            return None if v in self.choices and type(v) is type(self.default) else \
+                f"{self.name}={v!r}: pick one of {self.choices}."
+        if self.kind is bool:
+            return None if isinstance(v, bool) else (f"{self.name}={v!r} must be True or False; set "
+                                                     f"--config.{self.name}=True or --config.{self.name}=False.")
+        if self.kind is str and not self.test:
+            return None if isinstance(v, str) else (f"{self.name}={v!r} must be a string; set "
+                                                    f"--config.{self.name}='...' (default {self.default!r}).")
+        kind = {int: numbers.Integral, float: numbers.Real, str: str}.get(self.kind)
+        if kind is None or (isinstance(v, kind) and not isinstance(v, bool) and (self.test is None or self.test(v))):
+            return None
+        return (f"{self.name}={v!r} must be {self.allowed or _KINDS[self.kind]}; set --config.{self.name} to such a "
+                f"value (default {self.default!r}).")
+
+
+K = Key
+_NONEMPTY = lambda v: bool(v.strip())
+
+KEYS = (
+    # top level
+    K("name", "jaxpar", str, "the run's name (in messages and the planner's output; the workdir defaults to "
+      "`runs/<config file name>`)"),
+    K("init_from", "", str, "weights to start from: an export directory (`python -m jaxpar.export`) or `hf:DIR` (a "
+      "Hugging Face directory; its shape and tokenizer replace the config's): "
+      "[models](models.md)"),
+    K("rules", DEFAULT_RULES, None, "logical axis → mesh axis (below): [layouts](layouts.md)"),
+    # mesh
+    K("mesh.data", -1, int, "data-parallel size; -1: the devices left over by tensor and stage"),
+    K("mesh.tensor", 1, int, "tensor-parallel size (Megatron: heads, MLP width and vocabulary split); within a node"),
+    K("mesh.stage", 1, int, "pipeline stages: [pipeline](pipeline.md)"),
+    # model
+    K("model.arch", "gpt2", str, "`gpt2` (LayerNorm, learned positions, GELU MLP, biases) or `llama` (RMSNorm, RoPE, "
+      "GQA, SwiGLU)"),
+    K("model.vocab_size", 0, int, "0: the tokenizer's; padded to a multiple of 128 and of `mesh.tensor`",
+      lambda v: v >= 0, "an integer >= 0 (0: taken from the tokenizer)"),
+    K("model.seq_len", 256, int, "tokens per sequence", lambda v: v >= 1, "an integer >= 1"),
+    K("model.layers", 4, int, "transformer blocks", lambda v: v >= 1, "an integer >= 1"),
+    K("model.embed", 128, int, "hidden size", lambda v: v >= 1, "an integer >= 1"),
+    K("model.heads", 4, int, "attention heads", lambda v: v >= 1, "an integer >= 1"),
+    K("model.mlp", 0, int,
+      "the MLP's hidden width (llama: SwiGLU's, Hugging Face's `intermediate_size`); 0: 4 × embed",
+      lambda v: v >= 0, "an integer >= 0 (0: 4 x model.embed)"),
+    K("model.kv_heads", 0, int, "llama: grouped-query KV heads, dividing heads; 0: = heads",
+      lambda v: v >= 0, "an integer >= 0 (0: = model.heads)"),
+    K("model.max_positions", 0, int, "gpt2: rows of the position table; llama: the context the model is made for; 0: "
+      "= seq_len",
+      lambda v: v >= 0, "an integer >= 0 (0: = model.seq_len)"),
+    K("model.norm_eps", 1e-05, float, "norm epsilon", lambda v: 0 < v < _INF, "a number > 0"),
+    K("model.rope_theta", 10000.0, float, "llama: RoPE base", lambda v: 0 < v < _INF, "a number > 0"),
+    K("model.rope_scaling", "none", str, "llama: `none` or `llama3` (Llama 3.1/3.2's frequency scaling with the four "
+      "keys below)"),
+    K("model.rope_factor", 8.0, float, "llama3 RoPE scaling: factor", lambda v: 1 <= v < _INF, "a number >= 1"),
+    K("model.rope_low_freq_factor", 1.0, float, "llama3 RoPE scaling: low-frequency factor",
+      lambda v: 0 < v < _INF, "a number > 0"),
+    K("model.rope_high_freq_factor", 4.0, float, "llama3 RoPE scaling: high-frequency factor",
+      lambda v: 0 < v < _INF, "a number > model.rope_low_freq_factor"),
+    K("model.rope_original_max_len", 8192, int, "llama3 RoPE scaling: the original context",
+      lambda v: v >= 1, "an integer >= 1"),
+    K("model.dropout_embed", 0.0, float, "dropout on the embedding output (masks depend on step, layer and sequence, "
+      "not the layout)",
+      lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    K("model.dropout_resid", 0.0, float, "dropout on each residual branch", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    K("model.tie_embeddings", True, bool, "the LM head is the token embedding"),
+    K("model.remat", "none", str, "activation recompute: `none`, `selective` (Korthikanti et al.: the attention "
+      "core), `full`, `dots`, `attention`: [gpu](gpu.md)", choices=REMAT_POLICIES),
+    K("model.attention", "auto", str, "attention kernel: `auto`, `xla`, `cudnn`, `pallas`: [gpu](gpu.md)"),
+    K("model.loss_chunk", 1024, int, "sequence positions per chunk of the LM head + cross-entropy (the float32 "
+      "logits are never whole)", lambda v: v >= 1, "an integer >= 1 (sequence positions per chunk of the loss)"),
+    K("model.sequence_parallel", False, bool, "Megatron sequence parallelism: the residual stream split on the "
+      "sequence over `tensor`"),
+    # train
+    K("train.steps", 1000, int, "optimizer steps to run to", lambda v: v >= 1, "an integer >= 1"),
+    K("train.global_batch_size", 32, int, "sequences per optimizer step (= micro batch × microbatches × data)",
+      lambda v: v >= 1, "an integer >= 1"),
+    K("train.microbatches", 1, int, "gradient-accumulation microbatches; the pipeline's M",
+      lambda v: v >= 1, "an integer >= 1"),
+    K("train.seed", 0, int, "init, data order, dropout", lambda v: v >= 0, "an integer >= 0"),
+    K("train.param_dtype", "float32", str, "master weights: `float32`, `bfloat16`, `float16`, or `float64` for "
+      "reference runs (both dtypes, `JAX_ENABLE_X64=1`): "
+      "[precision](precision.md)", choices=DTYPES),
+    K("train.compute_dtype", "float32", str, "matmul dtype (same choices)", choices=DTYPES),
+    K("train.nonfinite", "stop", str, "`stop` or `skip`: what a non-finite loss or gradient does (fp16 overflows go "
+      "to the loss scale)", choices=("stop", "skip")),
+    K("train.allow_batch_change", False, bool, "resume a checkpoint written with another `global_batch_size` (the "
+      "data order continues)"),
+    K("train.loss_scale_initial", 2.0 ** 16, float, "fp16 dynamic loss scaling (DeepSpeed's rule): initial scale"),
+    K("train.loss_scale_window", 1000, int, "clean steps before the scale grows"),
+    K("train.loss_scale_hysteresis", 2, int, "overflows tolerated before the scale drops"),
+    K("train.loss_scale_min", 1.0, float, "the scale's floor"),
+    K("train.loss_scale_factor", 2.0, float, "growth and drop factor"),
+    K("train.loss_scale_patience", 10, int, "overflows in a row at the minimum scale before the run stops with an "
+      "error"),
+    K("train.loss_scale_max", 2.0 ** 24, float, "the scale's finite ceiling"),
+    # optim
+    K("optim.lr", 0.0003, float, "peak learning rate (AdamW)",
+      lambda v: 0 <= v < _INF, "a finite number >= 0 (0: the params stay put)"),
+    K("optim.min_lr_ratio", 0.1, float, "cosine decay to lr × min_lr_ratio at `decay_steps`, constant after",
+      lambda v: 0 <= v <= 1, "a number in [0, 1] (the final LR is lr x min_lr_ratio)"),
+    K("optim.warmup_steps", 100, int, "linear warmup"),
+    K("optim.decay_steps", 1000, int, "end of the cosine decay"),
+    K("optim.weight_decay", 0.1, float, "AdamW's decoupled weight decay, on matmul weights only (not biases, norms, "
+      "embedding tables)",
+      lambda v: 0 <= v < _INF, "a finite number >= 0"),
+    K("optim.b1", 0.9, float, "AdamW β1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    K("optim.b2", 0.95, float, "AdamW β2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    K("optim.eps", 1e-08, float, "AdamW ε", lambda v: 0 < v < _INF, "a finite number > 0"),
+    K("optim.clip_norm", 1.0, float, "global gradient-norm clip (inf: none)",
+      lambda v: v > 0, "a number > 0 (the global-norm clip; inf: no clipping)"),
+    K("optim.zero_stage", 0, int, "ZeRO stage 0–3: [layouts](layouts.md)", choices=(0, 1, 2, 3)),
+    # pipeline
+    K("pipeline.schedule", "gpipe", str, "`gpipe`, `circular`, `1f1b` or `zb_h1`: [pipeline](pipeline.md)"),
+    K("pipeline.virtual_stages", 1, int, "chunks per stage (circular, interleaved 1f1b)",
+      lambda v: v >= 1, "an integer >= 1"),
+    K("pipeline.remat", True, bool, "recompute each stage's layers in the backward pass (1f1b with False: keep the "
+      "vjp residuals)"),
+    K("pipeline.skip_bubbles", True, bool, "skip the compute of bubble slots (False: compute and discard, for "
+      "measurements)"),
+    # data
+    K("data.sources", "shakespeare", str, "a source or a blend `\"0.3 A 0.7 B\"`: `shakespeare`, `text:GLOB`, "
+      "`jsonl:GLOB`, `parquet:GLOB`, `megatron:PREFIX`, `tokens:DIR`: "
+      "[data](data.md)",
+      _NONEMPTY, "a source ('shakespeare', 'data/*.jsonl', ...) or a blend '0.3 A 0.7 B'"),
+    K("data.text_field", "text", str, "the JSONL field / Parquet column holding a document's text",
+      _NONEMPTY, "the JSONL field / Parquet column holding the text"),
+    K("data.doc_separator", "", str,
+      "text files: `\"\"` = one document per file; e.g. `\"\\n\\n\"` = split at blank lines"),
+    K("data.tokenizer", "byte", str, "`byte`, `bpe` or a path to a `tokenizer.json`",
+      _NONEMPTY, "'byte', 'bpe' or a path to a tokenizer.json"),
+    K("data.bpe_vocab_size", 4096, int, "with `bpe`: its vocabulary",
+      lambda v: v > 257, "an integer > 257 (256 bytes and the end-of-text token)"),
+    K("data.bpe_sample_mb", 64, int, "with `bpe`: MB of text it trains on",
+      lambda v: v >= 1, "an integer >= 1 (MB of text the BPE tokenizer trains on)"),
+    K("data.val_fraction", 0.05, float, "the last fraction of each source's documents is its validation split",
+      lambda v: 0 < v < 1, "a number in (0, 1) (that last fraction of the documents is the validation split)"),
+    K("data.val_split", "documents", str, "`documents` or `tokens` (the last fraction of the tokens, as older runs "
+      "split)",
+      choices=('documents', 'tokens')),
+    K("data.packing", "concat", str, "`concat` (windows over the documents back to back) or `documents` (attention "
+      "within each document)",
+      choices=('concat', 'documents')),
+    K("data.workers", 1, int, "tokenizer processes", lambda v: v >= 1, "an integer >= 1 (tokenizer processes)"),
+    K("data.unit_mb", 64, int, "MB of one big file per worker task",
+      lambda v: v >= 1, "an integer >= 1 (MB of one file per worker task)"),
+    K("data.prefetch", 4, int, "batches read ahead in a background thread",
+      lambda v: v >= 0, "an integer >= 0 (batches read ahead; 0: none)"),
+    K("data.cache_dir", "", str, "prepared data; `\"\"`: `$JAXPAR_CACHE` or `~/.cache/jaxpar`"),
+    # xla
+    K("xla.compile_cache", True, bool, "JAX's persistent compilation cache"),
+    K("xla.compile_cache_dir", "", str, "its directory; `\"\"`: `<cache>/xla`"),
+    K("xla.gpu_flags", "default", str,
+      "XLA's GPU flags, GPU only: `default` (jaxpar's set), `\"\"` (none) or your own"),
+    # checkpoint
+    K("checkpoint.every_steps", 200, int, "save every N steps (and at the end, and on SIGTERM)",
+      lambda v: v >= 1, "an integer >= 1"),
+    K("checkpoint.keep", 3, int, "complete checkpoints kept",
+      lambda v: v >= 1, "an integer >= 1 (the newest checkpoint is always kept)"),
+    K("checkpoint.async_save", True, bool, "save in the background; a failure still stops the run"),
+    # log
+    K("log.every_steps", 10, int, "metrics every N steps", lambda v: v >= 1, "an integer >= 1"),
+    K("log.profile_steps", (), None, "steps to capture a profiler trace of"),
+    K("log.progress", True, bool, "a progress bar on the terminal"),
+    # eval
+    K("eval.every_steps", 100, int, "validation every N steps", lambda v: v >= 1, "an integer >= 1"),
+    K("eval.batches", 8, int, "validation batches", lambda v: v >= 1, "an integer >= 1"),
+    # dist
+    K("dist.heartbeat_timeout_s", 60.0, float, "a process silent this long ends the job (exit 3): "
+      "[multi-host](multihost.md)", lambda v: 0 < v < _INF, "a number of seconds > 0"),
+    K("dist.step_timeout_s", -1.0, float, "no step boundary within this many seconds ends the job (exit 4); -1: auto "
+      "(below); 0: off"),
+    K("dist.step_timeout_min_s", 60.0, float, "auto step bound: at least this"),
+    K("dist.step_timeout_factor", 20.0, float, "auto step bound: this × the slowest step so far (the first, "
+      "compiling step is not timed)"),
+    K("dist.init_timeout_s", 300.0, float, "seconds for every process to join at start-up",
+      lambda v: 0 < v < _INF, "a number of seconds > 0"),
+)
+BY_NAME = {k.name: k for k in KEYS}
+
+
+def get(config, key: str):
+    """The value of a dotted key."""
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
+def key_errors(config) -> list[str]:
+    """One line for each key whose value has the wrong type or lies outside its range (`Key.error`)."""
+    return [e for k in KEYS if (e := k.error(get(config, k.name))) is not None]
+
+
+def _cell(v) -> str:
+    return "`DEFAULT_RULES`" if v is DEFAULT_RULES else f"`{v!r}`"
+
+
+def reference_table() -> str:
+    """The Markdown table of every key (docs/config.md, section "Keys")."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k.name}` | {_cell(k.default)} | {k.meaning} |" for k in KEYS]
+    return "\n".join(rows) + "\n"
+
+
+def write_reference(path) -> bool:
+    """Replace the table of `path`'s "## Keys" section with `reference_table()`; True when it changed."""
+    path = pathlib.Path(path)
+    text = path.read_text()
+    head, rest = text.split("## Keys\n", 1)
+    start = rest.index("| key |")
+    end = rest.index("\n\n", start) + 1
+    new = head + "## Keys\n" + rest[:start] + reference_table() + rest[end:]
+    path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":  # python -m jaxpar.config_keys [docs/config.md]
+    target = sys.argv[1] if len(sys.argv) > 1 else "docs/config.md"
+    print(f"{target}: {'rewritten' if write_reference(target) else 'up to date'}")
