@@ -26,13 +26,13 @@ SHAPE = dict(embed=1024, layers=16, heads=16, kv_heads=4, mlp=4096, vocab=32000)
 def build(directory: str) -> None:
     from jaxpar.data import ByteTokenizer
     from jaxpar.hf import files, hf_config, keys, layer_names
-    from jaxpar.model import GPTConfig
+    from jaxpar.model import ModelConfig
 
     if os.path.isfile(os.path.join(directory, "config.json")):
         return
     os.makedirs(directory, exist_ok=True)
     s = SHAPE
-    cfg = GPTConfig(vocab_size=s["vocab"], vocab_real=s["vocab"], seq_len=128, layers=s["layers"], embed=s["embed"],
+    cfg = ModelConfig(vocab_size=s["vocab"], vocab_real=s["vocab"], seq_len=128, layers=s["layers"], embed=s["embed"],
                     heads=s["heads"], kv_heads=s["kv_heads"], mlp=s["mlp"], arch="llama", tie_embeddings=False)
     rng = np.random.default_rng(0)
     hd = s["embed"] // s["heads"]

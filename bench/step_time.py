@@ -13,7 +13,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxpar import metrics
+from jaxpar import throughput
 from jaxpar.model import flops_per_token
 from jaxpar.plan.measure import time_step
 
@@ -36,8 +36,8 @@ def main(argv):
         "config": config.name, "mesh": got["mesh"], "devices": ndev,
         "device_kind": got["device_kind"], "global_batch": B, "seq_len": T,
         "microbatches": int(config.train.microbatches), "compile_s": got["compile_s"], "step_s": dt,
-        "tokens_per_s": tps, "model_flops_per_token": fpt, "tflops_per_device": metrics.tflops_per_device(tps, fpt, ndev),
-        "mfu": metrics.mfu(tps, fpt, ndev, metrics.peak_flops(got["device_kind"])),
+        "tokens_per_s": tps, "model_flops_per_token": fpt, "tflops_per_device": throughput.tflops_per_device(tps, fpt, ndev),
+        "mfu": throughput.mfu(tps, fpt, ndev, throughput.peak_flops(got["device_kind"])),
         "bytes_per_device": got["memory"],
     }, indent=2))
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.logical import per_shard
-from jaxpar.manual import vary_like
+from jaxpar.shard_map_body import vary_like
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
 # per-shard layouts: batch and heads split as the rules say, the sequence and head_dim always whole (a kernel on a

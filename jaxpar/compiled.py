@@ -10,7 +10,8 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import data, distributed, hf, report
+from jaxpar import compile_report as report
+from jaxpar import data, distributed, hf
 from jaxpar import model as gpt
 from jaxpar.mesh import make_mesh
 from jaxpar.step import Steps, build

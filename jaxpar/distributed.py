@@ -30,7 +30,7 @@ class DistributedError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ProcessPlan:
     """How this process joins the job. `local_device_ids` None: every device the process sees (e.g. all GPUs of
     the node, or the one SLURM bound to the task). `node`: processes with the same node share fast links; the mesh
     keeps `tensor` (and `stage` when it fits) within a node."""
@@ -95,8 +95,8 @@ def _tasks_per_node(key: str, spec: str, node_id: int, env) -> int:
 
 
 def resolve(env, coordinator: str | None = None, num_processes: int | None = None,
-            process_id: int | None = None) -> Plan:
-    """The `Plan` for this process from flags (arguments) and `env` (a mapping like `os.environ`). Pure: no JAX.
+            process_id: int | None = None) -> ProcessPlan:
+    """The `ProcessPlan` for this process from flags (arguments) and `env` (a mapping like `os.environ`). Pure: no JAX.
 
     Raises:
       DistributedError: an incomplete or inconsistent explicit setting or SLURM environment.
@@ -109,7 +109,7 @@ def resolve(env, coordinator: str | None = None, num_processes: int | None = Non
         source = "flags" if (coordinator or num_processes is not None or process_id is not None) else "env"
         n = _int("num_processes", explicit["num_processes"], 1) if explicit["num_processes"] not in (None, "") else None
         if n == 1:
-            return Plan(local_device_ids=ids, node=env.get(ENV_NODE) or socket.gethostname(), source=source)
+            return ProcessPlan(local_device_ids=ids, node=env.get(ENV_NODE) or socket.gethostname(), source=source)
         missing = [f"--{k} (or {e})" for (k, v), e in zip(explicit.items(), (ENV_COORDINATOR, ENV_NUM_PROCESSES,
                                                                             ENV_PROCESS_ID)) if v in (None, "")]
         if missing:
@@ -118,7 +118,7 @@ def resolve(env, coordinator: str | None = None, num_processes: int | None = Non
         pid = _int("process_id", explicit["process_id"])
         if pid >= n:
             raise DistributedError(f"process_id={pid} must be < num_processes={n}.")
-        return Plan(n, pid, _address(explicit["coordinator"]), ids, env.get(ENV_NODE) or socket.gethostname(), source)
+        return ProcessPlan(n, pid, _address(explicit["coordinator"]), ids, env.get(ENV_NODE) or socket.gethostname(), source)
     return _slurm(env, ids)
 
 
@@ -129,7 +129,7 @@ def _address(addr: str) -> str:
     return f"{host}:{port}"
 
 
-def _slurm(env, ids) -> Plan:
+def _slurm(env, ids) -> ProcessPlan:
     in_step = any(k in env for k in ("SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST"))
     ntasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
     if not in_step:
@@ -138,7 +138,7 @@ def _slurm(env, ids) -> Plan:
                 f"this SLURM allocation has SLURM_NTASKS={ntasks} tasks, but this process was not started by srun "
                 f"(no SLURM_STEP_* variables), so its peers will never start: run `srun python train.py ...` "
                 f"(see scripts/slurm/train.sbatch), or pass --num_processes=1 to train in this process alone.")
-        return Plan()  # no SLURM, or an allocation's shell (salloc / the batch script): one process
+        return ProcessPlan()  # no SLURM, or an allocation's shell (salloc / the batch script): one process
     need = {"SLURM_STEP_NUM_TASKS or SLURM_NTASKS": ntasks, "SLURM_PROCID": env.get("SLURM_PROCID"),
             "SLURM_LOCALID": env.get("SLURM_LOCALID"),
             "SLURM_STEP_NODELIST or SLURM_JOB_NODELIST": env.get("SLURM_STEP_NODELIST") or env.get(
@@ -155,13 +155,13 @@ def _slurm(env, ids) -> Plan:
     node = env.get("SLURMD_NODENAME") or (f"node{env['SLURM_NODEID']}" if env.get("SLURM_NODEID") else
                                           socket.gethostname())
     if n == 1:
-        return Plan(local_device_ids=ids, node=node, source="slurm")
+        return ProcessPlan(local_device_ids=ids, node=node, source="slurm")
     port = _int(ENV_PORT, env[ENV_PORT], 1) if env.get(ENV_PORT) else 20000 + _int("SLURM_JOB_ID",
                                                                                  env["SLURM_JOB_ID"]) % 10000
     coordinator = _address(f"{first_host(need['SLURM_STEP_NODELIST or SLURM_JOB_NODELIST'])}:{port}")
     if ids is None:
         ids = _slurm_local_devices(env, n)
-    return Plan(n, pid, coordinator, ids, node, "slurm")
+    return ProcessPlan(n, pid, coordinator, ids, node, "slurm")
 
 
 def _slurm_local_devices(env, ntasks: int) -> tuple[int, ...] | None:
@@ -212,7 +212,7 @@ def process_nodes() -> dict[int, str] | None:
     return _NODES
 
 
-def initialize(plan: Plan, heartbeat_timeout_s: float = 60, init_timeout_s: float = 300) -> None:
+def initialize(plan: ProcessPlan, heartbeat_timeout_s: float = 60, init_timeout_s: float = 300) -> None:
     """Join the job: `jax.distributed.initialize` (CPU collectives: gloo), then exchange node names and start the
     peer watch: a process that sends no heartbeat for `heartbeat_timeout_s` makes the others exit with a message
     (JAX's own heartbeat, which aborts from C++, is set to 2x + 10 s as a backstop). No-op for one process.
@@ -249,7 +249,7 @@ def initialize(plan: Plan, heartbeat_timeout_s: float = 60, init_timeout_s: floa
     watchdog.start_peers(client, plan.process_id, plan.num_processes, float(heartbeat_timeout_s), plan.coordinator)
 
 
-def wait_for_coordinator(plan: Plan, timeout_s: float) -> None:
+def wait_for_coordinator(plan: ProcessPlan, timeout_s: float) -> None:
     """Return once `plan.coordinator` accepts TCP connections (process 0 has started its coordination service).
 
     Raises:
@@ -324,7 +324,7 @@ LOST_PEER_MARKS = ("Connection closed by peer", "Connection reset by peer", "Glo
                    "DEADLINE_EXCEEDED")
 
 
-def describe(plan: Plan) -> str:
+def describe(plan: ProcessPlan) -> str:
     ids = "all" if plan.local_device_ids is None else ",".join(map(str, plan.local_device_ids))
     return (f"process {plan.process_id} of {plan.num_processes} ({plan.source}), coordinator {plan.coordinator}, "
             f"node {plan.node}, local device ids {ids}")
@@ -332,3 +332,6 @@ def describe(plan: Plan) -> str:
 
 if __name__ == "__main__":  # print the plan this environment gives: `srun python -m jaxpar.distributed`
     print(describe(resolve(os.environ)))
+
+
+Plan = ProcessPlan  # the name before issue 27 (scripts may import it)

@@ -10,7 +10,7 @@ from WORKDIR's latest (or given) checkpoint, whatever layout trained it:
   OUT/model.safetensors   every parameter under a flat dotted key (`wte`, `blocks.wqkv`, `ln_f.scale`, ...), the
                           canonical layout-free tree the checkpoints hold (block leaves stacked on a leading
                           `layers` axis in model order), each array in its param dtype (float32, bfloat16, float16).
-  OUT/model_config.json   every field of `GPTConfig`, plus `format` ("jaxpar-gpt-v1"), `step`, `tokenizer_kind`
+  OUT/model_config.json   every field of `ModelConfig`, plus `format` ("jaxpar-gpt-v1"), `step`, `tokenizer_kind`
                           and `tokenizer_vocab_size`.
   OUT/tokenizer/          a copy of WORKDIR/tokenizer.
 
@@ -36,7 +36,7 @@ from jaxpar import hf
 from jaxpar.config import DTYPES, base_config
 from jaxpar.data import load_tokenizer
 from jaxpar.runs import load_run
-from jaxpar.model import (SHAPE_FIELDS, Forward, GPTConfig, flatten, init_params, param_items,  # noqa: F401
+from jaxpar.model import (SHAPE_FIELDS, Forward, ModelConfig, flatten, init_params, param_items,  # noqa: F401
                           unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
 from jaxpar.validate import check_model
 
@@ -142,10 +142,10 @@ _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (s
 
 
 def _gpt_config(meta: dict, where: str):
-    """GPTConfig from model_config.json's fields, type-checked; ValueError naming the first bad field."""
+    """ModelConfig from model_config.json's fields, type-checked; ValueError naming the first bad field."""
 
     kw = {}
-    for f in dataclasses.fields(GPTConfig):
+    for f in dataclasses.fields(ModelConfig):
         if f.name not in meta:
             if f.default is dataclasses.MISSING:
                 raise ValueError(f"{where}: missing field {f.name!r}.")
@@ -154,7 +154,7 @@ def _gpt_config(meta: dict, where: str):
         if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
             raise ValueError(f"{where}: field {f.name!r} is {v!r}; expected {str(f.type)}.")
         kw[f.name] = v
-    cfg = GPTConfig(**kw)
+    cfg = ModelConfig(**kw)
     counts = [f for f in SHAPE_FIELDS if type(getattr(cfg, f)) is int]  # noqa: E721 (bool is an int subclass)
     for name in counts:
         if getattr(cfg, name) < 1:
@@ -176,7 +176,7 @@ def _gpt_config(meta: dict, where: str):
 
 
 def read_export_config(directory: str):
-    """The `GPTConfig` of an export, from DIRECTORY/model_config.json alone (no array is read).
+    """The `ModelConfig` of an export, from DIRECTORY/model_config.json alone (no array is read).
 
     Raises:
       FileNotFoundError: DIRECTORY/model_config.json is missing.

@@ -21,7 +21,7 @@ from jaxpar import model as gpt
 from jaxpar import pipeline
 from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules
-from jaxpar.manual import vary
+from jaxpar.shard_map_body import vary
 
 PIPE_MANUAL = ("stage", "data")  # the pipelines' shard_map is manual over these
 

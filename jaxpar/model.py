@@ -37,7 +37,7 @@ ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTConfig:
+class ModelConfig:
     """One decoder of either family (`arch`); fields a family does not use keep their defaults."""
     vocab_size: int  # padded: a multiple of 128 and of the tensor size
     vocab_real: int  # symbols the tokenizer has; logits at ids >= vocab_real never count
@@ -84,32 +84,35 @@ class GPTConfig:
 
 
 # What defines a model: a resume must find these equal in the checkpoint, an export in its model_config.json (with
-# `vocab_size`, the padded table, there); the rest of `GPTConfig` (dropout, remat, dtypes) may change between runs.
+# `vocab_size`, the padded table, there); the rest of `ModelConfig` (dropout, remat, dtypes) may change between runs.
 IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "embed", "heads", "kv_heads", "mlp",
                    "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                    "rope_high_freq_factor", "rope_original_max_len")
 SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
 
 
-def identity(cfg: GPTConfig) -> dict:
+GPTConfig = ModelConfig  # the name before issue 27: one model config for every family
+
+
+def identity(cfg: ModelConfig) -> dict:
     return {f: getattr(cfg, f) for f in IDENTITY_FIELDS}
 
 
 def identity_defaults(saved: dict) -> dict:
     """The identity fields a model saved before they existed had, given its saved `seq_len` and `heads` (every such
     model was a gpt2 with the defaults)."""
-    d = {f.name: f.default for f in dataclasses.fields(GPTConfig) if f.name in IDENTITY_FIELDS
+    d = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in IDENTITY_FIELDS
          and f.default is not dataclasses.MISSING}
     return {**d, "kv_heads": saved.get("heads"), "max_positions": saved.get("seq_len")}
 
 
-def config_from(config, vocab_real: int, tensor: int) -> GPTConfig:
+def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
     """The model of a run config (`config.model`, the dtypes of `config.train`); the vocabulary padded to a multiple
     of 128 and of the tensor size (`config.padded_vocab`)."""
     m = config.model
     rope = {k: m[k] for k in ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                               "rope_high_freq_factor", "rope_original_max_len")}
-    return GPTConfig(
+    return ModelConfig(
         vocab_size=padded_vocab(vocab_real, tensor), vocab_real=vocab_real, seq_len=m.seq_len, layers=m.layers,
         embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
         dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
@@ -118,7 +121,7 @@ def config_from(config, vocab_real: int, tensor: int) -> GPTConfig:
         loss_chunk=m.loss_chunk, **rope)
 
 
-def has_dropout(cfg: GPTConfig) -> bool:
+def has_dropout(cfg: ModelConfig) -> bool:
     return cfg.dropout_embed > 0 or cfg.dropout_resid > 0
 
 
@@ -126,7 +129,7 @@ class GPT(nnx.Module):
     """Token embeddings (+ gpt2's position table), `layers` stacked blocks of the family, final norm, LM head (tied to
     `wte` by default)."""
 
-    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.param_dtype)
         self.wte = param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt, "embedding")
         if cfg.arch == "gpt2":
@@ -143,14 +146,14 @@ class GPT(nnx.Module):
             self.lm_head = param(rngs.params(), (cfg.embed, cfg.vocab_size), 0.02, ("embed", "vocab"), dt)
 
 
-def init_params(cfg: GPTConfig, key: jax.Array) -> dict:
+def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     """Fresh parameters as a nested dict of arrays `{wte, wpe, blocks: {...[layers, ...]}, ln_f, [lm_head]}`.
 
     Values depend only on `key` and `cfg` (jit it with any out_shardings: threefry is partitionable)."""
     return nnx.to_pure_dict(nnx.split(GPT(cfg, nnx.Rngs(params=key)))[1])
 
 
-def _metadata(cfg: GPTConfig, key: str) -> dict:
+def _metadata(cfg: ModelConfig, key: str) -> dict:
     """The params tree with, per leaf, its Param metadata entry `key`."""
     model = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0)))
     meta = jax.tree.map(lambda v: v.get_metadata()[key], nnx.state(model),
@@ -158,7 +161,7 @@ def _metadata(cfg: GPTConfig, key: str) -> dict:
     return nnx.to_pure_dict(meta) if not isinstance(meta, dict) else meta
 
 
-def logical_axes(cfg: GPTConfig) -> dict:
+def logical_axes(cfg: ModelConfig) -> dict:
     """The params tree with, per leaf, a tuple of logical axis names (per-layer leaves start with `layers`)."""
     names = _metadata(cfg, LOGICAL)
     names[_LAYERS] = jax.tree.map(lambda t: ("layers",) + tuple(t), names[_LAYERS],
@@ -166,13 +169,13 @@ def logical_axes(cfg: GPTConfig) -> dict:
     return names
 
 
-def param_roles(cfg: GPTConfig) -> dict:
+def param_roles(cfg: ModelConfig) -> dict:
     """The params tree with, per leaf, its role: weight (a matmul's), bias, norm, embedding (the token table, also
     the tied LM head), position (the learned position table)."""
     return _metadata(cfg, ROLE)
 
 
-def decay_mask(cfg: GPTConfig) -> dict:
+def decay_mask(cfg: ModelConfig) -> dict:
     """True for each parameter AdamW decays: matmul weights; not biases, norms or embedding tables (GPT-2, Megatron)."""
     return jax.tree.map(lambda r: r == "weight", param_roles(cfg))
 
@@ -210,14 +213,14 @@ def model_flops_per_token(n_params: int, layers: int, embed: int, seq_len: int) 
     return 6.0 * float(n_params) + 12.0 * float(layers) * float(embed) * float(seq_len)
 
 
-def flops_per_token(cfg: GPTConfig) -> float:
+def flops_per_token(cfg: ModelConfig) -> float:
     """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`model_flops_per_token`), N = the parameters that
     take part in a matmul: every weight, and the token table only as the tied LM head (as an input table it is a
     lookup, as TorchTitan counts); no norm, bias or position table."""
     return model_flops_per_token(param_counts(cfg)["matmul"], cfg.layers, cfg.embed, cfg.seq_len)
 
 
-def param_counts(cfg: GPTConfig) -> dict[str, int]:
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """The model's parameter counts (abstract: nothing allocated), what the planner and reports read: "total";
     "layer" (one block, every tensor) and "layer_matmul" (its matmul weights); "shared" (outside the blocks: the
     tables, the final norm); "matmul" (N of `flops_per_token`)."""
@@ -265,7 +268,7 @@ _REMAT = {
 class Forward:
     """Pure functions over the params dict; build once per config (holds the block's graph definition)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
         self.block_def = nnx.graphdef(nnx.eval_shape(lambda: BLOCKS[cfg.arch](cfg, nnx.Rngs(params=0))))
         self.norm_def = nnx.graphdef(NORMS[cfg.arch](1, jnp.float32, cfg.norm_eps))

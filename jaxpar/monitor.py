@@ -3,7 +3,7 @@ terminal, plain lines elsewhere), and profiler traces of chosen steps (`StepProf
 
 Metric keys the console knows (all optional; every value is a Python number or None):
   loss, val_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu (a fraction in [0, 1]),
-  bytes_in_use, peak_bytes_in_use, bytes_limit (bytes, as returned by `metrics.device_memory_bytes`).
+  bytes_in_use, peak_bytes_in_use, bytes_limit (bytes, as returned by `throughput.device_memory_bytes`).
 Any other key is written to JSONL/TensorBoard but not printed on the console.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from jaxpar.metrics import _MEMORY_KEYS
+from jaxpar.throughput import _MEMORY_KEYS
 
 # ---------------------------------------------------------------------------------------------------------------
 # JSONL + TensorBoard

@@ -60,7 +60,7 @@ def applied_updates(opt_state):
     return states[0].count
 
 
-def make_optimizer(config, cfg: gpt.GPTConfig | None = None) -> optax.GradientTransformation:
+def make_optimizer(config, cfg: gpt.ModelConfig | None = None) -> optax.GradientTransformation:
     """Clipping + AdamW for the model `cfg` (default: the run config's model; only which parameters exist and their
     roles matter, `model.decay_mask`). `config`: the run config or its `OptimSettings` (then `cfg` is needed)."""
     o = _settings(config)

@@ -36,7 +36,7 @@ __all__ = ["build", "Steps", "StepSettings", "init_state", "model_config", "spli
            "map_blocks", "apply_update"]
 
 
-def model_config(config, vocab_real: int, tensor: int) -> gpt.GPTConfig:
+def model_config(config, vocab_real: int, tensor: int) -> gpt.ModelConfig:
     """The model of a run config (`model.config_from`)."""
     return gpt.config_from(config, vocab_real, tensor)
 
@@ -97,7 +97,7 @@ def map_blocks(state, fn):
 class Steps:
     """Everything compiled for one layout: shardings, and the jitted `init`, `train` and `evaluate`."""
     layout: Layout
-    cfg: gpt.GPTConfig
+    cfg: gpt.ModelConfig
     fwd: gpt.Forward
     optimizer: optax.GradientTransformation
     mesh: jax.sharding.Mesh
@@ -170,7 +170,7 @@ def build(config, mesh, vocab_real: int) -> Steps:
     return build_steps(st, model_config(config, vocab_real, mesh.shape["tensor"]), mesh)
 
 
-def build_steps(st: StepSettings, cfg: gpt.GPTConfig, mesh) -> Steps:
+def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     fwd = gpt.Forward(cfg)
     optimizer = make_optimizer(st.optim, cfg)
     lr_at = schedule(st.optim)

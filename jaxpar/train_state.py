@@ -17,7 +17,7 @@ from jaxpar import model as gpt
 from jaxpar import sharding as shd
 
 
-def init_state(cfg: gpt.GPTConfig, optimizer, seed: int, ls_cfg=loss_scale.LossScaleConfig(), params=None) -> dict:
+def init_state(cfg: gpt.ModelConfig, optimizer, seed: int, ls_cfg=loss_scale.LossScaleConfig(), params=None) -> dict:
     """A fresh train state; its values depend only on `seed` and `cfg` (not on the layout); `params`, if given,
     replace the drawn ones (a start from imported weights).
 
@@ -46,7 +46,7 @@ class Shardings:
     replicated: NamedSharding
 
 
-def shardings(cfg: gpt.GPTConfig, optimizer, rules, mesh, zero_stage: int) -> Shardings:
+def shardings(cfg: gpt.ModelConfig, optimizer, rules, mesh, zero_stage: int) -> Shardings:
     names = gpt.logical_axes(cfg)
     pshapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
     specs = lambda zero: shd.param_specs(names, pshapes, rules, mesh, zero=zero)
@@ -55,5 +55,5 @@ def shardings(cfg: gpt.GPTConfig, optimizer, rules, mesh, zero_stage: int) -> Sh
     state = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P(),
              "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P()}
     return Shardings(names=names, param_specs=pspecs, grad_specs=gspecs, state=shd.named(mesh, state),
-                  grads=shd.named(mesh, gspecs), unsharded=shd.named(mesh, specs(False)),
-                  batch=NamedSharding(mesh, P("data")), replicated=NamedSharding(mesh, P()))
+                     grads=shd.named(mesh, gspecs), unsharded=shd.named(mesh, specs(False)),
+                     batch=NamedSharding(mesh, P("data")), replicated=NamedSharding(mesh, P()))

@@ -13,7 +13,8 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import data, distributed, hf, loss_scale, metrics, monitor, report, watchdog
+from jaxpar import compile_report as report
+from jaxpar import data, distributed, hf, loss_scale, monitor, throughput, watchdog
 from jaxpar import model as gpt
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.compiled import report_for, steps_for
@@ -132,7 +133,7 @@ def check_health(config, state, done: int) -> dict:
 
 
 def check_export(directory: str, cfg) -> None:
-    """Check that the export in `directory` holds the model `cfg` (a `GPTConfig`) describes, reading only its
+    """Check that the export in `directory` holds the model `cfg` (a `ModelConfig`) describes, reading only its
     model_config.json; the trainer calls it before anything is written.
 
     Raises:
@@ -283,7 +284,7 @@ class Loop:
         self.total = int(config.train.steps)
         self.rows = data.process_rows(steps.batch_sharding, self.B)
         self.flops_tok = gpt.flops_per_token(steps.cfg)
-        self.peak, self.ndev = metrics.peak_flops(devices[0].device_kind), len(devices)
+        self.peak, self.ndev = throughput.peak_flops(devices[0].device_kind), len(devices)
         is_main = jax.process_index() == 0
         self.writer = monitor.MetricsWriter(workdir, is_main)
         self.profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
@@ -364,9 +365,9 @@ class Loop:
         m.update(self.train_data.tokens_by_source(done), data_wait_s=self.next_rows.waited_s / since)
         self.next_rows.waited_s = 0.0
         m.update(tokens_per_s=tps, step_time_s=dt / since,
-                 tflops_per_device=metrics.tflops_per_device(tps, self.flops_tok, self.ndev),
-                 mfu=metrics.mfu(tps, self.flops_tok, self.ndev, self.peak))
-        m.update(metrics.device_memory_bytes() or {})
+                 tflops_per_device=throughput.tflops_per_device(tps, self.flops_tok, self.ndev),
+                 mfu=throughput.mfu(tps, self.flops_tok, self.ndev, self.peak))
+        m.update(throughput.device_memory_bytes() or {})
         if eval_now:
             watchdog.phase("evaluation")
             m["val_loss"] = self.evaluate(state["params"])

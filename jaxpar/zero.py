@@ -21,7 +21,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.logical import mesh_axes
-from jaxpar.manual import vary
+from jaxpar.shard_map_body import vary
 
 AXIS = "data"
 LAYERS = "layers"  # the logical axis of stacked per-layer params (scanned over, so absent inside a layer)

@@ -13,7 +13,7 @@ import pytest
 
 from jaxpar import launch
 from jaxpar.config import ConfigError
-from jaxpar.distributed import DistributedError, Plan, first_host, resolve, wait_for_coordinator
+from jaxpar.distributed import DistributedError, ProcessPlan, first_host, resolve, wait_for_coordinator
 from jaxpar.mesh import node_order
 from jaxpar.watchdog import STALLED_EXIT_CODE
 
@@ -35,7 +35,7 @@ PORT = 20000 + 123456 % 10000
 
 def test_slurm_one_task_per_node_gets_all_its_gpus():
     env = srun_env(2, 1, 0, 1, "gpu[000-001]", "1(x2)", 2, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
-    assert resolve(env) == Plan(2, 1, f"gpu000:{PORT}", None, "gpu001", "slurm")  # None: every visible GPU
+    assert resolve(env) == ProcessPlan(2, 1, f"gpu000:{PORT}", None, "gpu001", "slurm")  # None: every visible GPU
 
 
 def test_slurm_one_task_per_gpu_gets_its_own():
@@ -69,8 +69,8 @@ def test_slurm_partial_or_wrong_environments_are_clear_errors_or_one_process():
             resolve(partial)
     with pytest.raises(DistributedError, match="not started by srun"):  # the batch script itself, no srun
         resolve(dict(SLURM_JOB_ID="1", SLURM_NTASKS="16", SLURM_PROCID="0", SLURM_JOB_NODELIST="gpu[000-001]"))
-    assert resolve(dict(SLURM_JOB_ID="1", SLURM_JOB_NODELIST="gpu000")) == Plan()  # an salloc shell: one process
-    assert resolve({}) == Plan()
+    assert resolve(dict(SLURM_JOB_ID="1", SLURM_JOB_NODELIST="gpu000")) == ProcessPlan()  # an salloc shell: one process
+    assert resolve({}) == ProcessPlan()
     with pytest.raises(DistributedError, match="6 GPUs visible on this node for 4 tasks"):
         resolve(srun_env(4, 0, 0, 0, "gpu000", "4", 1, CUDA_VISIBLE_DEVICES="0,1,2,3,4,5"))
     with pytest.raises(DistributedError, match="SLURM_PROCID=9 must be < the number of tasks 8"):
@@ -80,7 +80,7 @@ def test_slurm_partial_or_wrong_environments_are_clear_errors_or_one_process():
 def test_explicit_flags_and_environment():
     env = dict(JAXPAR_COORDINATOR="10.0.0.1:1234", JAXPAR_NUM_PROCESSES="4", JAXPAR_PROCESS_ID="3",
                JAXPAR_NODE="n1", SLURM_JOB_ID="1", SLURM_STEP_ID="0")  # explicit settings win over SLURM
-    assert resolve(env) == Plan(4, 3, "10.0.0.1:1234", None, "n1", "env")
+    assert resolve(env) == ProcessPlan(4, 3, "10.0.0.1:1234", None, "n1", "env")
     assert resolve(env, process_id=2).process_id == 2
     assert resolve({}, "h:1", 2, 0).source == "flags"
     with pytest.raises(DistributedError, match=r"missing: --process_id \(or JAXPAR_PROCESS_ID\)"):
@@ -95,11 +95,11 @@ def test_explicit_flags_and_environment():
 def test_unreachable_coordinator_is_a_clear_error():
     port = launch.free_port()
     with pytest.raises(DistributedError, match=f"nothing answers at coordinator 127.0.0.1:{port}"):
-        wait_for_coordinator(Plan(2, 1, f"127.0.0.1:{port}"), 1.0)
+        wait_for_coordinator(ProcessPlan(2, 1, f"127.0.0.1:{port}"), 1.0)
     with socket.socket() as s:  # something listening: returns
         s.bind(("127.0.0.1", 0))
         s.listen()
-        wait_for_coordinator(Plan(2, 1, f"127.0.0.1:{s.getsockname()[1]}"), 1.0)
+        wait_for_coordinator(ProcessPlan(2, 1, f"127.0.0.1:{s.getsockname()[1]}"), 1.0)
 
 
 def test_first_host_of_a_node_list():

@@ -18,7 +18,7 @@ from helpers import assert_params_exact, run_config, steps_for
 from jaxpar import export, runs, trainer
 from jaxpar.data import ByteTokenizer
 from jaxpar.generate import generate
-from jaxpar.model import GPTConfig, init_params
+from jaxpar.model import ModelConfig, init_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TENSOR = {"mesh.data": 4, "mesh.tensor": 2, "train.steps": 3}
@@ -202,7 +202,7 @@ def test_export_holds_no_pickle(tensor_run):
 
 
 def test_bfloat16_params_round_trip(tmp_path):
-    cfg = GPTConfig(vocab_size=256, vocab_real=256, seq_len=8, layers=2, embed=16, heads=2, mlp=32,
+    cfg = ModelConfig(vocab_size=256, vocab_real=256, seq_len=8, layers=2, embed=16, heads=2, mlp=32,
                     tie_embeddings=False, param_dtype="bfloat16")
     rng = np.random.default_rng(0)
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))

@@ -24,7 +24,7 @@ from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import BPETokenizer, ByteTokenizer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402
 from jaxpar.logical import activation_rules  # noqa: E402
-from jaxpar.model import GPTConfig, init_params  # noqa: E402
+from jaxpar.model import ModelConfig, init_params  # noqa: E402
 from jaxpar.nn import rope_frequencies  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
@@ -297,7 +297,7 @@ def test_export_names_the_end_of_text_token_for_auto_tokenizer(tmp_path):
     """A BPE tokenizer's end-of-text id is in config.json (bos/eos ids) and by name in tokenizer_config.json, so
     `AutoTokenizer` reports it and `generate` can stop on it; the byte tokenizer, which has none, names none."""
     bpe = BPETokenizer.train(["to be or not to be, that is the question\n"] * 50, vocab_size=300)
-    cfg = GPTConfig(vocab_size=384, vocab_real=bpe.vocab_size, seq_len=8, layers=1, embed=16, heads=2, mlp=32)
+    cfg = ModelConfig(vocab_size=384, vocab_real=bpe.vocab_size, seq_len=8, layers=1, embed=16, heads=2, mlp=32)
     params = jax.device_get(init_params(cfg, jax.random.key(0)))
     for tok, name in ((bpe, "bpe"), (ByteTokenizer(), "byte")):
         out = tmp_path / name

@@ -1,4 +1,4 @@
-"""Fast tests for jaxpar.metrics: FLOPs formula, peak table, MFU, JSONL/TensorBoard writer, console, profiler."""
+"""Fast tests for jaxpar.throughput: FLOPs formula, peak table, MFU, JSONL/TensorBoard writer, console, profiler."""
 import io
 import json
 import os
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import metrics as m
+from jaxpar import throughput as m
 from jaxpar import monitor as mon
 
 # GPT-2 small (124M): L=12, d=768, vocab 50257, T=1024, tied embedding counted once, no position embedding.

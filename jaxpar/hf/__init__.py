@@ -99,7 +99,7 @@ def _expected(cfg, mapping) -> dict:
 
 def check(directory: str, cfg) -> dict:
     """Every tensor `cfg` needs is in DIR with the shape config.json implies, and DIR holds no other parameter.
-    Reads headers only. Returns {HF name: `files.Entry`}.
+    Reads headers only. Returns {HF name: `files.StoredTensor`}.
 
     Raises:
       HFError: naming the first missing, misshapen or unexpected tensor, or the missing or truncated file.

@@ -110,7 +110,7 @@ def _rope(hf: dict, where: str) -> dict:
 
 
 def hf_config(cfg, dtype: str, tokenizer=None) -> dict:
-    """The config.json of a jaxpar model (`GPTConfig`) saved in `dtype`, for transformers 4.x and 5."""
+    """The config.json of a jaxpar model (`ModelConfig`) saved in `dtype`, for transformers 4.x and 5."""
     common = {"vocab_size": cfg.vocab_real, "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype,
               "torch_dtype": dtype, "use_cache": True}
     # the end-of-text id, or explicit nulls (else transformers assumes GPT-2's / Llama's ids)

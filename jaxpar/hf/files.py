@@ -23,7 +23,7 @@ class HFError(ConfigError):
     """A Hugging Face directory jaxpar cannot use; the message names the file and the fix."""
 
 
-class Entry(NamedTuple):
+class StoredTensor(NamedTuple):
     path: str
     dtype: str  # numpy / jax dtype name
     shape: tuple
@@ -73,8 +73,8 @@ def _check_entry(path: str, key: str, v) -> None:
         raise HFError(f"{path}: tensor {key!r} has a malformed header entry {v!r}; copy the file again.")
 
 
-def tensors(directory: str) -> dict[str, Entry]:
-    """{tensor name: Entry} of every tensor in the directory, from the headers only.
+def tensors(directory: str) -> dict[str, StoredTensor]:
+    """{tensor name: StoredTensor} of every tensor in the directory, from the headers only.
 
     Raises:
       HFError: no weights, an unreadable index, a shard the index names is missing, truncated or malformed, a
@@ -99,7 +99,7 @@ def tensors(directory: str) -> dict[str, Entry]:
         if not os.path.isfile(path):
             raise HFError(f"{path} is missing ({INDEX} names it); copy every shard of the checkpoint.")
         for key, v in _header(path).items():  # (a dtype jaxpar cannot read is refused where the tensor is wanted)
-            out[key] = Entry(path, DTYPES.get(v["dtype"], v["dtype"]), tuple(v["shape"]), v["data_offsets"][0])
+            out[key] = StoredTensor(path, DTYPES.get(v["dtype"], v["dtype"]), tuple(v["shape"]), v["data_offsets"][0])
     for key, name in (weight_map or {}).items():
         if key not in out:
             raise HFError(f"{INDEX} places {key!r} in {name}, which does not hold it; the index and shards disagree.")
@@ -173,3 +173,6 @@ def _spill(directory, cur, k, save_file):
     tmp = f"shard-{k}.tmp"
     save_file(cur, os.path.join(directory, tmp), metadata={"format": "pt"})
     return tmp, list(cur)
+
+
+Entry = StoredTensor  # the name before issue 27

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.manual import put, take, vary
+from jaxpar.shard_map_body import put, take, vary
 from jaxpar.pipeline.tables import Schedule
 
 AXIS = "stage"

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.dtypes import at_least_f32
-from jaxpar.manual import put as put_at, take, vary
+from jaxpar.shard_map_body import put as put_at, take, vary
 from jaxpar.pipeline.autodiff import AXIS, DATA
 from jaxpar.pipeline.tables import LANES, Schedule
 

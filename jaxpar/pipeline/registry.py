@@ -10,7 +10,7 @@ from jaxpar.pipeline import tables
 
 
 @dataclasses.dataclass(frozen=True)
-class Entry:
+class ScheduleSpec:
     table: Callable  # (stages, microbatches, virtual) -> tables.Schedule
     engine: str  # "autodiff": backward pass by autodiff of the forward loop; "loop": backward inside the loop
     virtual: bool  # takes pipeline.virtual_stages (interleaved / circular); else runs with v = 1
@@ -39,10 +39,10 @@ def _check_zb_h1(S, M, v, remat):
 
 
 SCHEDULES = {
-    "gpipe": Entry(lambda S, M, v: tables.gpipe(S, M), "autodiff", False, _no_checks),
-    "circular": Entry(lambda S, M, v: tables.circular(S, v, M), "autodiff", True, _no_checks),
-    "1f1b": Entry(lambda S, M, v: tables.one_f_one_b(S, M, v), "loop", True, _check_1f1b),
-    "zb_h1": Entry(lambda S, M, v: tables.zb_h1(S, M), "loop", False, _check_zb_h1),
+    "gpipe": ScheduleSpec(lambda S, M, v: tables.gpipe(S, M), "autodiff", False, _no_checks),
+    "circular": ScheduleSpec(lambda S, M, v: tables.circular(S, v, M), "autodiff", True, _no_checks),
+    "1f1b": ScheduleSpec(lambda S, M, v: tables.one_f_one_b(S, M, v), "loop", True, _check_1f1b),
+    "zb_h1": ScheduleSpec(lambda S, M, v: tables.zb_h1(S, M), "loop", False, _check_zb_h1),
 }
 NAMES = tuple(SCHEDULES)
 # recomputing the stage forward in B is how the split (ZB-H1) engine gets its per-layer inputs
@@ -75,3 +75,6 @@ def forward_table(name: str, stages: int, microbatches: int, virtual: int = 1) -
     if SCHEDULES[name].engine == "autodiff":
         return table(name, stages, microbatches, virtual)
     return tables.circular(stages, virtual_stages(name, stages, virtual), microbatches)
+
+
+Entry = ScheduleSpec  # the name before issue 27

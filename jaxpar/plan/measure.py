@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from jaxpar.compiled import steps_for
-from jaxpar.report import memory_bytes
+from jaxpar.compile_report import memory_bytes
 
 
 def time_step(config, vocab: int, steps: int = 5, devices=None) -> dict:
