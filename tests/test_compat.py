@@ -1,5 +1,6 @@
-"""A run directory written before the restructuring (jaxpar at commit 341b35e, `tests/fixtures/make_old_checkpoint.py`)
-restores with today's code: every leaf of the saved state bit for bit, and the resumed step 3 gives the old code's
+"""Run directories written by older jaxpar (commit 341b35e, before issue 13's restructuring:
+`tests/fixtures/make_old_checkpoint.py`; commit bfe3231, before issue 27's: `tests/fixtures/make_run_fixture.py`)
+restore with today's code: every leaf of the saved state bit for bit, and the resumed step 3 gives the old code's
 loss."""
 import hashlib
 import json
@@ -15,18 +16,24 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.compiled import steps_for
 from jaxpar.model import identity_defaults
 
-OLD = os.path.join(os.path.dirname(__file__), "fixtures", "old_run")
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
 
 
-@pytest.fixture
-def old_run(one_file_corpus, tmp_path):
-    """A copy of the old run directory, its config pointed at this session's corpus (the same seeded text)."""
+# run directories written by older jaxpar: (fixture, the corpus it was trained on)
+FIXTURES = [("old_run", "one_file_corpus"),  # commit 341b35e: GPT-2, circular (2,2,2), ZeRO 1 (make_old_checkpoint.py)
+            ("run_bfe3231", "corpus")]  # commit bfe3231: Llama GQA, interleaved 1F1B, ZeRO 2, packed documents
+
+
+@pytest.fixture(params=FIXTURES, ids=[f for f, _ in FIXTURES])
+def old_run(request, tmp_path):
+    """A copy of an old run directory, its config pointed at this session's corpus (the same seeded text)."""
+    name, corpus = request.param
+    src = os.path.join(os.path.dirname(__file__), "fixtures", name)
     work = tmp_path / "run"
-    shutil.copytree(OLD, work)
+    shutil.copytree(src, work)
     config = runs.read_config(str(work))
-    config.data.update(sources=str(one_file_corpus / "*.txt"), cache_dir=str(tmp_path / "cache"))
-    with open(os.path.join(OLD, "expected.json")) as f:
+    config.data.update(sources=str(request.getfixturevalue(corpus) / "*.txt"), cache_dir=str(tmp_path / "cache"))
+    with open(os.path.join(src, "expected.json")) as f:
         return work, config, json.load(f)
 
 

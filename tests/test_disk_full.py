@@ -12,6 +12,8 @@ from jaxpar import launch, runs
 from jaxpar.checkpoint import Checkpointer
 from helpers import command
 
+pytestmark = pytest.mark.serial  # processes timed against each other: never beside an xdist worker
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -6,9 +6,13 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from helpers import command
 from jaxpar import launch
 from jaxpar.trainer import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.serial  # processes timed against each other: never beside an xdist worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -27,6 +27,8 @@ import pytest
 
 from jaxpar import launch
 
+pytestmark = pytest.mark.serial  # processes timed against each other: never beside an xdist worker
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 
