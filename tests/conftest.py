@@ -35,10 +35,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if NO_F16C and "float16" in item.keywords:
             item.add_marker(skip)
-        # under pytest-xdist (`-n 2 --dist loadgroup`, what CI runs) the tests that start processes run one after
-        # another on one worker: never two multi-process jobs (or two SLURM daemons) at once
-        if "serial" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ from jaxpar import launch, runs
 from jaxpar.checkpoint import Checkpointer
 from helpers import command
 
-pytestmark = pytest.mark.serial  # processes timed against each other: never beside an xdist worker
+# processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
+pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,7 +17,8 @@ from jaxpar.distributed import DistributedError, ProcessPlan, first_host, resolv
 from jaxpar.mesh import node_order
 from jaxpar.watchdog import STALLED_EXIT_CODE
 
-pytestmark = pytest.mark.serial  # processes timed against each other: never beside an xdist worker
+# processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
+pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

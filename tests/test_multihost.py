@@ -18,7 +18,8 @@ from helpers import LOSS_F64_RTOL, assert_params_exact
 from jaxpar import launch
 from jaxpar.watchdog import PEER_LOST_EXIT_CODE, STALLED_EXIT_CODE
 
-pytestmark = pytest.mark.serial  # processes timed against each other: never beside an xdist worker
+# processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
+pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE = launch.cpu_env(os.environ, 8)  # the inherited XLA_FLAGS (e.g. --xla_cpu_max_isa) kept

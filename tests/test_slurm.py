@@ -27,7 +27,8 @@ import pytest
 
 from jaxpar import launch
 
-pytestmark = pytest.mark.serial  # processes timed against each other: never beside an xdist worker
+# processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
+pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")

@@ -43,7 +43,7 @@ def test_resume_with_another_model_is_refused_and_touches_nothing(corpus, tmp_pa
 def no_compile(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("reached the compile stage")
-    monkeypatch.setattr(trainer, "build", boom)
+    monkeypatch.setattr(trainer, "steps_for", boom)
     monkeypatch.setattr(step_mod, "build", boom)
 
 
