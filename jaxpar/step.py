@@ -106,6 +106,7 @@ class Steps:
     batch_sharding: NamedSharding
     init: callable  # (seed: int) -> state
     train: callable  # (state, batch) -> (state, metrics)
+    train_with_grads: callable  # (state, batch) -> (state, metrics, grads applied, canonical order): tests
     evaluate: callable  # (params, batch) -> (loss_sum, token_count)
     grads: callable  # (params, batch) -> (loss, grads in canonical order); no update
     to_canonical: callable  # state in this layout's layer order -> canonical order (what checkpoints hold)
@@ -192,12 +193,16 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         grads = jax.lax.with_sharding_constraint(grads, sh.grads)
         return lsum / total, jax.tree.map(lambda g: g / scale, grads)
 
-    def train(state, batch):
+    def train_with_grads(state, batch):
+        """`train`, also returning the gradients it applied, in canonical layer order."""
         with activation_rules(st.rules, mesh):
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
             loss, grads = loss_and_grads(state["params"], batch, rng if gpt.has_dropout(cfg) else None,
                                          state["loss_scale"].scale if st.float16 else 1.0)
-            return apply_update(state, loss, grads, optimizer, st, lr_at)
+            return *apply_update(state, loss, grads, optimizer, st, lr_at), canonical(grads)
+
+    def train(state, batch):
+        return train_with_grads(state, batch)[:2]  # (the gradients are dropped before jit: no output, no transfer)
 
     def evaluate(params, batch):
         """(loss_sum, token_count) over a batch, microbatched like training."""
@@ -219,6 +224,8 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         init=jax.jit(lambda seed: stage_major(init_state(cfg, optimizer, seed, st.loss_scale)), static_argnums=0,
                      out_shardings=state_sh),
         train=jax.jit(train, in_shardings=(state_sh, sh.batch), out_shardings=(state_sh, repl), donate_argnums=0),
+        train_with_grads=jax.jit(train_with_grads, in_shardings=(state_sh, sh.batch),
+                                 out_shardings=(state_sh, repl, sh.grads), donate_argnums=0),
         evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], sh.batch), out_shardings=(repl, repl)),
         grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),

@@ -75,17 +75,18 @@ def run_config(corpus, tmp_path, **over):
     return c
 
 
-# "Equal to the 1-device run". Losses and gradients before any optimizer step are compared in float32 (loss 1e-6
-# relative, each gradient tensor 1e-5 relative L2): they agree to ~5e-7 across layouts and CPUs. Anything after an
-# optimizer step is compared in float64 on both sides (JAX's x64 mode; `train.param_dtype = compute_dtype =
-# "float64"`, which every layout, schedule and ZeRO stage runs): AdamW's first updates are about lr * g / |g| per
-# element, so in float32 an element whose gradient is rounding noise moves a whole learning rate either way and the
-# comparison measures the CPU's summation order (an AVX-512 machine failed a float32 bound that AVX2 passed). In
-# float64 the rounding is 2^29 times finer: measured, every layout's params after 3 AdamW steps are within 3e-15
-# relative L2 of the 1-device float64 run, and nothing in float64 (softmax, loss sums, gradient buffers) is computed
-# in float32. F64_TOL = 1e-9 leaves a margin of >10^5 over that, on any instruction set, while a real layout bug (a
-# dropped microbatch, a wrong ZeRO shard of the Adam moments, layers out of order) moves the elements it touches by
-# O(lr): relative errors of 1e-3 to 1, six orders of magnitude above the bound (tests/test_layouts.py checks one).
+# "Equal to the 1-device run", compared in float64 on both sides (JAX's x64 mode; `train.param_dtype =
+# compute_dtype = "float64"`, which every layout, schedule and ZeRO stage runs), from one compiled program per side
+# (`Steps.train_with_grads`): the first step's gradients, the losses and the params after each AdamW step. In
+# float32, AdamW's first updates (about lr * g / |g| per element) move an element whose gradient is rounding noise a
+# whole learning rate either way, so a float32 comparison measures the CPU's summation order (an AVX-512 machine
+# failed a float32 bound that AVX2 passed). In float64 the rounding is 2^29 times finer: measured, every layout's
+# params after 3 AdamW steps are within 3e-15 relative L2 of the 1-device float64 run, and nothing in float64
+# (softmax, loss sums, gradient buffers) is computed in float32. F64_TOL = 1e-9 leaves a margin of >10^5 over that,
+# on any instruction set, while a real layout bug (a dropped microbatch, a wrong ZeRO shard of the Adam moments,
+# layers out of order) moves the elements it touches by O(lr): relative errors of 1e-3 to 1, six orders of magnitude
+# above the bound (tests/test_layouts.py checks one). Float32 runs on other layouts are the trainer's, resume and
+# multi-process tests.
 F64_TOL = 1e-9
 LOSS_F64_RTOL = 1e-12
 
@@ -125,50 +126,46 @@ def _cached(kind, config, vocab, batches, fn):
     return _CACHE[key]
 
 
-def float32_grads(config, vocab, b, devices=None):
-    """(loss, grads in canonical layer order) of the step's own gradient path at init, float32, on `devices` (the
-    first mesh-size devices by default)."""
+def float64_run(config, vocab, batches, devices=None):
+    """(losses, params in canonical layer order, the gradients of the first step) after one float64 train step per
+    batch on `config`'s layout: one compiled program (`Steps.train_with_grads`)."""
     n = config.mesh.data * config.mesh.tensor * config.mesh.stage
-    s = steps_for(config, vocab, jax.devices()[:n] if devices is None else devices)
-    loss, grads = s.grads(s.init(0)["params"], place(s, b))
-    return float(loss), jax.device_get(grads)
+    with jax.enable_x64(True):
+        s = steps_for(float64_config(config), vocab, jax.devices()[:n] if devices is None else devices)
+        state, losses, first = s.init(0), [], None
+        for b in batches:
+            state, m, g = s.train_with_grads(state, place(s, b))
+            losses.append(float(m["loss"]))
+            first = jax.device_get(g) if first is None else first
+        return losses, jax.device_get(s.to_canonical(state)["params"]), first
 
 
 def float64_train(config, vocab, batches, devices=None):
     """(losses, params in canonical layer order) after one float64 train step per batch on `config`'s layout."""
-    n = config.mesh.data * config.mesh.tensor * config.mesh.stage
-    with jax.enable_x64(True):
-        s = steps_for(float64_config(config), vocab, jax.devices()[:n] if devices is None else devices)
-        state, losses = s.init(0), []
-        for b in batches:
-            state, m = s.train(state, place(s, b))
-            losses.append(float(m["loss"]))
-        return losses, jax.device_get(s.to_canonical(state)["params"])
+    return float64_run(config, vocab, batches, devices)[:2]
 
 
-def reference_grads(config, vocab, b):
-    """`float32_grads` of the 1-device run (`reference_config`), cached for the whole test session."""
+def reference_run(config, vocab, batches):
+    """`float64_run` of the 1-device run (`reference_config`), cached for the whole test session."""
     c = reference_config(config)
-    return _cached("grads", c, vocab, [b], lambda: float32_grads(c, vocab, b, jax.devices()[:1]))
+    return _cached("train", c, vocab, batches, lambda: float64_run(c, vocab, batches, jax.devices()[:1]))
 
 
 def reference_train(config, vocab, batches):
     """`float64_train` of the 1-device run (`reference_config`), cached for the whole test session."""
-    c = reference_config(config)
-    return _cached("train", c, vocab, batches, lambda: float64_train(c, vocab, batches, jax.devices()[:1]))
+    return reference_run(config, vocab, batches)[:2]
 
 
 def assert_equals_one_device(config, vocab, batches):
-    """`config`'s layout computes the 1-device run: loss and gradients at init in float32, losses and params after
-    one AdamW step per batch in float64 (see F64_TOL). -> the layout's (float64 losses, params)."""
-    losses, params = float64_train(config, vocab, batches)
-    r_losses, r_params = reference_train(config, vocab, batches)
-    assert_params_exact(params, r_params)
+    """`config`'s layout computes the 1-device run, from one compiled program per side: the loss and gradients of
+    the first step (before any update) and the losses and params after one AdamW step per batch, all in float64
+    (see F64_TOL: losses within 1e-12, every gradient and parameter tensor within 1e-9 relative L2).
+    -> the layout's (float64 losses, params)."""
+    losses, params, grads = float64_run(config, vocab, batches)
+    r_losses, r_params, r_grads = reference_run(config, vocab, batches)
     np.testing.assert_allclose(losses, r_losses, rtol=LOSS_F64_RTOL)
-    loss0, grads = float32_grads(config, vocab, batches[0])
-    r_loss0, r_grads = reference_grads(config, vocab, batches[0])
-    np.testing.assert_allclose(loss0, r_loss0, rtol=1e-6)
-    assert_trees_close(grads, r_grads)
+    assert_params_exact(grads, r_grads)
+    assert_params_exact(params, r_params)
     return losses, params
 
 

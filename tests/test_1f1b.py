@@ -23,8 +23,7 @@ CASES = [((1, 1, 8), "1f1b", {}), ((2, 1, 4), "1f1b", {}), ((1, 2, 4), "1f1b", {
 
 @pytest.mark.parametrize("layout,schedule,over", CASES, ids=lambda x: str(x))
 def test_schedule_equals_one_device(layout, schedule, over):
-    """`helpers.assert_equals_one_device`: loss and gradients in float32, losses and params after 3 steps in
-    float64."""
+    """`helpers.assert_equals_one_device`: the first step's gradients, losses and params after 3 steps, float64."""
     d, t, s = layout
     assert_equals_one_device(pipe_config(d, t, s, schedule, 1, M=microbatches_for(d), **over), VOCAB, BATCHES)
 
@@ -108,7 +107,7 @@ def test_interleaved_1f1b_table(S, v, M):
 
 def temp_bytes(schedule, M):
     c = pipe_config(1, 1, 4, schedule, 1, M=M, **{"train.global_batch_size": 4 * M, "model.embed": 64,
-                                                    "model.mlp": 256, "model.seq_len": 64})
+                                                    "model.mlp": 256, "model.seq_len": 64, "model.layers": 4})
     s = steps_for(c, VOCAB, jax.devices()[:4])
     lowered = s.train.lower(s.abstract_state(), place(s, batch(4 * M, 64, VOCAB)))
     return lowered.compile().memory_analysis().temp_size_in_bytes

@@ -1,5 +1,5 @@
-"""The llama family under every kind of layout: each equals the 1-device run (`helpers.assert_equals_one_device`: loss
-and gradients in float32, losses and params after 3 AdamW steps in float64); a checkpoint resumes
+"""The llama family under every kind of layout: each equals the 1-device run (`helpers.assert_equals_one_device`: the
+first step's gradients, losses and params after 3 AdamW steps, float64); a checkpoint resumes
 onto another layout; KV-cache decoding equals the uncached forward, token by token, for both families, with
 grouped-query attention."""
 import shutil
