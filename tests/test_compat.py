@@ -38,6 +38,7 @@ def old_run(request, tmp_path):
 
 
 @needs8
+@pytest.mark.slow
 def test_old_checkpoint_restores_bitwise_and_resumes(old_run):
     work, config, expected = old_run
     steps = steps_for(config, data.load_tokenizer(str(work / "tokenizer")).vocab_size)

@@ -13,7 +13,7 @@ from jaxpar.checkpoint import Checkpointer
 from helpers import command
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
-pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]
+pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -83,6 +83,7 @@ def test_export_equals_the_checkpoint_bitwise(which, request):
     assert (meta["tokenizer_kind"], meta["tokenizer_vocab_size"]) == ("byte", tok.vocab_size)
 
 
+@pytest.mark.slow
 def test_exports_are_layout_free(corpus, tmp_path):
     """The pipeline layout's layers come out in model order: after 3 AdamW steps its export equals the 1-device
     run's, float64 on both sides (`helpers.assert_params_exact`; a layer order left stage-major would be O(1) off)."""

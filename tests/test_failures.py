@@ -24,6 +24,7 @@ VOCAB = 250
 
 
 
+@pytest.mark.slow
 def test_a_step_folder_without_its_commit_marker_is_set_aside_and_the_run_goes_on(corpus, tmp_path):
     """Run to step 4, remove checkpoints/4/commit_success.txt (a crash between the arrays and the marker, or an
     object store), rerun the same command: it resumes from step 2, retrains 3-4 and saves a complete step 4."""

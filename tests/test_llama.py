@@ -70,6 +70,7 @@ def test_cached_decoding_equals_the_uncached_forward(arch):
         z, caches = decode(params, out[:, i:i + 1], caches)
 
 
+@pytest.mark.slow
 def test_llama_checkpoint_resumes_onto_another_layout(corpus, tmp_path):
     """A llama run with dropout at (2,2,2) GPipe, stopped at step 3, resumes at (1,2,4) ZB-H1: step 4's loss equals
     the uninterrupted run's (1e-6 relative: computed from the restored params before any optimizer step on the new

@@ -110,6 +110,7 @@ def test_lowered_module_is_for_cuda_not_the_host():
     assert TRITON in exp.mlir_module()
 
 
+@pytest.mark.slow
 def test_gpu_bench_smoke_runs_every_row():
     """`bench/gpu.py --smoke`: the one-shot GPU bench's logic on tiny models, so it cannot rot between GPU runs; every
     row and the loss check finish without an error."""

@@ -19,7 +19,7 @@ from jaxpar import launch
 from jaxpar.watchdog import PEER_LOST_EXIT_CODE, STALLED_EXIT_CODE
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
-pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]
+pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE = launch.cpu_env(os.environ, 8)  # the inherited XLA_FLAGS (e.g. --xla_cpu_max_isa) kept

@@ -68,6 +68,7 @@ def test_enumeration_is_exactly_what_validate_accepts():
     assert found == brute and len(found) > 100
 
 
+@pytest.mark.slow
 def test_compiled_memory_equals_dry_run(tmp_path):
     """ZeRO 0 at data 4 is compiled at data 2 (same per-device program): equal to --dry_run's compile at data 4;
     ZeRO 1 is compiled at its own data size."""
@@ -137,6 +138,7 @@ def test_cli_json_and_bad_input(tmp_path):
     assert r.returncode != 0 and "--device='tpu9'" in r.stderr + r.stdout
 
 
+@pytest.mark.slow
 def test_data_parallel_bytes_match_the_compile():
     """The analytic ZeRO traffic (cost._data_parallel) against the compiled step's collectives over `data` (replica
     groups mapped to mesh axes): within 3 % (the analytic count leaves out norms and biases); ZeRO-3 within 10 % (the

@@ -89,6 +89,7 @@ def test_fp16_resume_continues_with_saved_scale_and_counters(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
+@pytest.mark.slow
 def test_nonfinite_policy(corpus, tmp_path, policy, monkeypatch):
     real_build = trainer.steps_for
 

@@ -13,7 +13,7 @@ from jaxpar import launch
 from jaxpar.trainer import PREEMPTED_EXIT_CODE
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
-pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]
+pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

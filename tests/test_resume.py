@@ -59,6 +59,7 @@ def sources(corpus, tmp_path_factory):
     ("zero1", {"mesh.data": 2, "mesh.tensor": 1, "mesh.stage": 4, "optim.zero_stage": 3,
                "train.microbatches": 4}, 8),
 ], ids=["(2,2,2)->(8,1,1)", "(2,2,2)->1 device", "(4,2,1) zero 1->(2,1,4) zero 3"])
+@pytest.mark.slow
 def test_resume_onto_another_layout(sources, corpus, source, target, ndev, monkeypatch):
     tmp, src, saved = sources[source]
     wd = tmp / ("resume_" + "_".join(str(target[k]) for k in ("mesh.data", "mesh.tensor", "mesh.stage")))

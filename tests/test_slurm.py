@@ -28,7 +28,7 @@ import pytest
 from jaxpar import launch
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
-pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]
+pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")

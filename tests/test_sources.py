@@ -258,6 +258,7 @@ def test_bad_text_sources_and_blends(tmp_path, texts):
         data.Batches(info, "train", 1024, 8)
 
 
+@pytest.mark.slow
 def test_blend_with_packing_resumes_exactly_under_another_data_parallel_size(corpus, tmp_path):
     import shutil
 
