@@ -12,10 +12,10 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxpar import distributed
-from jaxpar.config import ConfigError
+from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.layout import Layout
 
-AXES = ("data", "stage", "tensor")
+AXES = MESH_AXES  # ("data", "stage", "tensor"): the config's one list
 
 
 def make_mesh(shape: Layout | dict[str, int], devices=None) -> Mesh:

@@ -24,7 +24,8 @@ _TENSOR = flags.DEFINE_list("tensor", None, "Tensor sizes to consider (default: 
 _STAGE = flags.DEFINE_list("stage", None, "Pipeline stages to consider (default: every divisor).")
 _SCHEDULE = flags.DEFINE_list("schedule", None, "Schedules (default: gpipe, 1f1b, zb_h1, circular).")
 _ZERO = flags.DEFINE_list("zero", ["0", "1", "2", "3"], "ZeRO stages to consider.")
-_REMAT = flags.DEFINE_list("remat", ["none", "selective", "full"], "model.remat values to consider.")
+_REMAT = flags.DEFINE_list("remat", None, "model.remat values to consider (default: those the cost model prices, "
+                           "plan.space.SEARCHED_REMAT).")
 _SP = flags.DEFINE_list("sp", ["False", "True"], "model.sequence_parallel values to consider.")
 _MAX_MB = flags.DEFINE_integer("max_micro_batch", 16, "Largest microbatch (sequences per data replica).")
 _TOP = flags.DEFINE_integer("top", 10, "Rows to show; also how many fitting layouts get compiled memory.")

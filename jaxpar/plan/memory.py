@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.compiled import report_for
+from jaxpar.config import MESH_AXES
 from jaxpar.plan.cost import Model, activation_bytes, data_collectives, recompute_passes
 from jaxpar.plan.space import Layout, apply
 
@@ -60,7 +61,7 @@ class Compiler:
             n = dc * lay.tensor * lay.stage
             rep = report_for(c, self.vocab, self.devices[:n])
             self.compiles += 1
-            mesh = {a: rep["layout"][a] for a in ("data", "stage", "tensor")}
+            mesh = {a: rep["layout"][a] for a in MESH_AXES}
             self.cache[k] = {**rep["memory"], "compile_s": rep["compile_s"], "state_bytes": rep["state_bytes"],
                              "collectives_by_kind": rep["collectives_by_kind"], "hlo_flops": rep["hlo_flops"]["total"],
                              "data_collectives": data_collectives(rep["collectives"], mesh)}

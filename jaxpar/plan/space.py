@@ -11,6 +11,9 @@ from jaxpar.layout import Layout, apply, set_layout  # noqa: F401 (apply, set_la
 from jaxpar.validate import validate
 
 
+SEARCHED_REMAT = ("none", "selective", "full")  # the recompute policies the cost model prices (of REMAT_POLICIES)
+
+
 @dataclasses.dataclass(frozen=True)
 class Space:
     """What the enumeration may choose; None = every value that can run. Tuples restrict (the CLI's --tensor etc.)."""
@@ -18,7 +21,7 @@ class Space:
     stage: tuple | None = None
     schedule: tuple | None = None
     zero: tuple | None = (0, 1, 2, 3)
-    remat: tuple | None = ("none", "selective", "full")
+    remat: tuple | None = SEARCHED_REMAT
     sp: tuple | None = (False, True)
     max_micro_batch: int = 16
     max_virtual: int = 8
@@ -32,7 +35,7 @@ def divisors(n: int) -> list[int]:
 def _recompute(stage: int, schedule: str, space: Space):
     """(model.remat, pipeline.remat) pairs: one stage: model.remat; pipelines: the stage recompute
     (pipeline.remat=True, model.remat none), or with pipeline.remat=False (1f1b only) model.remat."""
-    remats = space.remat or ("none", "selective", "full")
+    remats = space.remat or SEARCHED_REMAT
     if stage == 1:
         return [(r, True) for r in remats]
     pairs = [("none", True)]
