@@ -20,6 +20,9 @@ from jaxpar.data import ByteTokenizer
 from jaxpar.generate import generate
 from jaxpar.model import ModelConfig, init_params
 
+# one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("test_export")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TENSOR = {"mesh.data": 4, "mesh.tensor": 2, "train.steps": 3}
 PIPELINE = {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2,

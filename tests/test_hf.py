@@ -28,6 +28,9 @@ from jaxpar.model import ModelConfig, init_params  # noqa: E402
 from jaxpar.nn import rope_frequencies  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
+# one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("test_hf")
+
 V = 300  # the HF vocabulary: jaxpar pads it to 384; the byte tokenizer uses 256 of it
 ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8}  # scaling takes effect within the 16-token windows used here

@@ -18,6 +18,9 @@ from jaxpar.logical import activation_rules
 from jaxpar.step import split_batch
 from helpers import VOCAB, microbatches_for, pipe_config
 
+# one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("test_kernels")
+
 LLAMA = {"model.arch": "llama", "model.kv_heads": 2, "model.tie_embeddings": False}
 SP = {"model.sequence_parallel": True, "model.loss_chunk": 4}  # 4 chunks of the 16 positions
 # every gradient strategy and schedule with tensor > 1; vocab 250 padded to 256 and split over tensor

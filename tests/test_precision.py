@@ -10,6 +10,9 @@ import pytest
 from helpers import batch, place, run_config, steps_for, tiny_config
 from jaxpar import trainer
 
+# one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("test_precision")
+
 VOCAB = 250
 
 

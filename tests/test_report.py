@@ -6,6 +6,9 @@ import pytest
 from helpers import steps_for, tiny_config
 from jaxpar import hlo, report
 
+# one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("test_report")
+
 VOCAB = 250
 M = 4
 

@@ -14,6 +14,9 @@ from jaxpar import data, trainer
 from jaxpar.checkpoint import Checkpointer, CheckpointSaveError
 from jaxpar.config import ConfigError
 
+# one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
+pytestmark = pytest.mark.xdist_group("test_resume")
+
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
 
 # Source layouts (data, tensor, stage), trained uninterrupted to step 6 with checkpoints at 3 and 6.
