@@ -74,13 +74,14 @@ def state_group_bytes(abstract_state, state_shardings=None) -> dict:
 # -------------------------------------------------------------------------------------------------------- report
 
 def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=None,
-                   flops_per_step: float | None = None) -> dict:
+                   flops_per_step: float | None = None, keep_hlo: bool = False) -> dict:
     """A dict of what one compiled step costs, per device.
 
     Args:
       lowered_or_compiled: a `jax.stages.Lowered` (compiled here) or `jax.stages.Compiled`.
       state_shardings: optional pytree of shardings matching `abstract_state` (used for leaves without one).
       abstract_state: optional state of `jax.ShapeDtypeStruct`s with `.sharding` (e.g. `Steps.abstract_state()`).
+      keep_hlo: also return the optimized HLO text the report was read from, under "hlo_text".
       flops_per_step: analytic model FLOPs per step, copied in. Pass it: XLA's own `cost_analysis()` counts each
         while-loop body once (not trip-count times), so its figure (`xla_flops`, when available) undercounts a
         step with microbatch or layer scans.
@@ -116,7 +117,7 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
         "flops_per_step": None if flops_per_step is None else float(flops_per_step),
         "xla_flops": xla_flops,
         "hlo_flops": hlo_flops(text),
-    }
+    } | ({"hlo_text": text} if keep_hlo else {})
 
 
 def _fmt_bytes(n) -> str:

@@ -47,7 +47,7 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     compile_s = time.perf_counter() - t0
     tokens = int(config.train.global_batch_size) * int(config.model.seq_len)
     rep = report.compile_report(compiled, abstract_state=abstract,
-                                flops_per_step=gpt.flops_per_token(steps.cfg) * tokens)
+                                flops_per_step=gpt.flops_per_token(steps.cfg) * tokens, keep_hlo=True)
     rep["compile_s"] = compile_s  # lowering + compiling (a persistent-cache hit skips the compiling)
     grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
                          abstract["params"], steps.grad_shardings)
@@ -55,5 +55,4 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     rep["layout"] = {**steps.layout.as_dict(),
                      "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(abstract["params"]))),
                      "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype}
-    rep["hlo_text"] = compiled.as_text()
     return rep

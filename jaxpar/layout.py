@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from jaxpar.config import mesh_shape
+from jaxpar.config import _get, mesh_shape
 
 # field -> config key: the one place a layout meets the config's key names
 KEYS = {"data": "mesh.data", "tensor": "mesh.tensor", "stage": "mesh.stage", "microbatches": "train.microbatches",
@@ -37,17 +37,12 @@ class Layout:
         """The config's layout on `num_devices` devices (`mesh.data = -1`: the devices left over). Raises
         ConfigError when the mesh sizes do not fit the devices (the other keys are `validate`'s)."""
         shape = mesh_shape(config, num_devices)
-        get = lambda key: config[key.split(".")[0]][key.split(".")[1]]
-        return cls(**shape, **{f: get(k) for f, k in KEYS.items() if f not in shape})
+        return cls(**shape, **{f: _get(config, k) for f, k in KEYS.items() if f not in shape})
 
     @property
     def mesh_shape(self) -> dict[str, int]:
         """{'data', 'tensor', 'stage'} sizes (`mesh.make_mesh`)."""
         return {"data": self.data, "tensor": self.tensor, "stage": self.stage}
-
-    @property
-    def devices(self) -> int:
-        return self.data * self.tensor * self.stage
 
     def micro_batch(self, global_batch: int) -> int:
         """Sequences per microbatch per data replica: global batch / (data x microbatches)."""
