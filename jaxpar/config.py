@@ -13,7 +13,8 @@ import re
 
 import ml_collections
 
-from jaxpar.config_keys import DEFAULT_RULES, DTYPES, KEYS, MESH_AXES, REMAT_POLICIES  # noqa: F401 (re-exported)
+from jaxpar.config_keys import (DEFAULT_RULES, DTYPES, KEYS, MESH_AXES, NEW_RULES, REMAT_POLICIES,  # noqa: F401
+                                ROUTERS)  # (re-exported)
 from jaxpar.config_keys import get as _get  # noqa: F401
 from jaxpar.errors import ConfigError  # noqa: F401 (re-exported: raised by every room that checks a config)
 
@@ -40,22 +41,25 @@ def padded_vocab(vocab_size: int, tensor: int) -> int:
 
 
 def mesh_shape(config, num_devices: int) -> dict[str, int]:
-    """Resolve `data = -1` into the devices left over; returns {'data', 'tensor', 'stage'} sizes."""
-    t, s, d = int(config.mesh.tensor), int(config.mesh.stage), int(config.mesh.data)
-    for name, v in (("tensor", t), ("stage", s)):
+    """Resolve `data = -1` into the devices left over; returns the sizes of `MESH_AXES`, in its order."""
+    t, s, e, d = (int(config.mesh[a]) for a in ("tensor", "stage", "expert", "data"))
+    for name, v in (("tensor", t), ("stage", s), ("expert", e)):
         if v < 1:
             raise ConfigError(f"mesh.{name}={v}: must be >= 1.")
+    rest = t * s * e
+    named = f"mesh.tensor={t} x mesh.stage={s}" + (f" x mesh.expert={e}" if e > 1 else "")
     if d == -1:
-        if num_devices % (t * s):
-            raise ConfigError(
-                f"mesh.tensor={t} x mesh.stage={s} = {t * s} does not divide the {num_devices} devices; "
-                f"pick tensor x stage among the divisors of {num_devices}.")
-        d = num_devices // (t * s)
-    if d < 1 or d * t * s != num_devices:
+        if num_devices % rest:
+            raise ConfigError(f"{named} = {rest} does not divide the {num_devices} devices; pick sizes whose product "
+                              f"divides {num_devices}.")
+        d = num_devices // rest
+    if d < 1 or d * rest != num_devices:
         raise ConfigError(
-            f"layout data={d} x tensor={t} x stage={s} = {d * t * s} devices, but {num_devices} are present; "
-            f"set --config.mesh.data=-1 to use the rest, or make the product {num_devices}.")
-    return {"data": d, "tensor": t, "stage": s}
+            f"layout data={d} x tensor={t} x stage={s}" + (f" x expert={e}" if e > 1 else "") +
+            f" = {d * rest} devices, but {num_devices} are present; set --config.mesh.data=-1 to use the rest, or "
+            f"make the product {num_devices}.")
+    sizes = {"data": d, "stage": s, "expert": e, "tensor": t}
+    return {a: sizes[a] for a in MESH_AXES}
 
 
 def nearest_multiples(value: int, m: int) -> str:
@@ -65,8 +69,15 @@ def nearest_multiples(value: int, m: int) -> str:
 
 
 def step_rules(config) -> tuple:
-    """`config.rules` with model.sequence_parallel applied (`act_seq` -> `tensor`)."""
+    """`config.rules` with model.sequence_parallel applied (`act_seq` -> `tensor`); a rules table written before the
+    expert axis gets its rules (`NEW_RULES` at their defaults, the batch also split over `expert`)."""
     rules = tuple(tuple(r) for r in config.rules)
+    names = dict(rules)
+    rules += tuple(r for r in DEFAULT_RULES if r[0] in NEW_RULES and r[0] not in names)
+    batch = tuple(a for a in ((names.get("batch"),) if isinstance(names.get("batch"), str)
+                              else names.get("batch") or ()))
+    if "batch" in names and "expert" not in batch:
+        rules = tuple(("batch", batch + ("expert",)) if n == "batch" else (n, a) for n, a in rules)
     if not config.model.sequence_parallel:
         return rules
     return tuple((n, "tensor") if n == "act_seq" else (n, a) for n, a in rules)

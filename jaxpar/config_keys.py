@@ -15,9 +15,10 @@ from typing import Callable
 
 # Logical axis -> mesh axis (None: replicated). Megatron's tensor-parallel pattern: heads and MLP width are split
 # (column-parallel in, row-parallel out), the vocabulary is split (vocab-parallel embedding and logits); the batch is
-# split over data; the stacked layers over stage (the pipeline).
+# split over data (and over expert: every parameter but the experts treats those devices as data replicas); the
+# stacked layers over stage (the pipeline); the routed experts of a MoE layer over expert.
 DEFAULT_RULES = (
-    ("batch", "data"),
+    ("batch", ("data", "expert")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),  # llama's KV heads: split when tensor divides them, else replicated (see validate)
@@ -28,9 +29,14 @@ DEFAULT_RULES = (
     ("seq", None),
     ("act_seq", None),  # the residual stream's sequence (norms, dropout, adds); "tensor" with model.sequence_parallel
     ("layers", "stage"),
+    ("experts", "expert"),  # a MoE layer's routed experts (expert parallelism)
+    ("router", None),  # the router's expert dimension (its weight is small: replicated)
 )
+NEW_RULES = ("experts", "router")  # added after configs with their own `rules` were written: defaulted if absent
 
-MESH_AXES = ("data", "stage", "tensor")  # order of the device grid: tensor last = neighbouring devices
+# order of the device grid: tensor last = neighbouring devices, expert next (its all-to-all within a node)
+MESH_AXES = ("data", "stage", "expert", "tensor")
+ROUTERS = ("softmax", "sigmoid")
 REMAT_POLICIES = ("none", "selective", "full", "dots", "attention")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs (validate._check_float64)
 _INF = float("inf")
@@ -80,6 +86,8 @@ KEYS = (
     K("mesh.data", -1, int, "data-parallel size; -1: the devices left over by tensor and stage"),
     K("mesh.tensor", 1, int, "tensor-parallel size (Megatron: heads, MLP width and vocabulary split); within a node"),
     K("mesh.stage", 1, int, "pipeline stages: [pipeline](pipeline.md)"),
+    K("mesh.expert", 1, int, "expert-parallel size: the routed experts split over it, the batch split over data x "
+      "expert: [moe](moe.md)"),
     # model
     K("model.arch", "gpt2", str, "`gpt2` (LayerNorm, learned positions, GELU MLP, biases) or `llama` (RMSNorm, RoPE, "
       "GQA, SwiGLU)"),
@@ -118,6 +126,31 @@ KEYS = (
     K("model.attention", "auto", str, "attention kernel: `auto`, `xla`, `cudnn`, `pallas`: [gpu](gpu.md)"),
     K("model.loss_chunk", 1024, int, "sequence positions per chunk of the LM head + cross-entropy (the float32 "
       "logits are never whole)", lambda v: v >= 1, "an integer >= 1 (sequence positions per chunk of the loss)"),
+    K("model.experts", 0, int, "routed experts per MoE layer; 0: a dense model: [moe](moe.md)",
+      lambda v: v >= 0, "an integer >= 0 (0: dense)"),
+    K("model.experts_per_token", 2, int, "MoE: experts each token is routed to (top-k)",
+      lambda v: v >= 1, "an integer >= 1"),
+    K("model.expert_mlp", 0, int, "MoE: each expert's SwiGLU hidden width; 0: = model.mlp",
+      lambda v: v >= 0, "an integer >= 0 (0: = the MLP width)"),
+    K("model.shared_experts", 0, int, "MoE: always-on experts (one MLP of shared_experts × expert_mlp), DeepSeek "
+      "style", lambda v: v >= 0, "an integer >= 0"),
+    K("model.router", "softmax", str, "MoE: `softmax` (Mixtral, Qwen3) or `sigmoid` (DeepSeek-V3) router scores",
+      choices=ROUTERS),
+    K("model.router_norm_topk", True, bool, "MoE: renormalise the k chosen weights to sum to 1 (Mixtral, Qwen3's "
+      "`norm_topk_prob`)"),
+    K("model.capacity_factor", 0.0, float, "MoE: each expert takes at most ceil(factor × seq_len × k / experts) "
+      "tokens of a sequence, the rest skip the layer; 0: dropless", lambda v: 0 <= v < _INF, "a number >= 0 "
+      "(0: dropless)"),
+    K("model.aux_loss", 0.0, float, "MoE: weight of the load-balancing loss (Switch/GShard, per sequence, summed over "
+      "layers)", lambda v: 0 <= v < _INF, "a number >= 0"),
+    K("model.router_z_loss", 0.0, float, "MoE: weight of the router z-loss (ST-MoE)", lambda v: 0 <= v < _INF,
+      "a number >= 0"),
+    K("model.router_bias_rate", 0.0, float, "MoE: DeepSeek-V3's aux-loss-free balancing: each step the expert "
+      "choice bias moves by this toward even load; 0: off", lambda v: 0 <= v < _INF, "a number >= 0"),
+    K("model.first_dense_layers", 0, int, "MoE: the first N layers are dense (DeepSeek)", lambda v: v >= 0,
+      "an integer >= 0"),
+    K("model.moe_every", 1, int, "MoE: layer i (after the dense ones) is MoE when (i + 1) % moe_every == 0 "
+      "(Qwen's `decoder_sparse_step`)", lambda v: v >= 1, "an integer >= 1"),
     K("model.sequence_parallel", False, bool, "Megatron sequence parallelism: the residual stream split on the "
       "sequence over `tensor`"),
     # train

@@ -3,7 +3,8 @@
 Each takes the microbatched inputs `xs` (leaves `[M, batch / M, ...]`: x, y int32 `[.., seq]`, w float32 mask,
 ids int32 global row index, optional seg int32 `[.., seq]` document segments) and offers
 
-    loss_and_grads(params, xs, norm, rng) -> (loss_sum, grads of norm · loss_sum)   (at least float32)
+    loss_and_grads(params, xs, norm, rng, reg_norm) -> (loss_sum, grads of norm · loss_sum + reg_norm · the MoE
+        regularisers, MoE stats summed over the batch or None)                      (at least float32)
     loss(params, xs) -> (loss_sum, token_count)                                    (evaluation: no dropout)
 
 - `Accumulate` (no pipeline): a scan over the microbatches on each data shard; ZeRO's reductions by hand
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar import model as gpt
+from jaxpar import moe
 from jaxpar import pipeline
 from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules
@@ -35,34 +37,35 @@ class Accumulate:
         self.fwd, self.dp, self.rules, self.mesh = fwd, dp, rules, mesh
         self.gather_layer = dp.layer_gather(lambda tree: gpt.split_params(tree)[1])
 
-    def loss_and_grads(self, params, xs, norm, rng):
-        extras = {"norm": norm, "rng": None if rng is None else jax.random.key_data(rng)}
-        return self.dp.run(self._per_shard, params, xs, extras)
+    def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
+        extras = {"norm": norm, "reg_norm": reg_norm, "rng": None if rng is None else jax.random.key_data(rng)}
+        sums, grads = self.dp.run(self._per_shard, params, xs, extras)
+        return sums["loss"], grads, sums["moe"]
 
     def _per_shard(self, params, xs, ex):
-        """On one data shard: grads of sum(loss) · norm over M microbatches, reduced as the ZeRO stage says."""
+        """On one batch shard: grads of sum(loss) · norm + the MoE regularisers · reg_norm over M microbatches,
+        reduced as the ZeRO stage says; -> ({"loss": loss sum, "moe": MoE stats summed, or None}, grads)."""
         rng = None if ex["rng"] is None else jax.random.wrap_key_data(ex["rng"])
         fwd, dp = self.fwd, self.dp
 
         def grad_mb(mb):
             def f(p):
-                s, _ = fwd.loss(dp.gather_shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
-                                prepare=self.gather_layer, segments=mb.get("seg"))
-                return s * ex["norm"], s
+                s, _, st = fwd.loss_and_stats(dp.gather_shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
+                                              prepare=self.gather_layer, segments=mb.get("seg"))
+                return s * ex["norm"] + moe.regulariser(st, fwd.cfg) * ex["reg_norm"], {"loss": s, "moe": st}
 
-            g, s = jax.grad(f, has_aux=True)(params)
-            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), g)), s
+            g, sums = jax.grad(f, has_aux=True)(params)
+            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), g)), sums
 
         def body(carry, mb):
-            gacc, lsum = carry
-            g, s = grad_mb(mb)
-            return (jax.tree.map(jnp.add, gacc, g), lsum + s), None
+            g, sums = grad_mb(mb)
+            return jax.tree.map(jnp.add, carry, (g, sums)), None
 
         with activation_rules(self.rules, None if dp.manual else self.mesh, manual=dp.manual):
-            shapes = jax.eval_shape(grad_mb, jax.tree.map(lambda a: a[0], xs))[0]
-            zeros = lambda a: vary(jnp.zeros(a.shape, a.dtype))
-            (grads, lsum), _ = jax.lax.scan(body, (jax.tree.map(zeros, shapes), zeros(jnp.zeros(()))), xs)
-        return lsum, grads
+            shapes = jax.eval_shape(grad_mb, jax.tree.map(lambda a: a[0], xs))
+            zeros = lambda a: vary(jnp.zeros(a.shape, a.dtype))  # noqa: E731
+            (grads, sums), _ = jax.lax.scan(body, jax.tree.map(zeros, shapes), xs)
+        return sums, grads
 
     def loss(self, params, xs):
         def body(acc, mb):
@@ -106,10 +109,10 @@ class PipelineAutodiff:
             return pipeline.run(first, stage, last, shared, layers, xs, tab, self.mesh, remat=self.remat,
                                 skip_bubbles=self.skip_bubbles)
 
-    def loss_and_grads(self, params, xs, norm, rng):
+    def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         f = lambda p: (lambda s: (s * norm, s))(self._forward(self.fence(p), xs, rng)[0])
         grads, lsum = jax.grad(f, has_aux=True)(params)
-        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads))
+        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), None
 
     def loss(self, params, xs):
         return self._forward(self.fence(params), xs, None)[:2]
@@ -122,7 +125,7 @@ class PipelineLoop(PipelineAutodiff):
         super().__init__(fwd, forward_table, *args)
         self.table = table
 
-    def loss_and_grads(self, params, xs, norm, rng):
+    def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         shared, layers, first, last = self._ends(self.fence(params), rng)
         layer = lambda p, a, index, mb: self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"))
         with activation_rules(self.rules, None, manual=PIPE_MANUAL):
@@ -130,4 +133,4 @@ class PipelineLoop(PipelineAutodiff):
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
                 remat=self.remat)
         grads = gpt.join_params(dshared, dlayers)
-        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads))
+        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), None

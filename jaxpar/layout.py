@@ -11,10 +11,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from jaxpar.config import _get, mesh_shape
+from jaxpar.config import MESH_AXES, _get, mesh_shape
 
 # field -> config key: the one place a layout meets the config's key names
-KEYS = {"data": "mesh.data", "tensor": "mesh.tensor", "stage": "mesh.stage", "microbatches": "train.microbatches",
+KEYS = {"data": "mesh.data", "tensor": "mesh.tensor", "stage": "mesh.stage", "expert": "mesh.expert",
+        "microbatches": "train.microbatches",
         "schedule": "pipeline.schedule", "virtual_stages": "pipeline.virtual_stages", "zero_stage": "optim.zero_stage",
         "remat": "model.remat", "pipeline_remat": "pipeline.remat", "sequence_parallel": "model.sequence_parallel"}
 
@@ -31,6 +32,7 @@ class Layout:
     remat: str = "none"  # model.remat
     pipeline_remat: bool = True  # pipeline.remat: recompute each stage's layers in the backward pass
     sequence_parallel: bool = False  # model.sequence_parallel
+    expert: int = 1  # mesh.expert: the routed experts split over it; the batch over data x expert
 
     @classmethod
     def from_config(cls, config, num_devices: int) -> "Layout":
@@ -41,12 +43,17 @@ class Layout:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
-        """{'data', 'tensor', 'stage'} sizes (`mesh.make_mesh`)."""
-        return {"data": self.data, "tensor": self.tensor, "stage": self.stage}
+        """The size of each mesh axis, in `MESH_AXES` order (`mesh.make_mesh`)."""
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+    @property
+    def batch_split(self) -> int:
+        """Devices the batch is split over: data x expert (the data replicas of every non-expert parameter)."""
+        return self.data * self.expert
 
     def micro_batch(self, global_batch: int) -> int:
-        """Sequences per microbatch per data replica: global batch / (data x microbatches)."""
-        return global_batch // (self.data * self.microbatches)
+        """Sequences per microbatch per batch shard: global batch / (data x expert x microbatches)."""
+        return global_batch // (self.batch_split * self.microbatches)
 
     def overrides(self) -> dict:
         """The config keys (dotted) that train this layout."""
@@ -62,7 +69,7 @@ class Layout:
         sched = "" if self.stage == 1 else f" {self.schedule}" + (f" v{v}" if v > 1 else "")
         rem = self.remat if self.stage == 1 or not self.pipeline_remat else "stage"
         return (f"({self.data},{self.tensor},{self.stage}){sched} M{self.microbatches} z{self.zero_stage} {rem}"
-                + (" SP" if self.sequence_parallel else ""))
+                + (" SP" if self.sequence_parallel else "") + (f" E{self.expert}" if self.expert > 1 else ""))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

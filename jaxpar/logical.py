@@ -84,3 +84,17 @@ def per_shard(fn, in_names, out_names):
                  else spec(out_names, rules, skip=manual))
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          axis_names=auto, check_vma=False)
+
+
+EXPERT = "expert"  # the mesh axis of expert parallelism
+
+
+def exchange_experts(x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
+    """A MoE layer's all-to-all: inside a `shard_map` manual over the `expert` mesh axis (the step's data-parallel
+    region), split `x` along `split_axis` into one piece per expert device, send piece i to device i, concatenate
+    what arrives along `concat_axis`; anywhere else (one device, expert size 1, the compiler's own sharding) the
+    identity."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if EXPERT not in mesh.manual_axes or mesh.shape[EXPERT] == 1:
+        return x
+    return jax.lax.all_to_all(x, EXPERT, split_axis, concat_axis, tiled=True)

@@ -1,8 +1,9 @@
-"""The device mesh `(data, stage, tensor)`: tensor on neighbouring devices (the fastest links), data outermost.
+"""The device mesh `(data, stage, expert, tensor)`: tensor on neighbouring devices (the fastest links), then expert
+(its all-to-all), data outermost.
 
 `make_mesh(shape)` takes the resolved sizes from `validate.validate`. Devices are ordered by (node, process, id) and
-reshaped to (data, stage, tensor), tensor fastest: a tensor group (and a stage x tensor block, when a node holds
-one) lies within a node and `data` spans nodes, so tensor-parallel traffic never crosses the network. The node of
+reshaped to (data, stage, expert, tensor), tensor fastest: a tensor group (and an expert x tensor block, when a node
+holds one) lies within a node and `data` spans nodes, so tensor-parallel traffic never crosses the network. The node of
 each process comes from `jaxpar.distributed`; without it each process counts as its own node.
 """
 from __future__ import annotations
@@ -15,11 +16,11 @@ from jaxpar import distributed
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.layout import Layout
 
-AXES = MESH_AXES  # ("data", "stage", "tensor"): the config's one list
+AXES = MESH_AXES  # ("data", "stage", "expert", "tensor"): the config's one list
 
 
 def make_mesh(shape: Layout | dict[str, int], devices=None) -> Mesh:
-    """Mesh with axes `AXES`, sizes `shape` (a `Layout`, or {'data', 'stage', 'tensor'}), axis types Auto
+    """Mesh with axes `AXES`, sizes `shape` (a `Layout`, or {'data', 'stage', 'tensor'[, 'expert']}), axis types Auto
     (compiler-propagated).
 
     Raises:
@@ -28,11 +29,11 @@ def make_mesh(shape: Layout | dict[str, int], devices=None) -> Mesh:
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = shape.mesh_shape if isinstance(shape, Layout) else shape
-    sizes = tuple(int(shape[a]) for a in AXES)
+    sizes = tuple(int(shape.get(a, 1)) for a in AXES)
     if int(np.prod(sizes)) != len(devices):
         raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}")
-    grid = np.asarray(node_order(devices, sizes[2], _nodes()), dtype=object).reshape(sizes)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+    grid = np.asarray(node_order(devices, sizes[-1], _nodes()), dtype=object).reshape(sizes)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def _nodes():

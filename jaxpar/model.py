@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar import moe
 from jaxpar.config import mlp_width, padded_vocab
 from jaxpar.cross_entropy import cross_entropy
 from jaxpar.logical import constrain
@@ -64,12 +65,27 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     attention: str = "auto"  # auto | xla | cudnn | pallas (`jaxpar/attention.py`)
     loss_chunk: int = 1024  # positions per chunk of the LM head + cross-entropy (`jaxpar/cross_entropy.py`)
+    # mixture of experts (`jaxpar/moe.py`; config keys model.*, docs/moe.md); experts = 0: dense
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_mlp: int = 0  # 0: = mlp
+    shared_experts: int = 0
+    router: str = "softmax"  # softmax | sigmoid
+    router_norm_topk: bool = True
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss: float = 0.0
+    router_z_loss: float = 0.0
+    router_bias_rate: float = 0.0
+    first_dense_layers: int = 0
+    moe_every: int = 1
 
     def __post_init__(self):
         if self.kv_heads == 0 or self.arch == "gpt2":
             object.__setattr__(self, "kv_heads", self.heads)
         if self.max_positions == 0:
             object.__setattr__(self, "max_positions", self.seq_len)
+        if self.expert_mlp == 0:
+            object.__setattr__(self, "expert_mlp", self.mlp)
 
     @property
     def head_dim(self) -> int:
@@ -87,7 +103,10 @@ class ModelConfig:
 # `vocab_size`, the padded table, there); the rest of `ModelConfig` (dropout, remat, dtypes) may change between runs.
 IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "embed", "heads", "kv_heads", "mlp",
                    "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                   "rope_high_freq_factor", "rope_original_max_len")
+                   "rope_high_freq_factor", "rope_original_max_len", "experts", "experts_per_token", "expert_mlp",
+                   "shared_experts", "router", "router_norm_topk", "first_dense_layers", "moe_every")
+MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "router", "router_norm_topk",
+              "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every")
 SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
 
 
@@ -99,11 +118,11 @@ def identity(cfg: ModelConfig) -> dict:
 
 
 def identity_defaults(saved: dict) -> dict:
-    """The identity fields a model saved before they existed had, given its saved `seq_len` and `heads` (every such
-    model was a gpt2 with the defaults)."""
+    """The identity fields a model saved before they existed had, given its saved `seq_len`, `heads` and `mlp` (a
+    model saved without `arch` was a gpt2 with the defaults; one without `experts` was dense)."""
     d = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in IDENTITY_FIELDS
          and f.default is not dataclasses.MISSING}
-    return {**d, "kv_heads": saved.get("heads"), "max_positions": saved.get("seq_len")}
+    return {**d, "kv_heads": saved.get("heads"), "max_positions": saved.get("seq_len"), "expert_mlp": saved.get("mlp")}
 
 
 def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
@@ -118,7 +137,7 @@ def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
         dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
         param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch=m.arch,
         kv_heads=m.kv_heads, max_positions=m.max_positions, norm_eps=m.norm_eps, attention=m.attention,
-        loss_chunk=m.loss_chunk, **rope)
+        loss_chunk=m.loss_chunk, **rope, **{k: m[k] for k in MOE_FIELDS})
 
 
 def has_dropout(cfg: ModelConfig) -> bool:
@@ -177,7 +196,7 @@ def param_roles(cfg: ModelConfig) -> dict:
 
 def decay_mask(cfg: ModelConfig) -> dict:
     """True for each parameter AdamW decays: matmul weights; not biases, norms or embedding tables (GPT-2, Megatron)."""
-    return jax.tree.map(lambda r: r == "weight", param_roles(cfg))
+    return jax.tree.map(lambda r: r in ("weight", "expert", "router"), param_roles(cfg))
 
 
 def model_flops_per_token(n_params: int, layers: int, embed: int, seq_len: int) -> float:
@@ -214,25 +233,52 @@ def model_flops_per_token(n_params: int, layers: int, embed: int, seq_len: int) 
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`model_flops_per_token`), N = the parameters that
-    take part in a matmul: every weight, and the token table only as the tied LM head (as an input table it is a
-    lookup, as TorchTitan counts); no norm, bias or position table."""
+    """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`model_flops_per_token`), N = the parameters a token's
+    matmuls use: every weight, the token table only as the tied LM head (as an input table it is a lookup, as
+    TorchTitan counts), no norm, bias or position table, and of a MoE layer the router, the shared experts and k of
+    the routed experts (the active parameters)."""
     return model_flops_per_token(param_counts(cfg)["matmul"], cfg.layers, cfg.embed, cfg.seq_len)
+
+
+def _sizes(cfg: ModelConfig):
+    """(parameter shapes, roles), abstract."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))), param_roles(cfg)
+
+
+def _count(shapes, roles, keep) -> int:
+    return sum(math.prod(a.shape) for a, r in zip(jax.tree.leaves(shapes), jax.tree.leaves(roles)) if keep(r))
+
+
+def _layer_matmul(cfg: ModelConfig) -> float:
+    """Active matmul parameters per layer, averaged over the layers (dense and MoE layers as the config mixes
+    them)."""
+    def per_layer(c, moe_layer: bool):
+        shapes, roles = (split_params(t)[1] for t in _sizes(c))
+        weights = _count(shapes, roles, lambda r: r in ("weight", "router"))
+        experts = _count(shapes, roles, lambda r: r == "expert")
+        return (weights + (experts * c.experts_per_token / c.experts if moe_layer else 0)) / c.layers
+
+    if cfg.experts == 0:
+        return per_layer(cfg, False)
+    n_moe = sum(bool(moe.is_moe_layer(cfg, i)) for i in range(cfg.layers))
+    sparse = per_layer(dataclasses.replace(cfg, first_dense_layers=0, moe_every=1), True)
+    dense = per_layer(dataclasses.replace(cfg, experts=0), False)
+    return (n_moe * sparse + (cfg.layers - n_moe) * dense) / cfg.layers
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """The model's parameter counts (abstract: nothing allocated), what the planner and reports read: "total";
-    "layer" (one block, every tensor) and "layer_matmul" (its matmul weights); "shared" (outside the blocks: the
-    tables, the final norm); "matmul" (N of `flops_per_token`)."""
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    roles = param_roles(cfg)
-    matmul = ("weight", "embedding") if cfg.tie_embeddings else ("weight",)
+    "layer" (one block, every tensor) and "layer_matmul" (its active matmul weights, averaged over the layers);
+    "shared" (outside the blocks: the tables, the final norm); "experts" (the routed experts' weights, all layers);
+    "matmul" (N of `flops_per_token`: the active matmul parameters)."""
+    shapes, roles = _sizes(cfg)
     size = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))  # noqa: E731
-    mm = lambda tree, r: sum(math.prod(a.shape) for a, x in zip(jax.tree.leaves(tree), jax.tree.leaves(r))  # noqa
-                             if x in matmul)
-    (shared, layers), (_, layer_roles) = split_params(shapes), split_params(roles)
-    return {"total": size(shapes), "layer": size(layers) // cfg.layers,
-            "layer_matmul": mm(layers, layer_roles) // cfg.layers, "shared": size(shared), "matmul": mm(shapes, roles)}
+    (shared, layers), (shared_roles, _) = split_params(shapes), split_params(roles)
+    head = _count(shared, shared_roles, lambda r: r == "weight" or (r == "embedding" and cfg.tie_embeddings))
+    layer_mm = _layer_matmul(cfg)
+    return {"total": size(shapes), "layer": size(layers) // cfg.layers, "layer_matmul": round(layer_mm),
+            "shared": size(shared), "experts": _count(shapes, roles, lambda r: r == "expert"),
+            "matmul": round(head + layer_mm * cfg.layers)}
 
 
 # ---- the per-layer / shared split: the only place that names the per-layer subtree ---------------------------------
@@ -247,6 +293,17 @@ def join_params(shared: dict, layers) -> dict:
     return {**shared, _LAYERS: layers}
 
 
+def router_bias(params):
+    """The MoE layers' choice biases `[layers, experts]` (`jaxpar/moe.py`)."""
+    return params[_LAYERS]["moe"]["router_bias"]
+
+
+def with_router_bias(params, bias) -> dict:
+    """`params` with the choice biases replaced by `bias`."""
+    layers = {**params[_LAYERS], "moe": {**params[_LAYERS]["moe"], "router_bias": bias}}
+    return join_params(split_params(params)[0], layers)
+
+
 def map_layers(tree, fn):
     """Apply `fn` to every leaf under the per-layer subtree, wherever it sits in `tree` (params, and the optimizer
     state that mirrors them)."""
@@ -259,8 +316,9 @@ _REMAT = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     # Korthikanti et al. 2022's selective recompute (sec. 5): keep what their eq. 1 counts except the attention
     # core (QK^T, softmax, ·V), which the backward recomputes; the names are the block's (`jaxpar/nn.py`)
+    # (a MoE layer's dispatched tokens too: saving them spares the backward pass an all-to-all)
     "selective": jax.checkpoint_policies.save_only_these_names("norm", "qkv", "attention", "residual", "mlp_in",
-                                                               "mlp_act"),
+                                                               "mlp_act", "moe_dispatch"),
     "attention": jax.checkpoint_policies.save_only_these_names("attention"),
 }
 
@@ -297,29 +355,35 @@ class Forward:
         `first_layer` is the global index of the chunk's first layer (it keys dropout, so any split agrees).
         `prepare(layer_params)`, if given, runs on each layer's params inside the scan before use (ZeRO-3 gathers
         them there, one layer at a time). `segments`: as in `block`."""
+        return self.layers_and_stats(block_params, x, rng, seq_ids, first_layer, prepare, segments)[0]
+
+    def layers_and_stats(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None):
+        """`layers`, also returning the MoE layers' stats (`jaxpar/moe.py: STATS`, leaves `[layers of the chunk,
+        ...]`; None for a dense model)."""
         cfg = self.cfg
 
         def one(x, inp):
             p, i = inp
-            return self.block(prepare(p) if prepare is not None else p, x, rng, seq_ids, i, segments), None
+            return self.block(prepare(p) if prepare is not None else p, x, rng, seq_ids, i, segments, stats=True)
 
         if cfg.remat != "none":
             one = jax.checkpoint(one, policy=_REMAT[cfg.remat], prevent_cse=False)
         n = jax.tree.leaves(block_params)[0].shape[0]
-        x, _ = jax.lax.scan(one, x, (block_params, first_layer + jnp.arange(n)))
-        return x
+        return jax.lax.scan(one, x, (block_params, first_layer + jnp.arange(n)))
 
-    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0, segments=None):
+    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0, segments=None, stats=False):
         """One transformer block (params without the `layers` axis) on x `[batch, seq, embed]`; `layer` is its
         global index (int or traced int32), which keys its dropout. `segments` `[batch, seq]` int32 (packed
-        documents): attention within a segment only, positions from each segment's start."""
+        documents): attention within a segment only, positions from each segment's start. With `stats`: (x, the
+        MoE layer's stats or None)."""
         cfg = self.cfg
         drop = None
         if rng is not None and cfg.dropout_resid > 0:
             lk = jax.random.fold_in(rng, 1 + layer)
             drop = lambda y, site: dropout(y, cfg.dropout_resid, jax.random.fold_in(lk, site), seq_ids)
         positions = None if segments is None else segment_positions(segments)
-        return nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments)[0]
+        y, _, st = nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments, layer)
+        return (y, st) if stats else y
 
     def logits(self, params, x):
         """x `[batch, seq, embed]` -> float32 logits `[batch, seq, vocab]`, padded ids set to -inf."""
@@ -345,9 +409,13 @@ class Forward:
 
     def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None):
         """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`, `segments`: as in `layers`."""
+        return self.loss_and_stats(params, tokens, targets, mask, rng, seq_ids, prepare, segments)[:2]
+
+    def loss_and_stats(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None):
+        """`loss`, and the MoE layers' stats (`layers_and_stats`)."""
         x = self.embed(params, tokens, rng, seq_ids, segments=segments)
-        x = self.layers(params[_LAYERS], x, rng, seq_ids, prepare=prepare, segments=segments)
-        return self.head_loss(params, x, targets, mask)
+        x, stats = self.layers_and_stats(params[_LAYERS], x, rng, seq_ids, prepare=prepare, segments=segments)
+        return (*self.head_loss(params, x, targets, mask), stats)
 
     def init_cache(self, batch: int, length: int | None = None) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `length` tokens (default max_positions), every layer
@@ -361,8 +429,8 @@ class Forward:
         x = self.embed(params, tokens, pos0=caches.pos[0])
 
         def one(x, inp):
-            p, c = inp
-            return nnx.merge(self.block_def, p)(x, self.cfg, None, c)
+            p, c, i = inp
+            return nnx.merge(self.block_def, p)(x, self.cfg, None, c, layer=i)[:2]
 
-        x, caches = jax.lax.scan(one, x, (params[_LAYERS], caches))
+        x, caches = jax.lax.scan(one, x, (params[_LAYERS], caches, jnp.arange(self.cfg.layers)))
         return self.logits(params, x[:, -1:])[:, 0], caches

@@ -92,6 +92,12 @@ class MetricsWriter:
         self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
         self._file.flush()
         for k, v in record.items():
+            if isinstance(v, list):  # per layer (MoE): one scalar each, or one histogram each (a row per layer)
+                for i, x in enumerate(v):
+                    if isinstance(x, list):
+                        self._tb.add_histogram(f"{k}/layer{i}", np.asarray(x, float), global_step=step)
+                    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+                        self._tb.add_scalar(f"{k}/layer{i}", x, global_step=step)
             if k == "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
             self._tb.add_scalar(k, v, global_step=step)
@@ -140,6 +146,9 @@ def format_metrics(step: int, total_steps: int, metrics: Mapping[str, Any]) -> s
         x = _num(metrics.get(key))
         if x is not None:
             parts.append(f"{label} {fmt.format(x)}")
+    load = metrics.get("moe_load_max_mean")
+    if load is not None:  # the most loaded expert of the most unbalanced MoE layer, over the mean
+        parts.append(f"experts max/mean {float(np.max(load)):.2f}")
     x = _num(metrics.get("tokens_per_s"))
     if x is not None:
         parts.append(f"{x:,.0f} tok/s")

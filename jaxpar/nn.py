@@ -22,20 +22,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import attention as kernels
+from jaxpar import moe
 from jaxpar.dtypes import at_least_f32  # noqa: F401 (re-exported)
 from jaxpar.logical import constrain
-
-LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per dimension
-ROLE = "role"  # the Param metadata key holding its role: weight | bias | norm | embedding | position
-
-
-def param(key, shape, std, names, dtype, role="weight"):
-    """A Param drawn from N(0, std²) (zeros for std 0), with its logical names and role as metadata."""
-    # float64 (reference runs) draws in float32 and casts, so it starts from the float32 run's numbers
-    draw = jnp.float32 if jnp.dtype(dtype) == jnp.float64 else dtype
-    init = jnp.zeros(shape, dtype) if std == 0 else (std * jax.random.normal(key, shape, draw)).astype(dtype)
-    return nnx.Param(init, **{LOGICAL: names, ROLE: role})
-
+from jaxpar.nn_base import LOGICAL, ROLE, param, swiglu  # noqa: F401 (re-exported)
 
 def _ones(dim, dtype):
     return nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: ("embed",), ROLE: "norm"})
@@ -153,12 +143,14 @@ _RESIDUAL = ("batch", "act_seq", "embed")
 
 
 class _PreNormBlock(nnx.Module):
-    """x + Attn(norm1(x)), then x + MLP(norm2(x)); a family fills in `qkv`, `attn_out` and `mlp`."""
+    """x + Attn(norm1(x)), then x + FFN(norm2(x)); a family fills in `qkv`, `attn_out` and its dense `mlp`. With
+    `experts` the FFN is a mixture of experts (`jaxpar/moe.py`) in the layers `moe.is_moe_layer` names."""
 
-    def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None):
-        """x `[batch, seq, embed]` -> (same, cache). `drop(y, site)` applies residual dropout; `positions` `[seq]` or
-        `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for decoding; `segments`
-        `[batch, seq]` int32 keeps attention within each packed document."""
+    def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None, layer=0):
+        """x `[batch, seq, embed]` -> (same, cache, MoE stats or None). `drop(y, site)` applies residual dropout;
+        `positions` `[seq]` or `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for
+        decoding; `segments` `[batch, seq]` int32 keeps attention within each packed document; `layer` is the
+        block's global index (int or traced int32: which FFN a model of dense and MoE layers runs)."""
         if positions is None:
             positions = (0 if cache is None else cache.pos) + jnp.arange(x.shape[1])
         q, k, v = self.qkv(checkpoint_name(self.ln1(x), "norm"), positions)
@@ -166,9 +158,19 @@ class _PreNormBlock(nnx.Module):
         a, cache = self_attention(q, k, v, cache, segments, cfg.attention)
         o = constrain(self.attn_out(a), _RESIDUAL)  # sequence parallel: a reduce-scatter, not an all-reduce
         x = checkpoint_name(constrain(x + (drop(o, 0) if drop else o), _RESIDUAL), "residual")
-        o = constrain(self.mlp(checkpoint_name(self.ln2(x), "norm")), _RESIDUAL)
+        o, stats = self.ffn(checkpoint_name(self.ln2(x), "norm"), cfg, layer)
+        o = constrain(o, _RESIDUAL)
         x = x + (drop(o, 1) if drop else o)
-        return constrain(x, _RESIDUAL), cache
+        return constrain(x, _RESIDUAL), cache, stats
+
+    def ffn(self, h, cfg, layer):
+        """-> (FFN output, MoE stats or None)."""
+        if cfg.experts == 0:
+            return self.mlp(h), None
+        if not moe.mixed(cfg):
+            return self.moe(h, cfg)
+        return jax.lax.cond(moe.is_moe_layer(cfg, layer), lambda h: self.moe(h, cfg),
+                            lambda h: (self.mlp(h), moe.no_stats(cfg)), h)
 
 
 def _mm(spec, x, w):
@@ -189,10 +191,13 @@ class GPT2Block(_PreNormBlock):
         self.wo = param(rngs.params(), (h, hd, d), resid_std, ("heads", "kv", "embed"), dt)
         self.bo = param(None, (d,), 0, ("embed",), dt, "bias")
         self.ln2 = LayerNorm(d, dt, cfg.norm_eps)
-        self.w_in = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
-        self.b_in = param(None, (f,), 0, ("mlp",), dt, "bias")
-        self.w_out = param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
-        self.b_out = param(None, (d,), 0, ("embed",), dt, "bias")
+        if moe.has_dense(cfg):
+            self.w_in = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
+            self.b_in = param(None, (f,), 0, ("mlp",), dt, "bias")
+            self.w_out = param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
+            self.b_out = param(None, (d,), 0, ("embed",), dt, "bias")
+        if cfg.experts:
+            self.moe = moe.MoE(cfg, rngs)
 
     def qkv(self, h, positions):
         qkv = _mm("btd,dkhe->btkhe", h, self.wqkv)
@@ -222,9 +227,12 @@ class LlamaBlock(_PreNormBlock):
         self.wv = param(rngs.params(), (d, kv, hd), 0.02, ("embed", "kv_heads", "kv"), dt)
         self.wo = param(rngs.params(), (h, hd, d), resid_std, ("heads", "kv", "embed"), dt)
         self.ln2 = RMSNorm(d, dt, cfg.norm_eps)
-        self.w_gate = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
-        self.w_up = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
-        self.w_down = param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
+        if moe.has_dense(cfg):
+            self.w_gate = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
+            self.w_up = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
+            self.w_down = param(rngs.params(), (f, d), resid_std, ("mlp", "embed"), dt)
+        if cfg.experts:
+            self.moe = moe.MoE(cfg, rngs)
         self.inv_freq = tuple(float(x) for x in rope_frequencies(hd, cfg.rope_theta, cfg.rope_scaling_dict))
 
     def qkv(self, h, positions):
@@ -236,9 +244,7 @@ class LlamaBlock(_PreNormBlock):
         return _mm("bthe,hed->btd", a, self.wo)
 
     def mlp(self, h):
-        g, u = (checkpoint_name(_mm("btd,df->btf", h, w), "mlp_in") for w in (self.w_gate, self.w_up))
-        u = checkpoint_name(constrain(jax.nn.silu(g) * u, ("batch", "seq", "mlp")), "mlp_act")
-        return _mm("btf,fd->btd", u, self.w_down)
+        return swiglu(h, self.w_gate, self.w_up, self.w_down, act_names=("batch", "seq", "mlp"))
 
 
 BLOCKS = {"gpt2": GPT2Block, "llama": LlamaBlock}

@@ -25,19 +25,57 @@ def _fits(p: P, shape, mesh) -> P:
     return P(*out)
 
 
+BATCH_AXES = ("data", "expert")  # the batch's split: every parameter but the routed experts is replicated over both
+
+
+def batch_axes(mesh) -> tuple:
+    """The mesh axes of `BATCH_AXES` with more than one device."""
+    return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+
+
+def entry(axes: tuple):
+    """A `PartitionSpec` entry for mesh axes `axes`: None, one name, or a tuple of names."""
+    return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))
+
+
+def batch_spec(mesh) -> P:
+    """`[global_batch, ...]` split over the batch axes (`data` when none has more than one device)."""
+    return P(entry(batch_axes(mesh)) or "data")
+
+
+def zero_axes(p: P, mesh) -> tuple:
+    """The batch axes a parameter with spec `p` is replicated over: what ZeRO shards it over and what its gradient
+    is reduced over (a routed expert's weight is split over `expert` already: `data` only)."""
+    used = {a for ax in p for a in mesh_axes(ax)}
+    return tuple(a for a in batch_axes(mesh) if a not in used)
+
+
+def zero_dim(p: P, axes: tuple):
+    """Index of the dimension of spec `p` that holds the ZeRO axes `axes`, or None."""
+    for i, ax in enumerate(p):
+        if axes and axes[0] in mesh_axes(ax):
+            return i
+    return None
+
+
 def add_data_axis(p: P, shape, mesh, skip=()) -> P:
-    """ZeRO: also shard over `data` along the first dimension divisible by it (replicated if none is), never along
-    the dimensions in `skip` (the `layers` axis, so ZeRO-3 can gather one layer at a time)."""
-    d = mesh.shape["data"]
+    """ZeRO: also shard over the batch axes it is replicated over (`zero_axes`: `data`, and `expert` for all but the
+    experts) along the first dimension they divide (replicated if none is), never along the dimensions in `skip`
+    (the `layers` axis, so ZeRO-3 can gather one layer at a time)."""
     parts = list(tuple(p) + (None,) * (len(shape) - len(p)))
-    if d == 1 or any("data" in mesh_axes(a) for a in parts):
+    axes = zero_axes(P(*parts), mesh)
+    if not axes:
         return P(*parts)
+    n = math.prod(mesh.shape[a] for a in axes)
     for i, (dim, ax) in enumerate(zip(shape, parts)):
         if i in skip:
             continue
-        axes = mesh_axes(ax)
-        if dim % (d * math.prod(mesh.shape[a] for a in axes)) == 0:
-            parts[i] = ("data",) + axes if axes else "data"
+        have = mesh_axes(ax)
+        if dim % (n * math.prod(mesh.shape[a] for a in have)) == 0:
+            # a batch axis already here (`expert`) stays major: ZeRO splits each device's own piece further; the
+            # compiler's axes (`tensor`) minor, as the data-parallel region sees them whole
+            parts[i] = entry(tuple(a for a in have if a in BATCH_AXES) + axes
+                             + tuple(a for a in have if a not in BATCH_AXES))
             return P(*parts)
     return P(*parts)
 

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 
 from jaxpar import gradients, loss_scale
 from jaxpar import model as gpt
+from jaxpar import moe
 from jaxpar import pipeline
 from jaxpar.config import step_rules
 from jaxpar.dtypes import at_least_f32
@@ -126,7 +127,7 @@ def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
     lo = st.layout
     S = lo.stage
     if S == 1:
-        dp = DataParallel(mesh, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names)
+        dp = DataParallel(mesh, sh.base_specs, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names)
         return gradients.Accumulate(fwd, dp, st.rules, mesh)
     M, v = lo.microbatches, lo.virtual_stages
     common = (pipeline.forward_table(lo.schedule, S, M, v), mesh, st.rules, sh.unsharded, lo.pipeline_remat,
@@ -162,6 +163,18 @@ def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
     return new, metrics
 
 
+def balance_experts(state, metrics, stats, cfg: gpt.ModelConfig, rows: int):
+    """After an applied update: the MoE choice biases move toward even load (`model.router_bias_rate`, outside the
+    optimizer); the MoE layers' load and losses join the metrics (`moe.metrics`)."""
+    params = state["params"]
+    if cfg.router_bias_rate > 0:
+        bias = gpt.router_bias(params)
+        moved = moe.update_bias(bias, stats["load"], cfg.router_bias_rate)
+        params = gpt.with_router_bias(params, jnp.where(metrics["skipped"] == 0, moved, bias))
+    out = moe.metrics(stats, gpt.router_bias(params), cfg, rows, cfg.seq_len)
+    return {**state, "params": params}, {**metrics, **out}
+
+
 def build(config, mesh, vocab_real: int) -> Steps:
     """Shardings and jitted steps for `config` on `mesh` (call `validate.validate` first, or use
     `jaxpar.compiled.steps_for`, which does both)."""
@@ -184,22 +197,27 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     stage_major = lambda tree: map_blocks(tree, lambda a: pipeline.to_stage_major(a, S, v))
 
     def loss_and_grads(params, batch, rng, scale=1.0):
-        """Mean loss (nats/token) over the global batch and its grads (float32, sharded as `sh.grads`).
+        """Mean loss (nats/token) over the global batch, its grads (float32, sharded as `sh.grads`) and the MoE
+        layers' stats summed over the batch (None for a dense model).
 
-        The backward pass runs on the loss times `scale` (fp16 loss scaling); the grads returned are unscaled."""
+        The objective is the loss plus the MoE regularisers' mean over the batch's sequences (`moe.regulariser`);
+        the backward pass runs on it times `scale` (fp16 loss scaling); the grads returned are unscaled."""
         mask, xs = microbatched(batch, lo.microbatches)
         total = jnp.maximum(mask.sum(dtype=at_least_f32(cfg.compute_dtype)), 1.0)  # float64 in float64 runs
-        lsum, grads = grad_fn.loss_and_grads(params, xs, scale / total, rng)
+        lsum, grads, stats = grad_fn.loss_and_grads(params, xs, scale / total, rng, scale / mask.shape[0])
         grads = jax.lax.with_sharding_constraint(grads, sh.grads)
-        return lsum / total, jax.tree.map(lambda g: g / scale, grads)
+        return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats
 
     def train_with_grads(state, batch):
         """`train`, also returning the gradients it applied, in canonical layer order."""
         with activation_rules(st.rules, mesh):
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-            loss, grads = loss_and_grads(state["params"], batch, rng if gpt.has_dropout(cfg) else None,
-                                         state["loss_scale"].scale if st.float16 else 1.0)
-            return *apply_update(state, loss, grads, optimizer, st, lr_at), canonical(grads)
+            loss, grads, stats = loss_and_grads(state["params"], batch, rng if gpt.has_dropout(cfg) else None,
+                                                state["loss_scale"].scale if st.float16 else 1.0)
+            new, metrics = apply_update(state, loss, grads, optimizer, st, lr_at)
+            if stats is not None:
+                new, metrics = balance_experts(new, metrics, stats, cfg, batch["tokens"].shape[0])
+            return new, metrics, canonical(grads)
 
     def train(state, batch):
         return train_with_grads(state, batch)[:2]  # (the gradients are dropped before jit: no output, no transfer)
@@ -212,7 +230,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     def grads(params, batch):
         """(mean loss, grads in canonical layer order): for tests and tools, no update."""
         with activation_rules(st.rules, mesh):
-            loss, g = loss_and_grads(params, batch, None)
+            loss, g, _ = loss_and_grads(params, batch, None)
         return loss, canonical(g)
 
     state_sh, repl = sh.state, sh.replicated

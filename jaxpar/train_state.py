@@ -37,12 +37,13 @@ class Shardings:
     """Specs and shardings of one layout. ZeRO stage z shards over `data`: params from z >= 3, the float32 gradient
     buffer from z >= 2, the optimizer state from z >= 1 (Rajbhandari et al. 2020, sec. 5)."""
     names: dict  # logical axis names per param leaf
+    base_specs: dict  # the params' specs without ZeRO
     param_specs: dict
     grad_specs: dict
     state: dict  # NamedShardings of the train state
     grads: dict  # NamedShardings of the float32 gradient buffer
     unsharded: dict  # the params' NamedShardings without ZeRO's `data` axis
-    batch: NamedSharding  # `[global_batch, ...]` split over `data`
+    batch: NamedSharding  # `[global_batch, ...]` split over data (x expert)
     replicated: NamedSharding
 
 
@@ -54,6 +55,6 @@ def shardings(cfg: gpt.ModelConfig, optimizer, rules, mesh, zero_stage: int) -> 
     ospecs = shd.opt_state_specs(optimizer, jax.eval_shape(optimizer.init, pshapes), specs(zero_stage >= 1))
     state = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P(),
              "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P()}
-    return Shardings(names=names, param_specs=pspecs, grad_specs=gspecs, state=shd.named(mesh, state),
+    return Shardings(names=names, base_specs=specs(False), param_specs=pspecs, grad_specs=gspecs, state=shd.named(mesh, state),
                      grads=shd.named(mesh, gspecs), unsharded=shd.named(mesh, specs(False)),
-                     batch=NamedSharding(mesh, P("data")), replicated=NamedSharding(mesh, P()))
+                     batch=NamedSharding(mesh, shd.batch_spec(mesh)), replicated=NamedSharding(mesh, P()))

@@ -79,12 +79,13 @@ def fingerprint(config, info, steps) -> dict:
 def upgrade_fingerprint(saved: dict) -> dict:
     """A fingerprint as older checkpoints wrote it -> today's keys: before the model spec (`model.mlp` the config's
     value, 0 meaning 4 x embed, with the width under `mlp_width`; `vocab_real` without a prefix), and before the
-    llama family (no `model.arch`, `model.kv_heads`, ...: a gpt2 with the defaults)."""
+    llama family (no `model.arch`, `model.kv_heads`, ...: a gpt2 with the defaults), and before mixtures of experts
+    (no `model.experts`, ...: dense)."""
     out = dict(saved)
     if "mlp_width" in saved:
         out = {k: v for k, v in saved.items() if k not in ("mlp_width", "vocab_real")}
         out.update({"model.mlp": saved["mlp_width"], "model.vocab_real": saved.get("vocab_real")})
-    if "model.arch" not in out and "model.heads" in out:
+    if "model.heads" in out:
         old = {k[len("model."):]: v for k, v in out.items() if k.startswith("model.")}
         out.update({f"model.{k}": v for k, v in gpt.identity_defaults(old).items() if f"model.{k}" not in out})
     return out
@@ -360,7 +361,7 @@ class Loop:
         return last
 
     def _log(self, state, done, m, health, since, dt, eval_now) -> dict:
-        m = {k: float(v) for k, v in jax.device_get(m).items()} | health
+        m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in jax.device_get(m).items()} | health
         tps = since * self.B * self.T / dt
         m.update(self.train_data.tokens_by_source(done), data_wait_s=self.next_rows.waited_s / since)
         self.next_rows.waited_s = 0.0

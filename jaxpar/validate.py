@@ -104,6 +104,32 @@ def check_model(m, t: int, mlp: int) -> list[str]:
     return errs
 
 
+def check_experts(m, lay: Layout) -> list[str]:
+    """The mixture-of-experts keys against the model and the layout."""
+    E, k, e, t = m.experts, m.experts_per_token, lay.expert, lay.tensor
+    if E == 0:
+        return [] if e == 1 else [f"mesh.expert={e} but model.experts=0 (a dense model has no experts to split); set "
+                                  f"--config.model.experts to a multiple of {e}, or mesh.expert=1."]
+    errs = []
+    if k > E:
+        errs.append(f"model.experts_per_token={k} > model.experts={E}: a token picks k different experts; use k <= "
+                    f"{E}.")
+    if E % e:
+        errs.append(f"model.experts={E} is not divisible by mesh.expert={e}: each expert device holds experts / "
+                    f"expert of them; use mesh.expert dividing {E} or experts a multiple of {e} (the nearest: "
+                    f"{nearest_multiples(E, e)}).")
+    width = m.expert_mlp or m.mlp or 4 * m.embed
+    if width % t:
+        errs.append(f"model.expert_mlp={width} is not divisible by mesh.tensor={t}; use a multiple of {t}.")
+    if m.first_dense_layers >= m.layers:
+        errs.append(f"model.first_dense_layers={m.first_dense_layers} leaves no MoE layer of model.layers="
+                    f"{m.layers}; use fewer dense layers, or model.experts=0 for a dense model.")
+    if lay.stage > 1:
+        errs.append(f"model.experts={E} with mesh.stage={lay.stage}: the pipeline does not carry the MoE layers' "
+                    f"losses and load yet; use mesh.stage=1 (expert, data, tensor parallel and ZeRO work).")
+    return errs
+
+
 def _check_kernels(config, t: int) -> list[str]:
     """model.attention (against the dtype, the packing and this process's backend), model.loss_chunk,
     model.sequence_parallel."""
@@ -142,12 +168,14 @@ def validate(config, num_devices: int) -> Layout:
     m, tr, o = config.model, config.train, config.optim
     B, M = int(tr.global_batch_size), int(tr.microbatches)
     errs = key_errors(config) + _check_kinds(config)  # each key's type and range (the key table), then the rest
-    if M >= 1 and B % (d * M):
+    n = lay.batch_split * M
+    if M >= 1 and B % n:
+        split = f"mesh.data={d}" + (f" x mesh.expert={lay.expert}" if lay.expert > 1 else "")
         errs.append(
-            f"train.global_batch_size={B} is not divisible by mesh.data={d} x train.microbatches={M} = {d * M}; "
-            f"use a batch that is a multiple of {d * M} (the nearest: {nearest_multiples(B, d * M)}) or change the "
+            f"train.global_batch_size={B} is not divisible by {split} x train.microbatches={M} = {n}; "
+            f"use a batch that is a multiple of {n} (the nearest: {nearest_multiples(B, n)}) or change the "
             f"layout.")
-    errs += check_model(m, t, mlp_width(config))
+    errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay)
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
         errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "
