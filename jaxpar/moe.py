@@ -34,6 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import constrain, exchange_experts
 from jaxpar.nn_base import param, swiglu
+from jaxpar.shard_map_body import vary_like
 
 STATS = ("load", "dropped", "aux", "z")  # what a MoE layer reports (see the module docstring)
 
@@ -93,10 +94,10 @@ def _gather_rows(x, index):
 
 
 def balance_stats(logits, scores, onehot_counts, cfg):
-    """The per-sequence auxiliary losses, summed over the rows: (aux, z) float32 scalars."""
+    """The per-sequence auxiliary losses, summed over the rows: (aux, z) scalars in the logits' dtype."""
     E, k, t = cfg.experts, cfg.experts_per_token, logits.shape[1]
     probs = scores if cfg.router == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
-    f = onehot_counts.astype(jnp.float32) / (k * t)  # [b, E]
+    f = onehot_counts.astype(logits.dtype) / (k * t)  # [b, E]
     aux = E * jnp.sum(f * jnp.mean(probs, 1))
     z = jnp.sum(jnp.mean(jnp.square(jax.nn.logsumexp(logits, -1)), 1))
     return aux, z
@@ -147,14 +148,16 @@ class MoE(nnx.Module):
         if cfg.shared_experts:
             out = out + self.shared(h)
         aux, z = balance_stats(logits, scores, counts, cfg)
-        stats = {"load": counts.sum(0).astype(jnp.float32), "dropped": jnp.sum(dest == E * cap).astype(jnp.float32),
-                 "aux": aux, "z": z}
+        stats = {"load": counts.sum(0).astype(f32), "dropped": jnp.sum(dest == E * cap).astype(f32), "aux": aux,
+                 "z": z}
         return checkpoint_name(out, "moe_out"), stats
 
 
-def no_stats(cfg) -> dict:
-    """A dense layer's stats in a model with MoE layers (zeros of the same shapes)."""
-    return {"load": jnp.zeros((cfg.experts,), jnp.float32), **{k: jnp.zeros((), jnp.float32) for k in STATS[1:]}}
+def no_stats(cfg, h) -> dict:
+    """A dense layer's stats in a model with MoE layers, for input h: zeros of the MoE layer's shapes and types."""
+    f = at_least_f32(h.dtype)
+    zeros = {"load": jnp.zeros((cfg.experts,), f), **{k: jnp.zeros((), f) for k in STATS[1:]}}
+    return jax.tree.map(lambda a: vary_like(a, h), zeros)
 
 
 def regulariser(stats, cfg):
@@ -173,7 +176,7 @@ def update_bias(bias, load, rate: float):
 
 
 def metrics(stats, bias, cfg, rows: int, seq: int) -> dict:
-    """What the log shows of the MoE layers, from the step's summed stats (`rows` sequences of `seq` tokens): per
+    """What the log shows of the MoE layers (float32), from the step's summed stats (`rows` sequences of `seq` tokens): per
     layer the fraction of choices each expert took (`moe_load` `[L, E]`) and its max / mean, the fraction of
     choices dropped, the mean aux and z losses per sequence, the choice bias's range."""
     load = stats["load"]

@@ -170,7 +170,7 @@ class _PreNormBlock(nnx.Module):
         if not moe.mixed(cfg):
             return self.moe(h, cfg)
         return jax.lax.cond(moe.is_moe_layer(cfg, layer), lambda h: self.moe(h, cfg),
-                            lambda h: (self.mlp(h), moe.no_stats(cfg)), h)
+                            lambda h: (self.mlp(h), moe.no_stats(cfg, h)), h)
 
 
 def _mm(spec, x, w):

@@ -127,17 +127,18 @@ def _cached(kind, config, vocab, batches, fn):
 
 
 def float64_run(config, vocab, batches, devices=None):
-    """(losses, params in canonical layer order, the gradients of the first step) after one float64 train step per
-    batch on `config`'s layout: one compiled program (`Steps.train_with_grads`)."""
+    """(losses, params in canonical layer order, the gradients of the first step, each step's metrics on the host)
+    after one float64 train step per batch on `config`'s layout: one compiled program (`Steps.train_with_grads`)."""
     n = config.mesh.data * config.mesh.tensor * config.mesh.stage * config.mesh.expert
     with jax.enable_x64(True):
         s = steps_for(float64_config(config), vocab, jax.devices()[:n] if devices is None else devices)
-        state, losses, first = s.init(0), [], None
+        state, losses, first, metrics = s.init(0), [], None, []
         for b in batches:
             state, m, g = s.train_with_grads(state, place(s, b))
             losses.append(float(m["loss"]))
+            metrics.append(jax.device_get(m))
             first = jax.device_get(g) if first is None else first
-        return losses, jax.device_get(s.to_canonical(state)["params"]), first
+        return losses, jax.device_get(s.to_canonical(state)["params"]), first, metrics
 
 
 def float64_train(config, vocab, batches, devices=None):
@@ -161,8 +162,8 @@ def assert_equals_one_device(config, vocab, batches):
     the first step (before any update) and the losses and params after one AdamW step per batch, all in float64
     (see F64_TOL: losses within 1e-12, every gradient and parameter tensor within 1e-9 relative L2).
     -> the layout's (float64 losses, params)."""
-    losses, params, grads = float64_run(config, vocab, batches)
-    r_losses, r_params, r_grads = reference_run(config, vocab, batches)
+    losses, params, grads = float64_run(config, vocab, batches)[:3]
+    r_losses, r_params, r_grads = reference_run(config, vocab, batches)[:3]
     assert_params_exact(grads, r_grads)
     assert_params_exact(params, r_params)
     np.testing.assert_allclose(losses, r_losses, rtol=LOSS_F64_RTOL)

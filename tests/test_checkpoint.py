@@ -20,8 +20,9 @@ needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devic
 
 
 def _mesh(shape):
-    n = int(np.prod(shape))
-    return Mesh(np.array(jax.devices()[:n]).reshape(shape), MESH_AXES)
+    """(data, stage, tensor) sizes -> a mesh with every axis of `MESH_AXES` (the others of size 1)."""
+    n, sizes = int(np.prod(shape)), dict(zip(("data", "stage", "tensor"), shape))
+    return Mesh(np.array(jax.devices()[:n]).reshape([sizes.get(a, 1) for a in MESH_AXES]), MESH_AXES)
 
 
 # Param name -> (shape, spec on the saving (data, stage, tensor) = (2, 2, 2) mesh).

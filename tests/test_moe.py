@@ -1,0 +1,190 @@
+"""Mixture of experts: the MoE layer against a per-token reference, the balancing rules against hand-written formulas,
+every expert-parallel layout against the 1-device run (float64, `helpers.assert_equals_one_device`), the tokens a
+capacity factor drops, a resume onto another expert size, and the config errors."""
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from helpers import (BATCHES, LOSS_F64_RTOL, VOCAB, assert_equals_one_device, assert_params_exact, batch, float64_run,
+                     losses, reference_run, run_config, tiny_config)
+from jaxpar import model as gpt
+from jaxpar import moe, trainer
+from jaxpar.config import ConfigError
+from jaxpar.validate import validate
+
+needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+MOE = {"model.arch": "llama", "model.kv_heads": 4, "model.experts": 8, "model.experts_per_token": 2,
+       "model.shared_experts": 1, "model.expert_mlp": 32, "model.aux_loss": 0.01, "model.router_z_loss": 0.001}
+
+
+def moe_config(**over):
+    return tiny_config(**{**MOE, **over})
+
+
+def tiny_cfg(**over):
+    base = dict(vocab_size=128, vocab_real=128, seq_len=6, layers=1, embed=8, heads=2, mlp=16, arch="llama",
+                experts=4, experts_per_token=2, expert_mlp=8, param_dtype="float64", compute_dtype="float64")
+    return gpt.ModelConfig(**{**base, **over})
+
+
+def reference_moe(layer, h, cfg):
+    """Each token alone: the k chosen experts' SwiGLU outputs weighted by their (renormalised) scores, plus the
+    shared experts; numpy float64, no buffers, no capacity."""
+    p = jax.tree.map(np.asarray, nnx_state(layer))
+    silu = lambda x: x / (1 + np.exp(-x))  # noqa: E731
+    mlp = lambda x, w, i=None: (silu(x @ sel(w["w_gate"], i)) * (x @ sel(w["w_up"], i))) @ sel(w["w_down"], i)  # noqa
+    sel = lambda a, i: a if i is None else a[i]  # noqa: E731
+    out = np.zeros_like(h)
+    for b in range(h.shape[0]):
+        for t in range(h.shape[1]):
+            x = h[b, t]
+            z = x @ p["router"]
+            s = np.exp(z - z.max()) / np.exp(z - z.max()).sum() if cfg.router == "softmax" else 1 / (1 + np.exp(-z))
+            top = np.argsort(-(s + p["router_bias"]), kind="stable")[:cfg.experts_per_token]
+            w = s[top] / s[top].sum() if cfg.router_norm_topk else s[top]
+            out[b, t] = sum(wi * mlp(x, p["experts"], e) for wi, e in zip(w, top))
+            if cfg.shared_experts:
+                out[b, t] += mlp(x, p["shared"])
+    return out
+
+
+def nnx_state(layer):
+    return nnx.to_pure_dict(nnx.state(layer))
+
+
+@pytest.mark.parametrize("over", [{}, {"router": "sigmoid", "shared_experts": 1},
+                                  {"router_norm_topk": False, "experts_per_token": 1}])
+def test_moe_layer_equals_per_token_reference(over):
+    """Dropless dispatch and combine through the fixed-size buffers give each token exactly its k experts' sum."""
+    cfg = tiny_cfg(**over)
+    with jax.enable_x64(True):
+        layer = moe.MoE(cfg, nnx.Rngs(params=0))
+        layer.router_bias[...] = jnp.asarray([0.0, 0.3, -0.2, 0.1])  # the bias changes the choice, not the weight
+        h = np.asarray(jax.random.normal(jax.random.key(1), (3, cfg.seq_len, cfg.embed), jnp.float64))
+        out, stats = layer(jnp.asarray(h), cfg)
+        np.testing.assert_allclose(np.asarray(out), reference_moe(layer, h, cfg), rtol=1e-12, atol=1e-14)
+        assert float(stats["dropped"]) == 0 and float(stats["load"].sum()) == 3 * cfg.seq_len * cfg.experts_per_token
+
+
+def test_capacity_drops_by_priority_within_each_sequence():
+    """Capacity C per expert per sequence; all first choices before any second choice, each in token order; a
+    dropped choice adds nothing."""
+    idx = jnp.asarray([[[0, 1], [0, 2], [0, 1]]])  # one sequence, 3 tokens, k = 2, experts 0..2
+    dest, token, counts = moe.slots(idx, 3, 2)
+    sink = 3 * 2
+    # first choices: expert 0 by tokens 0, 1, 2 -> slots 0, 1, dropped; second: expert 1 by 0, 2 -> 2, 3; expert 2
+    np.testing.assert_array_equal(dest[0], [[0, 2], [1, 4], [sink, 3]])
+    np.testing.assert_array_equal(token[0], [0, 1, 0, 2, 1, 3])  # slot -> token (3: empty)
+    np.testing.assert_array_equal(counts[0], [3, 2, 1])
+    assert moe.capacity(tiny_cfg(capacity_factor=1.0), 6) == 3 and moe.capacity(tiny_cfg(), 6) == 6
+
+
+def test_balancing_loss_and_bias_update_equal_the_formulas():
+    """aux = sum over sequences of E * sum_e f_e P_e (f_e: the sequence's fraction of choices for e, P_e its mean
+    probability); z = sum over sequences of the mean of logsumexp(logits)^2; the bias moves by rate toward the mean
+    load (DeepSeek-V3)."""
+    cfg = tiny_cfg(experts=4, experts_per_token=2)
+    logits = np.asarray(jax.random.normal(jax.random.key(3), (2, 5, 4)), np.float32)
+    scores, idx, _ = moe.route(jnp.asarray(logits), jnp.zeros(4), cfg)
+    _, _, counts = moe.slots(idx, 4, 5)
+    aux, z = moe.balance_stats(jnp.asarray(logits), scores, counts, cfg)
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    want_aux = want_z = 0.0
+    for b in range(2):
+        top = np.argsort(-p[b], axis=-1)[:, :2]
+        f = np.array([(top == e).sum() for e in range(4)]) / (2 * 5)
+        want_aux += 4 * np.sum(f * p[b].mean(0))
+        want_z += np.mean(np.log(np.exp(logits[b]).sum(-1)) ** 2)
+    np.testing.assert_allclose([float(aux), float(z)], [want_aux, want_z], rtol=1e-6)
+    load = jnp.asarray([[5.0, 1.0, 3.0, 3.0]])
+    np.testing.assert_allclose(moe.update_bias(jnp.zeros((1, 4)), load, 0.01), [[-0.01, 0.01, 0.0, 0.0]])
+
+
+def test_active_parameters_count_k_of_the_experts():
+    """FLOPs count the router, the shared experts and k of E routed experts per MoE layer; the dense layers their
+    MLP."""
+    cfg = tiny_cfg(layers=4, first_dense_layers=1, shared_experts=1)
+    c = gpt.param_counts(cfg)
+    d, f, fe, E, k = cfg.embed, cfg.mlp, cfg.expert_mlp, cfg.experts, cfg.experts_per_token
+    attn = 2 * d * cfg.heads * cfg.head_dim + 2 * d * cfg.kv_heads * cfg.head_dim
+    moe_layer = attn + d * E + 3 * d * fe + k * 3 * d * fe
+    dense_layer = attn + 3 * d * f
+    assert c["matmul"] == 3 * moe_layer + dense_layer + cfg.vocab_size * d
+    assert c["experts"] == 4 * E * 3 * d * fe
+
+
+# ---- every layout equals the 1-device run (float64) ------------------------------------------------------------
+
+def packed(seed=0):
+    b = batch(16, 16, VOCAB, seed)
+    seg = np.zeros((16, 17), np.int32)
+    rng = np.random.default_rng(seed)
+    for r in range(16):
+        for c in sorted(rng.choice(np.arange(1, 17), int(rng.integers(0, 4)), replace=False)):
+            seg[r, c:] += 1
+    return {**b, "segments": seg}
+
+
+@needs8
+@pytest.mark.parametrize("over", [
+    {"mesh.expert": 4, "mesh.data": 2},
+    {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2, "model.sequence_parallel": True},
+    {"mesh.expert": 4, "mesh.data": 2, "optim.zero_stage": 3, "train.microbatches": 2},
+    {"mesh.expert": 2, "mesh.data": 4, "optim.zero_stage": 2, "model.router": "sigmoid",
+     "model.router_bias_rate": 0.01, "model.first_dense_layers": 1, "model.remat": "selective"},
+], ids=["e4d2", "e2t2d2-SP", "e4d2-zero3-M2", "e2d4-zero2-sigmoid-bias-dense1"])
+def test_expert_parallel_layouts_equal_one_device(over):
+    assert_equals_one_device(moe_config(**over), VOCAB, BATCHES)
+
+
+@needs8
+def test_packed_documents_on_expert_parallel_layout():
+    assert_equals_one_device(moe_config(**{"mesh.expert": 4, "mesh.data": 2}), VOCAB, [packed(s) for s in range(3)])
+
+
+@needs8
+def test_capacity_drops_the_same_tokens_on_every_layout():
+    """capacity factor 1.0: the same choices dropped on 1 device and on (expert 4, data 2) (counted per layer), and
+    the same losses, gradients and params."""
+    c = moe_config(**{"model.capacity_factor": 1.0, "mesh.expert": 4, "mesh.data": 2})
+    (got, params, grads, m), (want, r_params, r_grads, r_m) = float64_run(c, VOCAB, BATCHES), \
+        reference_run(c, VOCAB, BATCHES)
+    assert_params_exact(grads, r_grads)
+    assert_params_exact(params, r_params)
+    np.testing.assert_allclose(got, want, rtol=LOSS_F64_RTOL)
+    for a, b in zip(m, r_m):
+        assert np.asarray(a["moe_dropped"]).min() > 0  # some choices were dropped in every layer, every step
+        np.testing.assert_array_equal(a["moe_dropped"], b["moe_dropped"])
+        np.testing.assert_array_equal(a["moe_load"], b["moe_load"])
+
+
+@needs8
+def test_resume_onto_another_expert_size(corpus, tmp_path):
+    """A run at (expert 4, data 2) stopped at step 3 resumes at (expert 2, data 4): its step-4 loss (a forward pass
+    from the restored params) equals the uninterrupted run's."""
+    src = tmp_path / "src"
+    trainer.run(run_config(corpus, tmp_path, **MOE, **{"mesh.expert": 4, "mesh.data": 2}), str(src))
+    wd = tmp_path / "resumed"
+    shutil.copytree(src / "checkpoints" / "3", wd / "checkpoints" / "3")
+    trainer.run(run_config(corpus, tmp_path, **MOE, **{"mesh.expert": 2, "mesh.data": 4, "train.steps": 4}), str(wd))
+    a, b = losses(src)[4], losses(wd)[4]
+    assert abs(b - a) <= 1e-6 * abs(a), (a, b)
+
+
+# ---- bad input: one line each, before compiling -----------------------------------------------------------------
+
+@pytest.mark.parametrize("over,match", [
+    ({"mesh.expert": 3, "mesh.data": 1}, r"model.experts=8 is not divisible by mesh.expert=3"),
+    ({"model.experts_per_token": 9}, r"model.experts_per_token=9 > model.experts=8"),
+    ({"model.capacity_factor": -1.0}, r"model.capacity_factor=-1.0 must be a number >= 0"),
+    ({"mesh.expert": 4, "mesh.data": 2, "train.global_batch_size": 12},
+     r"global_batch_size=12 is not divisible by mesh.data=2 x mesh.expert=4 x train.microbatches=1 = 8"),
+    ({"model.experts": 0, "mesh.expert": 2}, r"mesh.expert=2 but model.experts=0"),
+])
+def test_bad_moe_config_is_one_clear_error(over, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(moe_config(**over), 8 if over.get("mesh.expert", 1) != 3 else 3)
