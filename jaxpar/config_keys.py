@@ -102,6 +102,9 @@ KEYS = (
       lambda v: v >= 0, "an integer >= 0 (0: 4 x model.embed)"),
     K("model.kv_heads", 0, int, "llama: grouped-query KV heads, dividing heads; 0: = heads",
       lambda v: v >= 0, "an integer >= 0 (0: = model.heads)"),
+    K("model.head_dim", 0, int, "each attention head's size; 0: embed / heads (Qwen3: 128 whatever the width)",
+      lambda v: v >= 0, "an integer >= 0 (0: embed / heads)"),
+    K("model.qk_norm", False, bool, "llama: RMSNorm over each head of q and k before RoPE (Qwen3)"),
     K("model.max_positions", 0, int, "gpt2: rows of the position table; llama: the context the model is made for; 0: "
       "= seq_len",
       lambda v: v >= 0, "an integer >= 0 (0: = model.seq_len)"),

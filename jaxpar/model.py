@@ -55,6 +55,8 @@ class ModelConfig:
     compute_dtype: str = "float32"
     arch: str = "gpt2"  # gpt2 | llama
     kv_heads: int = 0  # llama's grouped-query KV heads (0: = heads); gpt2 has heads
+    head_dim: int = 0  # each head's size (0: embed / heads; Qwen3 sets it apart, e.g. 128 with embed 2048, 32 heads)
+    qk_norm: bool = False  # llama: RMSNorm over each head of q and k before RoPE (Qwen3)
     max_positions: int = 0  # gpt2: rows of the position table; llama: longest context (0: = seq_len)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0  # llama
@@ -86,10 +88,8 @@ class ModelConfig:
             object.__setattr__(self, "max_positions", self.seq_len)
         if self.expert_mlp == 0:
             object.__setattr__(self, "expert_mlp", self.mlp)
-
-    @property
-    def head_dim(self) -> int:
-        return self.embed // self.heads
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.embed // self.heads)
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -101,7 +101,8 @@ class ModelConfig:
 
 # What defines a model: a resume must find these equal in the checkpoint, an export in its model_config.json (with
 # `vocab_size`, the padded table, there); the rest of `ModelConfig` (dropout, remat, dtypes) may change between runs.
-IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "embed", "heads", "kv_heads", "mlp",
+IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "embed", "heads", "kv_heads", "head_dim",
+                   "qk_norm", "mlp",
                    "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                    "rope_high_freq_factor", "rope_original_max_len", "experts", "experts_per_token", "expert_mlp",
                    "shared_experts", "router", "router_norm_topk", "first_dense_layers", "moe_every")
@@ -122,7 +123,9 @@ def identity_defaults(saved: dict) -> dict:
     model saved without `arch` was a gpt2 with the defaults; one without `experts` was dense)."""
     d = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in IDENTITY_FIELDS
          and f.default is not dataclasses.MISSING}
-    return {**d, "kv_heads": saved.get("heads"), "max_positions": saved.get("seq_len"), "expert_mlp": saved.get("mlp")}
+    heads, embed = saved.get("heads"), saved.get("embed")
+    return {**d, "kv_heads": heads, "max_positions": saved.get("seq_len"), "expert_mlp": saved.get("mlp"),
+            "head_dim": embed // heads if heads and embed else None}
 
 
 def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
@@ -136,7 +139,7 @@ def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
         embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
         dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
         param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch=m.arch,
-        kv_heads=m.kv_heads, max_positions=m.max_positions, norm_eps=m.norm_eps, attention=m.attention,
+        kv_heads=m.kv_heads, head_dim=m.head_dim, qk_norm=m.qk_norm, max_positions=m.max_positions, norm_eps=m.norm_eps, attention=m.attention,
         loss_chunk=m.loss_chunk, **rope, **{k: m[k] for k in MOE_FIELDS})
 
 
@@ -220,7 +223,7 @@ def model_flops_per_token(n_params: int, layers: int, embed: int, seq_len: int) 
         the output projection to the vocabulary; the input lookup is a gather with no FLOPs) and the learned
         position embedding left out (a lookup and an add, no matmul). The caller computes N from the params tree.
       layers: L, the number of transformer blocks.
-      embed: d_model, the residual width (= heads x head size).
+      embed: heads x head size: d_model, the residual width, unless the model sets its head size apart (Qwen3).
       seq_len: T, the training sequence length in tokens.
 
     Returns:
@@ -237,7 +240,7 @@ def flops_per_token(cfg: ModelConfig) -> float:
     matmuls use: every weight, the token table only as the tied LM head (as an input table it is a lookup, as
     TorchTitan counts), no norm, bias or position table, and of a MoE layer the router, the shared experts and k of
     the routed experts (the active parameters)."""
-    return model_flops_per_token(param_counts(cfg)["matmul"], cfg.layers, cfg.embed, cfg.seq_len)
+    return model_flops_per_token(param_counts(cfg)["matmul"], cfg.layers, cfg.heads * cfg.head_dim, cfg.seq_len)
 
 
 def _sizes(cfg: ModelConfig):

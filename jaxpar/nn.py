@@ -27,8 +27,8 @@ from jaxpar.dtypes import at_least_f32  # noqa: F401 (re-exported)
 from jaxpar.logical import constrain
 from jaxpar.nn_base import LOGICAL, ROLE, param, swiglu  # noqa: F401 (re-exported)
 
-def _ones(dim, dtype):
-    return nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: ("embed",), ROLE: "norm"})
+def _ones(dim, dtype, names=("embed",)):
+    return nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: names, ROLE: "norm"})
 
 
 class LayerNorm(nnx.Module):
@@ -51,8 +51,8 @@ class RMSNorm(nnx.Module):
     """x `[..., dim]` -> same dtype: x / sqrt(mean(x²) + eps) · scale (Zhang & Sennrich 2019), statistics in float32;
     normalised x is cast to x's dtype before the scale, as Llama's reference code does."""
 
-    def __init__(self, dim: int, dtype, eps: float = 1e-5):
-        self.scale = _ones(dim, dtype)
+    def __init__(self, dim: int, dtype, eps: float = 1e-5, names=("embed",)):
+        self.scale = _ones(dim, dtype, names)
         self.eps = eps
 
     def __call__(self, x):
@@ -214,7 +214,7 @@ class GPT2Block(_PreNormBlock):
 
 
 class LlamaBlock(_PreNormBlock):
-    """Llama's block: RMSNorm, RoPE on q and k, `kv_heads` KV heads (`kv_heads` splits over `tensor` when it divides
+    """Llama's block (and Qwen3's, with `qk_norm` and a `head_dim` of its own): RMSNorm, RoPE on q and k, `kv_heads` KV heads (`kv_heads` splits over `tensor` when it divides
     it, else each device holds them all and keeps its heads' share), SwiGLU MLP down(silu(gate(x)) · up(x))."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
@@ -226,6 +226,9 @@ class LlamaBlock(_PreNormBlock):
         self.wk = param(rngs.params(), (d, kv, hd), 0.02, ("embed", "kv_heads", "kv"), dt)
         self.wv = param(rngs.params(), (d, kv, hd), 0.02, ("embed", "kv_heads", "kv"), dt)
         self.wo = param(rngs.params(), (h, hd, d), resid_std, ("heads", "kv", "embed"), dt)
+        if cfg.qk_norm:  # Qwen3: one RMSNorm scale over each head's features, shared by the heads, for q and for k
+            self.q_norm = RMSNorm(hd, dt, cfg.norm_eps, ("kv",))
+            self.k_norm = RMSNorm(hd, dt, cfg.norm_eps, ("kv",))
         self.ln2 = RMSNorm(d, dt, cfg.norm_eps)
         if moe.has_dense(cfg):
             self.w_gate = param(rngs.params(), (d, f), 0.02, ("embed", "mlp"), dt)
@@ -237,6 +240,8 @@ class LlamaBlock(_PreNormBlock):
 
     def qkv(self, h, positions):
         q, k, v = (_mm("btd,dhe->bthe", h, w) for w in (self.wq, self.wk, self.wv))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         inv = np.asarray(self.inv_freq, np.float32)
         return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
 

@@ -72,7 +72,7 @@ def check_model(m, t: int, mlp: int) -> list[str]:
     errs = []
     if m.arch not in ARCHS:
         errs.append(f"model.arch={m.arch!r}: pick one of {ARCHS}.")
-    if m.heads >= 1 and m.embed % m.heads:
+    if m.heads >= 1 and m.embed % m.heads and not m.head_dim:
         errs.append(f"model.embed={m.embed} is not divisible by model.heads={m.heads}; pick heads dividing "
                     f"{m.embed} (head size = embed / heads).")
     if m.heads % t:
@@ -85,7 +85,8 @@ def check_model(m, t: int, mlp: int) -> list[str]:
         errs.append(f"model.seq_len={m.seq_len} > model.max_positions={m.max_positions}: the model has no positions "
                     f"past {m.max_positions}; train with --config.model.seq_len={m.max_positions} or less.")
     if m.arch != "llama":
-        return errs
+        return errs + ([f"model.qk_norm=True with model.arch={m.arch!r}: the q/k norms are llama-family (Qwen3); "
+                        f"use model.arch='llama'."] if m.qk_norm else [])
     kv = m.kv_heads or m.heads
     if kv >= 1 and m.heads % kv:
         errs.append(f"model.kv_heads={kv} does not divide model.heads={m.heads}: each KV head serves a whole group "
@@ -94,8 +95,9 @@ def check_model(m, t: int, mlp: int) -> list[str]:
         errs.append(f"model.kv_heads={kv} and mesh.tensor={t}: the KV heads split over tensor when kv_heads is a "
                     f"multiple of it, and are replicated when tensor is a multiple of kv_heads; neither holds. Use a "
                     f"tensor size dividing {kv} or a multiple of it.")
-    if m.heads >= 1 and (m.embed // m.heads) % 2:
-        errs.append(f"model.embed / model.heads = {m.embed // m.heads}: RoPE needs an even head size.")
+    hd = m.head_dim or (m.embed // m.heads if m.heads >= 1 else 2)
+    if hd % 2:
+        errs.append(f"head size {hd} (model.head_dim, or model.embed / model.heads): RoPE needs an even head size.")
     if m.rope_scaling not in ROPE_SCALINGS:
         errs.append(f"model.rope_scaling={m.rope_scaling!r}: pick one of {ROPE_SCALINGS}.")
     if m.rope_high_freq_factor <= m.rope_low_freq_factor:
@@ -139,7 +141,7 @@ def _check_kernels(config, t: int) -> list[str]:
     elif m.attention not in ("auto", "xla") and m.heads >= 1 and config.train.compute_dtype in DTYPES:
         backend = "gpu" if m.attention == "pallas" else jax.default_backend()  # pallas: interpret mode off GPU
         try:
-            choose(m.attention, config.train.compute_dtype, m.seq_len, m.embed // m.heads,
+            choose(m.attention, config.train.compute_dtype, m.seq_len, m.head_dim or m.embed // m.heads,
                    config.data.packing == "documents", backend=backend)
         except ValueError as e:
             errs.append(str(e) + ".")
