@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxpar import model as gpt
 from jaxpar import moe
 from jaxpar import pipeline
 from jaxpar.dtypes import at_least_f32
-from jaxpar.logical import activation_rules
+from jaxpar.logical import activation_rules, mesh_axes
 from jaxpar.shard_map_body import vary
 
-PIPE_MANUAL = ("stage", "data")  # the pipelines' shard_map is manual over these
 
 
 class Accumulate:
@@ -87,6 +87,11 @@ class PipelineAutodiff:
     def __init__(self, fwd: gpt.Forward, forward_table, mesh, rules, unsharded, remat: bool, skip_bubbles: bool):
         self.fwd, self.forward_table, self.mesh, self.rules = fwd, forward_table, mesh, rules
         self.unsharded, self.remat, self.skip_bubbles = unsharded, remat, skip_bubbles
+        self.batch_axes = ("data",) + (("expert",) if mesh.shape.get("expert", 1) > 1 else ())
+        self.manual = ("stage",) + self.batch_axes
+        # the stacked layers' shardings over the manual axes: `stage` on the layers, `expert` on the routed experts
+        man = lambda sh: P(*[tuple(a for a in mesh_axes(e) if a in self.manual) or None for e in sh.spec])  # noqa
+        self.stacked_specs = jax.tree.map(man, gpt.split_params(unsharded)[1])
 
     def fence(self, tree):
         return jax.lax.with_sharding_constraint(tree, self.unsharded)
@@ -103,16 +108,24 @@ class PipelineAutodiff:
         tab = self.forward_table
         Lc = self.fwd.cfg.layers // (tab.stages * tab.virtual)
         shared, layers, first, last = self._ends(params, rng)
-        stage = lambda chunk, a, cid, mb: self.fwd.layers(chunk, a, rng, mb["ids"], first_layer=cid * Lc,
-                                                          segments=mb.get("seg"))
-        with activation_rules(self.rules, None, manual=PIPE_MANUAL):
+        cfg = self.fwd.cfg
+
+        def stage(chunk, a, cid, mb):
+            y, st = self.fwd.layers_and_stats(chunk, a, rng, mb["ids"], first_layer=cid * Lc, segments=mb.get("seg"))
+            return y, moe.regulariser(st, cfg), st
+
+        with activation_rules(self.rules, None, manual=self.manual):
             return pipeline.run(first, stage, last, shared, layers, xs, tab, self.mesh, remat=self.remat,
-                                skip_bubbles=self.skip_bubbles)
+                                skip_bubbles=self.skip_bubbles, batch_axes=self.batch_axes,
+                                stacked_specs=self.stacked_specs)
 
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
-        f = lambda p: (lambda s: (s * norm, s))(self._forward(self.fence(p), xs, rng)[0])
-        grads, lsum = jax.grad(f, has_aux=True)(params)
-        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), None
+        def f(p):
+            lsum, _, _, reg, stats = self._forward(self.fence(p), xs, rng)
+            return lsum * norm + reg * reg_norm, (lsum, stats)
+
+        grads, (lsum, stats) = jax.grad(f, has_aux=True)(params)
+        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), stats
 
     def loss(self, params, xs):
         return self._forward(self.fence(params), xs, None)[:2]
@@ -128,7 +141,7 @@ class PipelineLoop(PipelineAutodiff):
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         shared, layers, first, last = self._ends(self.fence(params), rng)
         layer = lambda p, a, index, mb: self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"))
-        with activation_rules(self.rules, None, manual=PIPE_MANUAL):
+        with activation_rules(self.rules, None, manual=self.manual):
             lsum, _, _, dshared, dlayers = pipeline.run_loop(
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
                 remat=self.remat)

@@ -4,7 +4,10 @@ the mesh axis `stage`, `ppermute` between stages.
 Knows nothing about models. The caller supplies three functions over one microbatch:
 
     first_fn(shared, mb)            -> activation          (stage 0, first pass: e.g. the embedding)
-    stage_fn(chunk, act, chunk, mb) -> activation          (one stage's layers; chunk = global chunk index)
+    stage_fn(chunk, act, chunk, mb) -> activation, or (activation, aux, stats)
+                                       (one stage's layers; chunk = global chunk index; aux: a scalar the stage adds
+                                        to the objective, e.g. MoE balancing losses; stats: a pytree of per-layer
+                                        values, leaves `[layers of the chunk, ...]`, summed over microbatches, or None)
     last_fn(shared, act, mb)        -> (loss_sum, count)   (last stage, last pass: e.g. final norm, head, loss)
 
 `mb` is the microbatch's slice of the `xs` pytree (`[M, ...]` leaves). The schedule is a forward tick table
@@ -15,9 +18,10 @@ Bubbles never touch the loss or the gradients: slots without work are skipped wi
 embedding and the head are computed once per microbatch, not once per stage. Autodiff through the scan gives GPipe's
 backward pass; `remat=True` checkpoints `stage_fn` so a stage keeps only its inputs per tick.
 
-The loop runs under `shard_map` manual over `stage` and `data` (each device on its own rows, `tensor` left to the
-compiler): the params are cast to per-device values once before the loop, so the transpose of that cast, a `psum`
-over `stage` (shared params) and `data` (all params), is the data-parallel gradient reduction, once per step.
+The loop runs under `shard_map` manual over `stage` and the batch axes (`data`, and `expert` when the experts are
+split: each device on its own rows, `tensor` left to the compiler): the params are cast to per-device values once
+before the loop, so the transpose of that cast, a `psum` over `stage` (shared params) and the batch axes each
+parameter is replicated over, is the data-parallel gradient reduction, once per step.
 """
 from __future__ import annotations
 
@@ -33,9 +37,9 @@ DATA = "data"  # manual too: each device runs its rows; the gradient is reduced 
 
 
 def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, *, remat: bool = True,
-        bubble_fill: float = 0.0, skip_bubbles: bool = True):
-    """Run the pipeline -> (loss_sum, count, per_microbatch_loss_sum `[M]`) in `last_fn`'s dtypes (float32; float64
-    in float64 runs), summed over microbatches.
+        bubble_fill: float = 0.0, skip_bubbles: bool = True, batch_axes=(DATA,), stacked_specs=None):
+    """Run the pipeline -> (loss_sum, count, per_microbatch_loss_sum `[M]`, aux sum, stats `[L, ...]` in stacked's
+    stage-major order) in `last_fn`'s dtypes (float32; float64 in float64 runs), summed over microbatches.
 
     Args:
       shared: params used by first_fn / last_fn (replicated over `stage`).
@@ -45,19 +49,31 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
       bubble_fill: value of the activation buffers before any work arrives (tests pass NaN).
       skip_bubbles: skip the stage's compute in bubble slots (`lax.cond`); False computes every slot on a zeroed
         input and discards the result (for measuring what skipping saves).
+      batch_axes: the mesh axes the rows of `xs` are split over (manual here, with `stage`).
+      stacked_specs: `PartitionSpec`s of `stacked` over `stage` and the batch axes (default: `stage` on axis 0).
     """
     tables = tuple(jnp.asarray(t["f"]) for t in (schedule.mb, schedule.rep, schedule.ok))
-    ticks = _Ticks(first_fn, stage_fn, last_fn, schedule, remat, bubble_fill, skip_bubbles)
-    f = jax.shard_map(ticks.local, mesh=mesh, axis_names={AXIS, DATA},
-                      in_specs=(P(), P(AXIS), P(None, DATA), P()), out_specs=(P(), P(), P()))
+    ticks = _Ticks(first_fn, with_side(stage_fn), last_fn, schedule, remat, bubble_fill, skip_bubbles, tuple(batch_axes))
+    rows = batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes)
+    f = jax.shard_map(ticks.local, mesh=mesh, axis_names={AXIS, *batch_axes},
+                      in_specs=(P(), P(AXIS) if stacked_specs is None else stacked_specs, P(None, rows), P()),
+                      out_specs=(P(), P(), P(), P(), P(AXIS)))
     return f(shared, stacked, xs, tables)
+
+
+def with_side(fn):
+    """`fn` returning (output, aux, stats): a function returning only its output gets aux 0 and no stats."""
+    def f(*args):
+        out = fn(*args)
+        return out if isinstance(out, tuple) else (out, jnp.zeros((), jnp.float32), None)
+    return f
 
 
 class _Ticks:
     """The per-device body of `run`: the slot functions and the tick loop."""
 
-    def __init__(self, first_fn, stage_fn, last_fn, schedule, remat, bubble_fill, skip_bubbles):
-        self.schedule, self.fill_value, self.skip = schedule, bubble_fill, skip_bubbles
+    def __init__(self, first_fn, stage_fn, last_fn, schedule, remat, bubble_fill, skip_bubbles, batch_axes):
+        self.schedule, self.fill_value, self.skip, self.batch_axes = schedule, bubble_fill, skip_bubbles, batch_axes
         # Always inside a checkpoint: its inputs are its residuals, so the (loop-invariant) stack of chunks stays one
         # buffer, where a `cond`'s own residuals would copy the selected chunk at every tick. remat=False saves every
         # matmul output (no matmul is recomputed; slices of the weights are, which costs no FLOPs).
@@ -74,11 +90,12 @@ class _Ticks:
         self.first_fn, self.last_fn = first_fn, last_fn
 
     def _work(self, chunks, r, x, cid, mb, ok):
-        """The stage's layers on its slot, skipped in bubbles."""
+        """The stage's layers on its slot, skipped in bubbles: (activation, aux, stats)."""
+        idle = lambda: (x, *vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.side)))  # noqa: E731
         if self.skip:
-            return jax.lax.cond(ok, lambda: vary(self.stage_fn(take(chunks, r), x, cid, mb)), lambda: x)
+            return jax.lax.cond(ok, lambda: vary(self.stage_fn(take(chunks, r), x, cid, mb)), idle)
         y = vary(self.stage_fn(take(chunks, r), jnp.where(ok, x, 0), cid, mb))  # bubble input zeroed: never NaN
-        return jnp.where(ok, y, x)
+        return jax.tree.map(lambda a, b: jnp.where(ok, a, b), y, idle())
 
     def local(self, shared, stacked, xs, tables):
         sc = self.schedule
@@ -92,16 +109,19 @@ class _Ticks:
         shared = vary(shared)
         self.out_dtypes = tuple(a.dtype for a in jax.eval_shape(
             lambda sh, mb: self.last_fn(sh, vary(jnp.zeros(act.shape, act.dtype)), mb), shared, take(xs, 0)))
+        self.side = jax.eval_shape(lambda: self.stage_fn(take(chunks, 0), vary(jnp.zeros(act.shape, act.dtype)),
+                                                         0, take(xs, 0))[1:])  # (aux, stats) shapes
 
         def tick(carry, row):
-            recv, loop_buf, loss, count, per_mb = carry
+            recv, loop_buf, loss, count, per_mb, aux, stats = carry
             mbs, reps, valids = row
             i, r, ok = mbs[s], reps[s], valids[s]
             mb = take(xs, i)
             # stage 0 starts a microbatch (pass 0) or takes it back from the loop buffer (pass r > 0)
             x = jnp.where(s == 0, take(loop_buf, i), recv) if v > 1 else recv
             x = self.first(shared, mb, x, ok & (s == 0) & (r == 0))
-            y = self.work(chunks, r, x, sc.chunk(r, s), mb, ok)
+            y, a, st = self.work(chunks, r, x, sc.chunk(r, s), mb, ok)
+            aux, stats = aux + a, jax.tree.map(lambda acc, d: put(acc, r, take(acc, r) + d), stats, st)
             ls, c = self.last(shared, y, mb, ok & (s == S - 1) & (r == v - 1))
             # a full ring also for GPipe (stage 0 never reads what stage S-1 sends there)
             nxt = jax.lax.ppermute(y, AXIS, sc.sends("f", ring=True))
@@ -109,13 +129,17 @@ class _Ticks:
                 j, back = mbs[S - 1], valids[S - 1] & (reps[S - 1] < v - 1)
                 loop_buf = jax.lax.cond(back & (s == 0), lambda: put(loop_buf, j, nxt), lambda: loop_buf)
             per_mb = per_mb + jnp.where(jnp.arange(M) == i, ls, 0.0)
-            return (nxt, loop_buf, loss + ls, count + c, per_mb), None
+            return (nxt, loop_buf, loss + ls, count + c, per_mb, aux, stats), None
 
         fill = lambda *lead: vary(jnp.full(lead + act.shape, self.fill_value, act.dtype))
-        init = (fill(), fill(M if v > 1 else 1), *_zeros(self.out_dtypes), vary(jnp.zeros((M,), self.out_dtypes[0])))
-        (_, _, loss, count, per_mb), _ = jax.lax.scan(tick, init, tables)
-        both = (AXIS, DATA)
-        return jax.lax.psum(loss, both), jax.lax.psum(count, both), jax.lax.psum(per_mb, both)
+        zero_side = vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.side[0]))
+        zero_stats = vary(jax.tree.map(lambda a: jnp.zeros((v,) + a.shape, a.dtype), self.side[1]))
+        init = (fill(), fill(M if v > 1 else 1), *_zeros(self.out_dtypes), vary(jnp.zeros((M,), self.out_dtypes[0])),
+                zero_side, zero_stats)
+        (_, _, loss, count, per_mb, aux, stats), _ = jax.lax.scan(tick, init, tables)
+        every = (AXIS, *self.batch_axes)
+        stats = jax.tree.map(lambda a: jax.lax.psum(a.reshape(-1, *a.shape[2:]), self.batch_axes), stats)
+        return (*(jax.lax.psum(t, every) for t in (loss, count, per_mb, aux)), stats)
 
 
 def _zeros(dtypes):
