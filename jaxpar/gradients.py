@@ -140,10 +140,15 @@ class PipelineLoop(PipelineAutodiff):
 
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         shared, layers, first, last = self._ends(self.fence(params), rng)
-        layer = lambda p, a, index, mb: self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"))
+        cfg = self.fwd.cfg
+
+        def layer(p, a, index, mb):
+            y, st = self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"), stats=True)
+            return y, moe.regulariser(st, cfg), st
+
         with activation_rules(self.rules, None, manual=self.manual):
-            lsum, _, _, dshared, dlayers = pipeline.run_loop(
+            lsum, _, _, dshared, dlayers, stats = pipeline.run_loop(
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
-                remat=self.remat)
+                remat=self.remat, reg_seed=reg_norm, batch_axes=self.batch_axes, stacked_specs=self.stacked_specs)
         grads = gpt.join_params(dshared, dlayers)
-        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), None
+        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), stats

@@ -126,9 +126,6 @@ def check_experts(m, lay: Layout) -> list[str]:
     if m.first_dense_layers >= m.layers:
         errs.append(f"model.first_dense_layers={m.first_dense_layers} leaves no MoE layer of model.layers="
                     f"{m.layers}; use fewer dense layers, or model.experts=0 for a dense model.")
-    if lay.stage > 1 and False:
-        errs.append(f"model.experts={E} with mesh.stage={lay.stage}: the pipeline does not carry the MoE layers' "
-                    f"losses and load yet; use mesh.stage=1 (expert, data, tensor parallel and ZeRO work).")
     return errs
 
 

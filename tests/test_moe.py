@@ -136,7 +136,13 @@ def packed(seed=0):
     {"mesh.expert": 4, "mesh.data": 2, "optim.zero_stage": 3, "train.microbatches": 2},
     {"mesh.expert": 2, "mesh.data": 4, "optim.zero_stage": 2, "model.router": "sigmoid",
      "model.router_bias_rate": 0.01, "model.first_dense_layers": 1, "model.remat": "selective"},
-], ids=["e4d2", "e2t2d2-SP", "e4d2-zero3-M2", "e2d4-zero2-sigmoid-bias-dense1"])
+    {"mesh.expert": 2, "mesh.stage": 2, "mesh.data": 2, "train.microbatches": 4, "pipeline.schedule": "1f1b"},
+    {"mesh.expert": 2, "mesh.stage": 2, "mesh.data": 2, "train.microbatches": 4, "pipeline.schedule": "zb_h1",
+     "model.router": "sigmoid", "model.router_bias_rate": 0.01, "model.first_dense_layers": 1},
+    {"mesh.expert": 2, "mesh.stage": 2, "mesh.data": 2, "train.microbatches": 4, "pipeline.schedule": "circular",
+     "pipeline.virtual_stages": 2, "optim.zero_stage": 1},
+], ids=["e4d2", "e2t2d2-SP", "e4d2-zero3-M2", "e2d4-zero2-sigmoid-bias-dense1", "e2s2d2-1f1b",
+        "e2s2d2-zbh1-sigmoid-bias-dense1", "e2s2d2-circular-v2-zero1"])
 def test_expert_parallel_layouts_equal_one_device(over):
     assert_equals_one_device(moe_config(**over), VOCAB, BATCHES)
 

@@ -16,7 +16,10 @@ ring buffers indexed by `Schedule.key(microbatch, chunk)` mod R (R read off the 
 Knows nothing about GPT. The caller supplies, over one microbatch `mb` (a slice of the `xs` pytree):
 
     first_fn(shared, mb)             -> activation          (stage 0: e.g. the embedding; recomputed in B)
-    layer_fn(layer, act, index, mb)  -> activation          (one layer; `index` = global layer index)
+    layer_fn(layer, act, index, mb)  -> activation, or (activation, aux, stats)
+                                        (one layer; `index` = global layer index; aux: a scalar the layer adds to
+                                         the objective, its cotangent `reg_seed`; stats: a pytree summed over
+                                         microbatches per layer, or None)
     last_fn(shared, act, mb)         -> (loss_sum, count)   (last stage: e.g. final norm, head, loss)
 
 The last stage computes its loss inside its B (forward, head, loss and vjp at once), so the head's cotangent is ready
@@ -31,14 +34,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.dtypes import at_least_f32
 from jaxpar.shard_map_body import put as put_at, take, vary
-from jaxpar.pipeline.autodiff import AXIS, DATA
+from jaxpar.pipeline.autodiff import AXIS, DATA, with_side
 from jaxpar.pipeline.tables import LANES, Schedule
 
 FIRST, MIDDLE, LAST, IDLE = range(4)  # a B lane's role: the chunk's place in the model, or no work
 
 
 def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, seed, *,
-        remat: bool = True):
+        remat: bool = True, reg_seed=0.0, batch_axes=(DATA,), stacked_specs=None):
     """Loss and gradients of `seed · Σ_microbatches loss_sum` through the pipeline.
 
     Args:
@@ -48,20 +51,26 @@ def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
       xs: per-microbatch inputs, leaves `[M, batch / M, ...]`, rows sharded on `data` (axis 1).
       seed: scalar in the loss sum's dtype, the cotangent of each microbatch's loss_sum (e.g. 1 / tokens of the global batch).
       remat: True: keep stage inputs and recompute the forward in B; False: keep the vjp residuals (1F1B only).
+      reg_seed: the cotangent of each layer's aux (e.g. the MoE regularisers' weight over the global batch).
+      batch_axes, stacked_specs: as in `autodiff.run` (the rows' mesh axes; `stacked`'s specs over the manual axes).
 
     Returns:
-      (loss_sum, count, per-microbatch loss sums `[M]`, shared grads, stacked grads): sums in `last_fn`'s dtypes,
-      grads at least float32 (`dtypes.at_least_f32`: float64 in float64 runs), summed over microbatches and the `data` axis (one all-reduce per step), grads shaped like `shared` / `stacked`.
+      (loss_sum, count, per-microbatch loss sums `[M]`, shared grads, stacked grads, layer stats `[L, ...]`): sums
+      in `last_fn`'s dtypes, grads at least float32 (`dtypes.at_least_f32`: float64 in float64 runs), summed over
+      microbatches and the batch axes each parameter is replicated over (one all-reduce per step), grads shaped like
+      `shared` / `stacked`, stats in `stacked`'s stage-major order.
     """
     if not remat and schedule.split:
         raise ValueError(f"remat=False with the split schedule {schedule.name!r} (see pipeline.registry.errors)")
     tables = {k: (jnp.asarray(schedule.mb[k]), jnp.asarray(schedule.rep[k]), jnp.asarray(schedule.ok[k]))
               for k in LANES}
-    engine = _Engine(first_fn, layer_fn, last_fn, schedule, remat)
-    f = jax.shard_map(engine.local, mesh=mesh, axis_names={AXIS, DATA},
-                      in_specs=(P(), P(AXIS), P(None, DATA), P(), P()),
-                      out_specs=(P(), P(), P(), P(), P(AXIS)))
-    return f(shared, stacked, xs, seed, tables)
+    specs = jax.tree.map(lambda _: P(AXIS), stacked) if stacked_specs is None else stacked_specs
+    engine = _Engine(first_fn, with_side(layer_fn), last_fn, schedule, remat, tuple(batch_axes), specs)
+    rows = batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes)
+    f = jax.shard_map(engine.local, mesh=mesh, axis_names={AXIS, *batch_axes},
+                      in_specs=(P(), specs, P(None, rows), P(), P(), P()),
+                      out_specs=(P(), P(), P(), P(), specs, P(AXIS)))
+    return f(shared, stacked, xs, seed, jnp.asarray(reg_seed), tables)
 
 
 def _f32(t):
@@ -77,13 +86,16 @@ class _Engine:
     """The per-device body of `run`. `local` sets the device's context (stage index, its chunks, the activation
     shape), then scans `_tick`; each tick runs the lanes, files their outputs in the ring buffers and exchanges."""
 
-    def __init__(self, first_fn, layer_fn, last_fn, schedule: Schedule, remat: bool):
+    def __init__(self, first_fn, layer_fn, last_fn, schedule: Schedule, remat: bool, batch_axes, specs):
         self.first_fn, self.layer_fn, self.last_fn = first_fn, layer_fn, last_fn
-        self.sc, self.remat = schedule, remat
+        self.sc, self.remat, self.batch_axes = schedule, remat, batch_axes
+        # each stacked leaf's gradient is summed over the batch axes it is replicated over (not `expert` for experts)
+        self.reduce_axes = jax.tree.map(lambda p: tuple(a for a in batch_axes if a not in p), specs,
+                                        is_leaf=lambda p: isinstance(p, P))
         self.R = {k: schedule.ring(k) for k in ("act", "grad", "res", "wgrad")}
         self._pull_def = None  # the treedef of a chunk's vjp function (a pytree whose leaves are its residuals)
 
-    def local(self, shared, stacked, xs, seed, tables):
+    def local(self, shared, stacked, xs, seed, reg_seed, tables):
         sc, v = self.sc, self.sc.virtual
         self.s = jax.lax.axis_index(AXIS)
         # gradients stay per device until the end
@@ -94,16 +106,20 @@ class _Engine:
         self.out_dtypes = tuple(a.dtype for a in jax.eval_shape(
             lambda sh, mb: self.last_fn(sh, self._zact(), mb), self.shared, take(xs, 0)))
         self.seed = self.seed.astype(self.out_dtypes[0])  # the cotangent of a loss sum has its dtype
+        aux, self.stats = jax.eval_shape(lambda: self._stage(take(self.chunks, 0), self._zact(), 0, take(xs, 0))[2:])
+        self.reg_seed = vary(reg_seed.astype(aux.dtype))  # the cotangent of the layers' aux has its dtype
         if not self.remat:  # the residuals' shapes
             self.res_shapes = jax.eval_shape(
                 lambda: self._fwd_vjp(self._zact(), take(self.chunks, 0), self.s, take(xs, 0)))[1]
         init = (self._buffers(), _zeros_like(self.chunks), _zeros_like(self.shared), *self._zeros(),
-                vary(jnp.zeros((sc.microbatches,), self.out_dtypes[0])))
-        (_, dchunks, dshared, loss, count, per_mb), _ = jax.lax.scan(self._tick, init, tables)
-        dstacked = jax.tree.map(lambda a: a.reshape(v * self.Lc, *a.shape[2:]), dchunks)
-        both = (AXIS, DATA)
-        return (jax.lax.psum(loss, both), jax.lax.psum(count, both), jax.lax.psum(per_mb, both),
-                jax.lax.psum(dshared, both), jax.lax.psum(dstacked, DATA))
+                vary(jnp.zeros((sc.microbatches,), self.out_dtypes[0])),
+                vary(jax.tree.map(lambda a: jnp.zeros((v,) + a.shape, a.dtype), self.stats)))
+        (_, dchunks, dshared, loss, count, per_mb, stats), _ = jax.lax.scan(self._tick, init, tables)
+        flat = lambda t: jax.tree.map(lambda a: a.reshape(v * self.Lc, *a.shape[2:]), t)  # noqa: E731
+        every = (AXIS, *self.batch_axes)
+        dstacked = jax.tree.map(lambda g, ax: jax.lax.psum(g, ax) if ax else g, flat(dchunks), self.reduce_axes)
+        return (jax.lax.psum(loss, every), jax.lax.psum(count, every), jax.lax.psum(per_mb, every),
+                jax.lax.psum(dshared, every), dstacked, jax.lax.psum(flat(stats), self.batch_axes))
 
     # ---- pieces -------------------------------------------------------------------------------------------------
     def _zeros(self):
@@ -114,18 +130,29 @@ class _Engine:
         return vary(jnp.zeros(self.act.shape, self.act.dtype))
 
     def _stage(self, chunk, x, c, mb, taps=None):
-        """Global chunk c's Lc layers; with `taps` `[Lc, ...]` added to the layer outputs, also the layer inputs."""
+        """Global chunk c's Lc layers -> (output, the layer inputs `[Lc, ...]`, the layers' aux summed, their stats
+        `[Lc, ...]`); `taps` `[Lc, ...]` are added to the layer outputs."""
         def one(a, inp):
             p, l, tap = inp
-            y = self.layer_fn(p, a, c * self.Lc + l, mb)
-            return (y if tap is None else y + tap), a
-        return jax.lax.scan(one, x, (chunk, jnp.arange(self.Lc), taps))
+            y, aux, st = self.layer_fn(p, a, c * self.Lc + l, mb)
+            return (y if tap is None else y + tap), (a, aux, st)
+        y, (ins, aux, st) = jax.lax.scan(one, x, (chunk, jnp.arange(self.Lc), taps))
+        return y, ins, jnp.sum(aux), st
+
+    def _diff(self, chunk, x, c, mb, taps=None):
+        """`_stage` as (differentiated outputs (y, aux), (layer inputs, stats))."""
+        y, ins, aux, st = self._stage(chunk, x, c, mb, taps)
+        return (y, aux), (ins, st)
+
+    def _ct(self, g):
+        """The cotangent of a chunk's (y, aux): the activation's, and `reg_seed` for the aux."""
+        return g, self.reg_seed
 
     def _fwd_vjp(self, x, chunk, c, mb):
-        """Chunk forward keeping the vjp's residuals: (y, residual leaves)."""
-        y, pull = jax.vjp(lambda p, a: self._stage(p, a, c, mb)[0], chunk, x)
+        """Chunk forward keeping the vjp's residuals: (y, residual leaves, stats)."""
+        (y, _), pull, (_, st) = jax.vjp(lambda p, a: self._diff(p, a, c, mb), chunk, x, has_aux=True)
         leaves, self._pull_def = jax.tree.flatten(pull)
-        return y, leaves
+        return y, leaves, st
 
     def _pull_from(self, res):
         return jax.tree.unflatten(self._pull_def, res)
@@ -157,72 +184,85 @@ class _Engine:
         return put_at(buf, slot, jnp.where(ok, value, take(buf, slot)))
 
     # ---- lanes: microbatch i through local chunk r -------------------------------------------------------------
+    def _zstats(self):
+        return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.stats))
+
     def _f_lane(self, bufs, i, r, ok):
-        """Forward of a chunk before the last: -> (activation to send, residuals or None)."""
+        """Forward of a chunk before the last: -> (activation to send, residuals or None, the layers' stats)."""
         mb, c, chunk = self._slot(i, r)
         x = lambda: jax.lax.cond(c == 0, lambda: vary(self.first_fn(self.shared, mb)),
                                  lambda: self._at(bufs["act"], i, r))
         if self.remat:
-            return jax.lax.cond(ok, lambda: vary(self._stage(chunk, x(), c, mb)[0]), self._zact), None
+            y, st = jax.lax.cond(ok, lambda: vary(self._stage(chunk, x(), c, mb)[::3]),
+                                 lambda: (self._zact(), self._zstats()))
+            return y, None, st
         zres = lambda: vary([jnp.zeros(a.shape, a.dtype) for a in self.res_shapes])
-        return jax.lax.cond(ok, lambda: vary(self._fwd_vjp(x(), chunk, c, mb)), lambda: (self._zact(), zres()))
+        return jax.lax.cond(ok, lambda: vary(self._fwd_vjp(x(), chunk, c, mb)),
+                            lambda: (self._zact(), zres(), self._zstats()))
+
+    def _last(self, sh, a, mb, stage):
+        """The last chunk and the loss: (((loss_sum, count), aux), (layer inputs, stats)); `stage(a)` -> `_diff`."""
+        (y, aux), side = stage(a)
+        return (self.last_fn(sh, y, mb), aux), side
 
     def _b_full(self, bufs, i, r, role):
-        """Backward (input and weight gradients) -> (chunk grads, shared grads, dx, loss, count)."""
+        """Backward (input and weight gradients) -> (chunk grads, shared grads, dx, loss, count, stats of the last
+        chunk, whose forward runs here)."""
         mb, c, chunk = self._slot(i, r)
         g, x, shared = self._at(bufs["grad"], i, r), self._at(bufs["act"], i, r), self.shared
 
         def first():
             if self.remat:
-                _, pull = jax.vjp(lambda p, sh: self._stage(p, self.first_fn(sh, mb), c, mb)[0], chunk, shared)
-                dc, dsh = pull(g)
+                _, pull, _ = jax.vjp(lambda p, sh: self._diff(p, self.first_fn(sh, mb), c, mb), chunk, shared,
+                                     has_aux=True)
+                dc, dsh = pull(self._ct(g))
             else:
-                dc, da = self._pull_from(self._at(bufs["res"], i, r))(g)
+                dc, da = self._pull_from(self._at(bufs["res"], i, r))(self._ct(g))
                 dsh = jax.vjp(lambda sh: self.first_fn(sh, mb), shared)[1](da)[0]
-            return _f32(dc), _f32(dsh), self._zact(), *self._zeros()
+            return _f32(dc), _f32(dsh), self._zact(), *self._zeros(), self._zstats()
 
         def middle():
             if self.remat:
-                dc, dx = jax.vjp(lambda p, a: self._stage(p, a, c, mb)[0], chunk, x)[1](g)
+                dc, dx = jax.vjp(lambda p, a: self._diff(p, a, c, mb), chunk, x, has_aux=True)[1](self._ct(g))
             else:
-                dc, dx = self._pull_from(self._at(bufs["res"], i, r))(g)
-            return _f32(dc), _zeros_like(shared), dx, *self._zeros()
+                dc, dx = self._pull_from(self._at(bufs["res"], i, r))(self._ct(g))
+            return _f32(dc), _zeros_like(shared), dx, *self._zeros(), self._zstats()
 
         def last():
-            (ls, cnt), pull = jax.vjp(lambda p, sh, a: self.last_fn(sh, self._stage(p, a, c, mb)[0], mb),
-                                      chunk, shared, x)
-            dc, dsh, dx = pull((self.seed, jnp.zeros_like(cnt)))
-            return _f32(dc), _f32(dsh), dx, ls, cnt
+            ((ls, cnt), _), pull, (_, st) = jax.vjp(
+                lambda p, sh, a: self._last(sh, a, mb, lambda a: self._diff(p, a, c, mb)), chunk, shared, x,
+                has_aux=True)
+            dc, dsh, dx = pull(((self.seed, jnp.zeros_like(cnt)), self.reg_seed))
+            return _f32(dc), _f32(dsh), dx, ls, cnt, st
 
-        idle = lambda: (_zeros_like(chunk), _zeros_like(shared), self._zact(), *self._zeros())
+        idle = lambda: (_zeros_like(chunk), _zeros_like(shared), self._zact(), *self._zeros(), self._zstats())
         return self._by_role(role, first, middle, last, idle)
 
     def _b_split(self, bufs, i, r, role):
-        """Input-gradient backward -> (shared grads, dx, loss, count, layer inputs, layer output cotangents)."""
+        """Input-gradient backward -> (shared grads, dx, loss, count, layer inputs, layer output cotangents, stats of
+        the last chunk)."""
         mb, c, chunk = self._slot(i, r)
         g, x, shared = self._at(bufs["grad"], i, r), self._at(bufs["act"], i, r), self.shared
         taps0 = vary(jnp.zeros((self.Lc,) + self.act.shape, self.act.dtype))
-        stage = lambda a, t: self._stage(chunk, a, c, mb, t)
+        stage = lambda a, t: self._diff(chunk, a, c, mb, t)
 
         def first():
-            _, pull, ins = jax.vjp(lambda sh, t: stage(self.first_fn(sh, mb), t), shared, taps0, has_aux=True)
-            dsh, cts = pull(g)
-            return _f32(dsh), self._zact(), *self._zeros(), ins, cts
+            _, pull, (ins, _) = jax.vjp(lambda sh, t: stage(self.first_fn(sh, mb), t), shared, taps0, has_aux=True)
+            dsh, cts = pull(self._ct(g))
+            return _f32(dsh), self._zact(), *self._zeros(), ins, cts, self._zstats()
 
         def middle():
-            _, pull, ins = jax.vjp(stage, x, taps0, has_aux=True)
-            dx, cts = pull(g)
-            return _zeros_like(shared), dx, *self._zeros(), ins, cts
+            _, pull, (ins, _) = jax.vjp(stage, x, taps0, has_aux=True)
+            dx, cts = pull(self._ct(g))
+            return _zeros_like(shared), dx, *self._zeros(), ins, cts, self._zstats()
 
         def last():
-            def f(sh, a, t):
-                y, ins = stage(a, t)
-                return self.last_fn(sh, y, mb), ins
-            (ls, cnt), pull, ins = jax.vjp(f, shared, x, taps0, has_aux=True)
-            dsh, dx, cts = pull((self.seed, jnp.zeros_like(cnt)))
-            return _f32(dsh), dx, ls, cnt, ins, cts
+            ((ls, cnt), _), pull, (ins, st) = jax.vjp(lambda sh, a, t: self._last(sh, a, mb, lambda a: stage(a, t)),
+                                                      shared, x, taps0, has_aux=True)
+            dsh, dx, cts = pull(((self.seed, jnp.zeros_like(cnt)), self.reg_seed))
+            return _f32(dsh), dx, ls, cnt, ins, cts, st
 
-        idle = lambda: (_zeros_like(shared), self._zact(), *self._zeros(), taps0, taps0)
+        idle = lambda: (_zeros_like(shared), self._zact(), *self._zeros(), taps0, taps0, self._zstats())
         return self._by_role(role, first, middle, last, idle)
 
     def _w_lane(self, bufs, i, r, ok):
@@ -233,32 +273,35 @@ class _Engine:
         def grads():
             def one(_, inp):
                 p, l, a, g = inp
-                return None, _f32(jax.vjp(lambda q: self.layer_fn(q, a, c * self.Lc + l, mb), p)[1](g)[0])
+                f = lambda q: self.layer_fn(q, a, c * self.Lc + l, mb)[:2]  # noqa: E731 (y, aux)
+                return None, _f32(jax.vjp(f, p)[1](self._ct(g))[0])
             return vary(jax.lax.scan(one, None, (chunk, jnp.arange(self.Lc), ins, cts))[1])
         return jax.lax.cond(ok, grads, lambda: _zeros_like(chunk))
 
     # ---- the tick ----------------------------------------------------------------------------------------------
     def _tick(self, carry, row):
-        bufs, dchunks, dshared, loss, count, per_mb = carry
+        bufs, dchunks, dshared, loss, count, per_mb, stats = carry
         (fm, fr, fo), (bm, br, bo), (wm, wr, wo) = row["f"], row["b"], row["w"]
         s, C = self.s, self.sc.virtual * self.sc.stages
         cf, cb = self.sc.chunk(fr[s], s), self.sc.chunk(br[s], s)
         fwd_ok = fo[s] & (cf < C - 1)  # the last chunk's forward runs in its B
-        y, res = self._f_lane(bufs, fm[s], fr[s], fwd_ok)
+        y, res, st = self._f_lane(bufs, fm[s], fr[s], fwd_ok)
+        stats = _add_at(stats, fr[s], st)
         role = jnp.where(bo[s], jnp.where(cb == 0, FIRST, jnp.where(cb == C - 1, LAST, MIDDLE)), IDLE)
         if self.sc.split:
-            dsh, dx, ls, cnt, ins, cts = self._b_split(bufs, bm[s], br[s], role)
+            dsh, dx, ls, cnt, ins, cts, st = self._b_split(bufs, bm[s], br[s], role)
             dchunks = _add_at(dchunks, wr[s], self._w_lane(bufs, wm[s], wr[s], wo[s]))
             bufs = dict(bufs, w_in=self._put(bufs["w_in"], bm[s], br[s], ins, bo[s]),
                         w_ct=self._put(bufs["w_ct"], bm[s], br[s], cts, bo[s]))
         else:
-            dc, dsh, dx, ls, cnt = self._b_full(bufs, bm[s], br[s], role)
+            dc, dsh, dx, ls, cnt, st = self._b_full(bufs, bm[s], br[s], role)
             dchunks = _add_at(dchunks, br[s], dc)
+        stats = _add_at(stats, br[s], st)
         if res is not None:  # residuals of this tick's forward, kept until its B
             bufs = dict(bufs, res=[self._put(b, fm[s], fr[s], a, fwd_ok) for b, a in zip(bufs["res"], res)])
         bufs = self._exchange(bufs, row, y, dx)
         per_mb = per_mb + jnp.where(jnp.arange(self.sc.microbatches) == bm[s], ls, 0.0)
-        return (bufs, dchunks, jax.tree.map(jnp.add, dshared, dsh), loss + ls, count + cnt, per_mb), None
+        return (bufs, dchunks, jax.tree.map(jnp.add, dshared, dsh), loss + ls, count + cnt, per_mb, stats), None
 
     def _exchange(self, bufs, row, y, dx):
         """End of tick: activations to the next chunk's stage, cotangents to the previous one's (round the ring when
