@@ -31,13 +31,14 @@ import sys
 import tempfile
 
 import jax
+import ml_collections
 
 from jaxpar import hf
 from jaxpar.config import DTYPES, base_config
 from jaxpar.data import load_tokenizer
 from jaxpar.runs import load_run
-from jaxpar.model import (SHAPE_FIELDS, Forward, ModelConfig, flatten, init_params, param_items,  # noqa: F401
-                          unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
+from jaxpar.model import (SHAPE_FIELDS, ZERO_COUNTS, Forward, ModelConfig, flatten, init_params,  # noqa: F401
+                          param_items, unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
 from jaxpar.validate import check_model
 
 FORMAT = "jaxpar-gpt-v1"
@@ -157,12 +158,9 @@ def _gpt_config(meta: dict, where: str):
     cfg = ModelConfig(**kw)
     counts = [f for f in SHAPE_FIELDS if type(getattr(cfg, f)) is int]  # noqa: E721 (bool is an int subclass)
     for name in counts:
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)}; expected >= 1.")
-    import ml_collections
-
-
-
+        if getattr(cfg, name) < (0 if name in ZERO_COUNTS else 1):
+            raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)}; expected >= "
+                             f"{0 if name in ZERO_COUNTS else 1}.")
     model = ml_collections.ConfigDict({k: getattr(cfg, k) for k in base_config().model if hasattr(cfg, k)})
     errs = check_model(model, 1, cfg.mlp)  # the model's rules, the ones `validate` applies to a run
     if errs:

@@ -109,6 +109,7 @@ IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "
 MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "router", "router_norm_topk",
               "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every")
 SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
+ZERO_COUNTS = ("experts", "shared_experts", "first_dense_layers")  # counts of the spec that may be 0 (a dense model)
 
 
 GPTConfig = ModelConfig  # the name before issue 27: one model config for every family
@@ -139,7 +140,8 @@ def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
         embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
         dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
         param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch=m.arch,
-        kv_heads=m.kv_heads, head_dim=m.head_dim, qk_norm=m.qk_norm, max_positions=m.max_positions, norm_eps=m.norm_eps, attention=m.attention,
+        kv_heads=m.kv_heads, head_dim=m.head_dim, qk_norm=m.qk_norm, max_positions=m.max_positions,
+        norm_eps=m.norm_eps, attention=m.attention,
         loss_chunk=m.loss_chunk, **rope, **{k: m[k] for k in MOE_FIELDS})
 
 

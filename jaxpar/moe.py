@@ -176,9 +176,9 @@ def update_bias(bias, load, rate: float):
 
 
 def metrics(stats, bias, cfg, rows: int, seq: int) -> dict:
-    """What the log shows of the MoE layers (float32), from the step's summed stats (`rows` sequences of `seq` tokens): per
-    layer the fraction of choices each expert took (`moe_load` `[L, E]`) and its max / mean, the fraction of
-    choices dropped, the mean aux and z losses per sequence, the choice bias's range."""
+    """What the log shows of the MoE layers (float32), from the step's summed stats (`rows` sequences of `seq`
+    tokens): per layer the fraction of choices each expert took (`moe_load` `[L, E]`) and its max / mean, the
+    fraction of choices dropped, the mean aux and z losses per sequence, the choice bias's range."""
     load = stats["load"]
     total = jnp.maximum(jnp.sum(load, -1), 1.0)
     frac = load / total[:, None]

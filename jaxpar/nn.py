@@ -214,8 +214,9 @@ class GPT2Block(_PreNormBlock):
 
 
 class LlamaBlock(_PreNormBlock):
-    """Llama's block (and Qwen3's, with `qk_norm` and a `head_dim` of its own): RMSNorm, RoPE on q and k, `kv_heads` KV heads (`kv_heads` splits over `tensor` when it divides
-    it, else each device holds them all and keeps its heads' share), SwiGLU MLP down(silu(gate(x)) · up(x))."""
+    """Llama's block (and Qwen3's, with `qk_norm` and a `head_dim` of its own): RMSNorm, RoPE on q and k, `kv_heads`
+    KV heads (`kv_heads` splits over `tensor` when it divides it, else each device holds them all and keeps its
+    heads' share), SwiGLU MLP down(silu(gate(x)) · up(x))."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, h, kv, hd, f = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp

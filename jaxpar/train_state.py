@@ -55,6 +55,7 @@ def shardings(cfg: gpt.ModelConfig, optimizer, rules, mesh, zero_stage: int) -> 
     ospecs = shd.opt_state_specs(optimizer, jax.eval_shape(optimizer.init, pshapes), specs(zero_stage >= 1))
     state = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P(),
              "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P()}
-    return Shardings(names=names, base_specs=specs(False), param_specs=pspecs, grad_specs=gspecs, state=shd.named(mesh, state),
+    return Shardings(names=names, base_specs=specs(False), param_specs=pspecs, grad_specs=gspecs,
+                     state=shd.named(mesh, state),
                      grads=shd.named(mesh, gspecs), unsharded=shd.named(mesh, specs(False)),
                      batch=NamedSharding(mesh, shd.batch_spec(mesh)), replicated=NamedSharding(mesh, P()))

@@ -122,6 +122,7 @@ class DataParallel:
             return self.psum(sums), self.reduce_end(grads)
 
         f = jax.shard_map(local, mesh=self.mesh, axis_names=set(self.manual),
-                          in_specs=(pin, jax.tree.map(lambda a: P(None, rows), xs), jax.tree.map(lambda a: P(), extras)),
+                          in_specs=(pin, jax.tree.map(lambda a: P(None, rows), xs),
+                                    jax.tree.map(lambda a: P(), extras)),
                           out_specs=(P(), gout))
         return f(params, xs, extras)

@@ -21,9 +21,9 @@ from jaxpar import data
 from jaxpar.config import base_config
 from jaxpar.data import BPETokenizer
 from jaxpar.hf import files, keys
-from jaxpar.hf.config import arch_of, hf_config, model_settings, read_json
+from jaxpar.hf.config import arch_of, hf_config, model_settings, moe_family, read_json
 from jaxpar.hf.files import HFError
-from jaxpar.model import Forward, config_from, init_params, param_items, unflatten
+from jaxpar.model import Forward, config_from, init_params, param_items, router_bias, unflatten
 from jaxpar.validate import validate
 
 PREFIX = "hf:"
@@ -75,7 +75,7 @@ def apply(config, say: bool = True):
 def maps(cfg, have: dict | None = None) -> list[keys.Map]:
     """The tensor maps of `cfg`'s family; `have` (the directory's `files.tensors`) tells GPT-2's key prefix."""
     if cfg.arch == "llama":
-        return keys.llama_maps(cfg.tie_embeddings)
+        return keys.llama_maps(cfg.tie_embeddings, moe_family(cfg), cfg.qk_norm)
     prefix = "" if have is not None and "wte.weight" in have else "transformer."  # hub files have no prefix
     return keys.gpt2_maps(cfg.tie_embeddings, prefix)
 
@@ -87,14 +87,20 @@ def _leaves(cfg, mapping) -> dict:
 
 
 def layer_names(m: keys.Map, layers: int):
-    """The HF names of map `m`: one per layer for a per-layer map."""
-    return [m.hf.format(i=i) for i in range(layers)] if m.per_layer else [m.hf]
+    """The HF names of map `m`: one per layer for a per-layer map (a per-expert map's still hold `{e}`)."""
+    return [m.hf.format(i=i, e="{e}") for i in range(layers)] if m.per_layer else [m.hf]
+
+
+def expert_names(name: str, m: keys.Map, experts: int) -> list[str]:
+    """One layer's HF name -> the names of its tensors: one per expert for a per-expert map."""
+    return [name.format(e=e) for e in range(experts)] if m.per_expert else [name]
 
 
 def _expected(cfg, mapping) -> dict:
-    """{HF name: (Map, one layer's jaxpar shape)} for `cfg`."""
+    """{HF name: (Map, the jaxpar shape of one layer's, or one expert's, part)} for `cfg`."""
     leaves = _leaves(cfg, mapping)
-    return {name: (m, leaves[m.ours][1]) for m in mapping for name in layer_names(m, cfg.layers)}
+    return {n: (m, leaves[m.ours][1][1 if m.per_expert else 0:]) for m in mapping
+            for name in layer_names(m, cfg.layers) for n in expert_names(name, m, cfg.experts)}
 
 
 def check(directory: str, cfg) -> dict:
@@ -145,11 +151,20 @@ def _place(reader, m, one, shape, dtype, sharding, order, rows):
             continue
         bufs = {d: jnp.zeros(tuple(b - a for a, b in key), dtype, device=d) for d in devs}
         for j, pos in enumerate(range(*key[0])):
-            name = m.hf.format(i=order[pos])
-            part = keys.block_of(m, one, idx[1:], lambda box: reader.read(name, box), rows).astype(dtype, copy=False)
+            part = _layer_part(reader, m, one, idx[1:], order[pos], rows).astype(dtype, copy=False)
             bufs = {d: _set_layer(b, jax.device_put(part[None], d), j) for d, b in bufs.items()}
         out.update(bufs)
     return jax.make_array_from_single_device_arrays(shape, sharding, [out[d] for d in per_device])
+
+
+def _layer_part(reader, m, one, idx, layer: int, rows):
+    """The part `idx` of layer `layer`'s leaf (shape `one`): one HF tensor's block, or, per expert, the blocks of the
+    experts `idx[0]` spans, stacked."""
+    name = m.hf.format(i=layer, e="{e}")
+    if not m.per_expert:
+        return keys.block_of(m, one, idx, lambda box: reader.read(name, box), rows)
+    return np.stack([keys.block_of(m, one[1:], idx[1:], lambda box, e=e: reader.read(name.format(e=e), box), rows)
+                     for e in range(*idx[0].indices(one[0])[:2])])
 
 
 def _trim() -> None:
@@ -178,6 +193,9 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
             _trim()
     finally:
         reader.close()
+    for path, s in param_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))):
+        if path not in flat:  # no HF tensor: the expert choice bias (Mixtral and Qwen3-MoE have none), zeros
+            flat[path] = jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sh[path])()
     return unflatten(flat)
 
 
@@ -201,12 +219,17 @@ def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> 
     the weights in `dtype`, tokenizer.json and tokenizer_config.json. Returns the names written."""
     flat = dict(param_items(params))
     np_dtype = jnp.dtype(dtype)
+    if cfg.experts and np.any(np.asarray(router_bias(params))):
+        raise HFError("the model's expert choice bias (model.router_bias_rate) is not zero: Mixtral and Qwen3-MoE "
+                      "checkpoints have none, so transformers would route differently; export with --format jaxpar.")
 
     def tensors():
         for m in maps(cfg):
             a = np.asarray(flat[m.ours])
             for i, name in enumerate(layer_names(m, cfg.layers)):
-                yield name, keys.to_hf(m, a[i] if m.per_layer else a, cfg.vocab_real).astype(np_dtype)
+                part = a[i] if m.per_layer else a
+                for e, n in enumerate(expert_names(name, m, cfg.experts)):
+                    yield n, keys.to_hf(m, part[e] if m.per_expert else part, cfg.vocab_real).astype(np_dtype)
 
     names = files.write(out, tensors(), max_shard_bytes)
     with open(os.path.join(out, "config.json"), "w") as f:

@@ -32,6 +32,12 @@ class Map:
     def per_layer(self) -> bool:
         return "{i}" in self.hf
 
+    @property
+    def per_expert(self) -> bool:
+        """One HF tensor per routed expert (`{e}`): jaxpar stacks them on the leaf's `experts` axis (after
+        `layers`)."""
+        return "{e}" in self.hf
+
 
 def gpt2_maps(tied: bool, prefix: str = "transformer.") -> list[Map]:
     h, p = prefix + "h.{i}.", prefix
@@ -46,17 +52,38 @@ def gpt2_maps(tied: bool, prefix: str = "transformer.") -> list[Map]:
     return maps + ([] if tied else [Map("lm_head", "lm_head.weight", transpose=True, pad=1)])
 
 
-def llama_maps(tied: bool) -> list[Map]:
+# the MoE feed-forward of each family's checkpoints: router, then each expert's gate / up / down projections
+MOE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                  "mlp.experts.{e}.down_proj.weight"),
+}
+
+
+def llama_maps(tied: bool, moe: str | None = None, qk_norm: bool = False) -> list[Map]:
+    """Llama's tensors; `moe` ("mixtral", "qwen3_moe"): the feed-forward is that family's experts; `qk_norm`:
+    Qwen3's q and k norms."""
     h = "model.layers.{i}."
+    if moe is None:
+        ffn = [Map("blocks.w_gate", h + "mlp.gate_proj.weight", True),
+               Map("blocks.w_up", h + "mlp.up_proj.weight", True),
+               Map("blocks.w_down", h + "mlp.down_proj.weight", True)]
+    else:
+        router, gate, up, down = MOE_NAMES[moe]
+        ffn = [Map("blocks.moe.router", h + router, True)] + [
+            Map(f"blocks.moe.experts.{w}", h + name, True) for w, name in (("w_gate", gate), ("w_up", up),
+                                                                          ("w_down", down))]
+    norms = [Map("blocks.q_norm.scale", h + "self_attn.q_norm.weight"),
+             Map("blocks.k_norm.scale", h + "self_attn.k_norm.weight")] if qk_norm else []
     maps = [Map("wte", "model.embed_tokens.weight", pad=0),
             Map("blocks.ln1.scale", h + "input_layernorm.weight"),
             Map("blocks.wq", h + "self_attn.q_proj.weight", True),
             Map("blocks.wk", h + "self_attn.k_proj.weight", True),
             Map("blocks.wv", h + "self_attn.v_proj.weight", True),
             Map("blocks.wo", h + "self_attn.o_proj.weight", True, heads_first=True),
-            Map("blocks.ln2.scale", h + "post_attention_layernorm.weight"),
-            Map("blocks.w_gate", h + "mlp.gate_proj.weight", True), Map("blocks.w_up", h + "mlp.up_proj.weight", True),
-            Map("blocks.w_down", h + "mlp.down_proj.weight", True), Map("ln_f.scale", "model.norm.weight")]
+            Map("blocks.ln2.scale", h + "post_attention_layernorm.weight"), *norms, *ffn,
+            Map("ln_f.scale", "model.norm.weight")]
     return maps + ([] if tied else [Map("lm_head", "lm_head.weight", transpose=True, pad=1)])
 
 

@@ -53,7 +53,8 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
       stacked_specs: `PartitionSpec`s of `stacked` over `stage` and the batch axes (default: `stage` on axis 0).
     """
     tables = tuple(jnp.asarray(t["f"]) for t in (schedule.mb, schedule.rep, schedule.ok))
-    ticks = _Ticks(first_fn, with_side(stage_fn), last_fn, schedule, remat, bubble_fill, skip_bubbles, tuple(batch_axes))
+    ticks = _Ticks(first_fn, with_side(stage_fn), last_fn, schedule, remat, bubble_fill, skip_bubbles,
+                   tuple(batch_axes))
     rows = batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes)
     f = jax.shard_map(ticks.local, mesh=mesh, axis_names={AXIS, *batch_axes},
                       in_specs=(P(), P(AXIS) if stacked_specs is None else stacked_specs, P(None, rows), P()),

@@ -142,7 +142,7 @@ class _Engine:
     def _diff(self, chunk, x, c, mb, taps=None):
         """`_stage` as (differentiated outputs (y, aux), (layer inputs, stats))."""
         y, ins, aux, st = self._stage(chunk, x, c, mb, taps)
-        return (y, aux), (ins, st)
+        return (y, vary(aux)), (ins, st)  # aux typed like its cotangent `reg_seed` (varying: a constant 0 is not)
 
     def _ct(self, g):
         """The cotangent of a chunk's (y, aux): the activation's, and `reg_seed` for the aux."""
@@ -273,7 +273,7 @@ class _Engine:
         def grads():
             def one(_, inp):
                 p, l, a, g = inp
-                f = lambda q: self.layer_fn(q, a, c * self.Lc + l, mb)[:2]  # noqa: E731 (y, aux)
+                f = lambda q: (lambda y, aux, _: (y, vary(aux)))(*self.layer_fn(q, a, c * self.Lc + l, mb))  # noqa
                 return None, _f32(jax.vjp(f, p)[1](self._ct(g))[0])
             return vary(jax.lax.scan(one, None, (chunk, jnp.arange(self.Lc), ins, cts))[1])
         return jax.lax.cond(ok, grads, lambda: _zeros_like(chunk))
