@@ -9,11 +9,14 @@ Per microbatch and layer (b sequences of s tokens, width h, MLP width f, tensor 
   A backward pass is twice a forward pass; recompute adds forward passes (full layer or attention core only).
 Tensor parallelism: 2 all-reduces of [b, s, h] per layer per forward pass, 2 per backward (Megatron-LM; sequence
   parallel: an all-gather + reduce-scatter pair each, the same bytes), ring time 2(t-1)/t·X / busbw, exposed.
+Mixture of experts: a MoE layer computes its fixed-size buffers, E·C slots per sequence (C: `moe.capacity`), not k·s;
+  expert parallelism adds 2 all-to-alls of the buffer [b, E, C, h] per forward pass and 2 per backward over the
+  expert group, time (e-1)/e·X / busbw, exposed (jaxpar's program does not overlap them).
 Pipeline: the critical path of the schedule's own tick table (`Schedule.time` with per-microbatch stage costs f, b, w)
   plus the head on the last stage, and one [b, s, h] transfer per tick per direction over the stage link, exposed.
 Data parallelism / ZeRO: the float32 gradient all-reduce (ZeRO 0, 1) or per-microbatch reduce-scatter (2) or the
   per-layer gathers + reduce-scatters (3), and the parameter all-gather after a sharded update (1, 2), over the
-  data group's link; what runs inside the microbatch loop overlaps with its compute (XLA's pipelined collectives,
+  data x expert group's link (the routed experts' over data's); what runs inside the microbatch loop overlaps with its compute (XLA's pipelined collectives,
   `runtime.GPU_FLAGS`), what runs after it is exposed.
 The optimizer update streams 28 bytes per float32 parameter it updates (AdamW: read p, g, m, v; write p, m, v).
 """
@@ -24,6 +27,7 @@ import functools
 import math
 
 from jaxpar import model as gpt
+from jaxpar import moe
 from jaxpar.attention import choose
 from jaxpar.config import padded_vocab
 from jaxpar.hlo_groups import axes_of
@@ -57,6 +61,12 @@ class Model:
     shared_other: int  # parameters outside the blocks that are not a vocabulary table (positions, final norm)
     flops_per_token: float  # PaLM's 6N + 12·L·d·T of the model spec (`model.flops_per_token`)
     params: int  # every parameter, as the trainer builds them (tensor 1)
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    top_k: int = 0
+    expert_mlp: int = 0
+    capacity: int = 0  # slots per expert per sequence (`moe.capacity`)
+    moe_layers: int = 0
+    expert_params: int = 0  # the routed experts' weights, all layers
 
     @classmethod
     def from_config(cls, config, vocab: int):
@@ -67,7 +77,11 @@ class Model:
                            backend="gpu")
         nbytes = {"float32": 4, "float64": 8}
         tables = cfg.vocab_size * cfg.embed * (1 if cfg.tie_embeddings else 2)
-        return cls(layers=cfg.layers, embed=cfg.embed, heads=cfg.heads, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
+        moe_layers = sum(bool(moe.is_moe_layer(cfg, i)) for i in range(cfg.layers))
+        experts = dict(experts=cfg.experts, top_k=cfg.experts_per_token, expert_mlp=cfg.expert_mlp,
+                       capacity=moe.capacity(cfg, cfg.seq_len) if cfg.experts else 0, moe_layers=moe_layers,
+                       expert_params=counts["experts"])
+        return cls(**experts, layers=cfg.layers, embed=cfg.embed, heads=cfg.heads, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
                    seq=cfg.seq_len, vocab=vocab, tied=cfg.tie_embeddings,
                    positions=cfg.max_positions if cfg.arch == "gpt2" else 0,
                    compute_bytes=nbytes.get(tr.compute_dtype, 2), param_bytes=nbytes.get(tr.param_dtype, 2),
@@ -84,11 +98,19 @@ class Model:
         return self.layer_matmul
 
     def params_per_device(self, lay: Layout) -> float:
-        """Parameters one device holds before ZeRO: its stage's layers split over tensor, plus the embedding
-        (and untied head) split over tensor and the rest held whole, by every stage (jaxpar's layout)."""
+        """Parameters one device holds before ZeRO: its stage's layers split over tensor (the routed experts also
+        over expert), plus the embedding (and untied head) split over tensor and the rest held whole, by every stage
+        (jaxpar's layout)."""
+        return sum(p for p, _ in self.zero_groups(lay))
+
+    def zero_groups(self, lay: Layout) -> list[tuple[float, int]]:
+        """[(parameters per device, the data-parallel group ZeRO shards them over)]: the routed experts' over
+        `data`, every other parameter's over data x expert."""
         h, t = self.embed, lay.tensor
         shared = self.padded_vocab(t) * h / t * (1 if self.tied else 2) + self.shared_other
-        return self.layers / lay.stage * self.layer_total / t + shared
+        experts = self.expert_params / lay.stage / t / lay.expert
+        dense = self.layers / lay.stage * (self.layer_total - self.expert_params / self.layers) / t + shared
+        return [(dense, lay.data * lay.expert), (experts, lay.data)]
 
 
 def activation_bytes(model: Model, lay: Layout) -> float:
@@ -139,20 +161,25 @@ class _Layer:
     flops_core: float
     head_fwd: float
     transfer: float  # bytes of one [b, s, h] activation
+    ep: float = 0.0  # one expert all-to-all, averaged over the layers
 
 
 def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
     t, b, s, h = lay.tensor, lay.micro_batch(model.global_batch), model.seq, model.embed
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
-    lin = 2 * b * s * model.layer_params() / t
+    moe_share = model.moe_layers / model.layers
+    slots = b * (model.experts * model.capacity - model.top_k * s)  # buffer slots beyond the active k·s tokens
+    lin = 2 * b * s * model.layer_params() / t + moe_share * 2 * slots * 3 * h * model.expert_mlp / t
     core = 4 * b * s * s * h / t * (0.5 if model.fused_attention else 1.0)
     work = (lin + core) / rate + ELEMENTWISE_TRAFFIC * activation_bytes(model, lay) / cl.device.hbm_bw
     x = b * s * h * model.compute_bytes
     bw = cl.group_bw(t, 1)
     tp = collective_time("all-reduce", x, t, bw) + (bw[1] if lay.sequence_parallel else 0.0)  # SP: two collectives, one latency more
-    return _Layer(fwd=work + 2 * tp, bwd=2 * work + 2 * tp, core=core / rate, tp=tp, mm_fwd=lin / rate,
-                  flops_fwd=lin + core, flops_core=core, head_fwd=2 * b * s * h * model.padded_vocab(t) / t / rate,
-                  transfer=x)
+    buf = b * model.experts * model.capacity * h * model.compute_bytes
+    ep = moe_share * collective_time("all-to-all", buf, lay.expert, cl.group_bw(lay.expert, t))
+    return _Layer(fwd=work + 2 * tp + 2 * ep, bwd=2 * work + 2 * tp + 2 * ep, core=core / rate, tp=tp,
+                  mm_fwd=lin / rate, flops_fwd=lin + core, flops_core=core,
+                  head_fwd=2 * b * s * h * model.padded_vocab(t) / t / rate, transfer=x, ep=ep)
 
 
 def _pipeline(lay: Layout, cl: Cluster, ly: _Layer, Lc: float, head: float, r_full: float, r_core: float):
@@ -182,21 +209,29 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
     critical, pp = (ideal, 0.0) if lay.stage == 1 else _pipeline(lay, cl, ly, Lc, head, r_full, r_core)
     dp = (_data_parallel(model, lay, cl, critical) if compiled is None
           else _overlap(compiled, lay, cl, critical, "compiled"))
-    opt = 28 * model.params_per_device(lay) / (lay.data if lay.zero_stage >= 1 else 1) / cl.device.hbm_bw  # AdamW
+    opt = 28 * sum(p / (g if lay.zero_stage >= 1 else 1) for p, g in model.zero_groups(lay)) / cl.device.hbm_bw
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     flops = M * (Lc * ((3 + r_full) * ly.flops_fwd + r_core * ly.flops_core) + head_passes * ly.head_fwd * rate)
     return {"step_s": critical + pp + dp["exposed"] + opt, "compute_s": ideal, "bubble_s": critical - ideal,
-            "pp_comm_s": pp, "tp_comm_s": M * (Lc * (4 + 2 * r_full) + 2) * ly.tp, "dp_comm_s": dp["exposed"],
+            "pp_comm_s": pp, "tp_comm_s": M * (Lc * (4 + 2 * r_full) + 2) * ly.tp,
+            "ep_comm_s": M * Lc * (4 + 2 * r_full) * ly.ep, "dp_comm_s": dp["exposed"],
             "dp_overlapped_s": dp["hidden"], "dp_bytes": dp["bytes"], "dp_source": dp["source"], "optimizer_s": opt,
             "recompute_s": M * Lc * recompute, "device_flops": flops}
 
 
 def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> dict:
     """Exposed and hidden seconds of the analytic data-parallel / ZeRO collectives (`_overlap`)."""
-    P = model.params_per_device(lay)
+    ops = []
+    for P, group in model.zero_groups(lay):
+        ops += [(*op, group) for op in _zero_ops(model, lay, P)]
+    return _overlap(ops, lay, cl, window, "analytic")
+
+
+def _zero_ops(model: Model, lay: Layout, P: float) -> list:
+    """(kind, bytes, executions) of the data-parallel / ZeRO collectives of P parameters per device."""
     grads, params = 4 * P, model.param_bytes * P
     M, piped = lay.microbatches, lay.stage > 1
-    ops = []  # (kind, bytes, executions); a pipeline gathers / scatters a stage's whole params once per step
+    ops = []  # a pipeline gathers / scatters a stage's whole params once per step
     if lay.zero_stage <= 1:
         ops.append(("all-reduce", grads, 1))
     if lay.zero_stage == 2:
@@ -209,20 +244,21 @@ def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> dic
         ops += [("all-gather", params / L, gathers), ("reduce-scatter", grads / L, L * M)]
     if lay.zero_stage in (1, 2):
         ops.append(("all-gather", params, 1))
-    return _overlap(ops, lay, cl, window, "analytic")
+    return ops
 
 
 def _overlap(ops, lay: Layout, cl: Cluster, window: float, source: str) -> dict:
-    """(kind, bytes, executions) over the data group -> exposed / hidden seconds. A collective run n times per step
-    (in the microbatch or layer loop) can hide n - 1 of its runs behind up to `window` seconds of compute (one run,
-    the last reduction or the first gather, has nothing left to overlap); one run once per step is exposed."""
-    d, ops = lay.data, [op for op in ops if op[2] > 0]
-    bw = cl.group_bw(d, lay.tensor * lay.stage)
-    total = sum(n * collective_time(k, b, d, bw) for k, b, n in ops)
-    hideable = sum((n - 1) * collective_time(k, b, d, bw) for k, b, n in ops)
+    """(kind, bytes, executions[, group size]) over the data-parallel group (default `data`) -> exposed / hidden
+    seconds. A collective run n times per step (in the microbatch or layer loop) can hide n - 1 of its runs behind up
+    to `window` seconds of compute (one run, the last reduction or the first gather, has nothing left to overlap);
+    one run once per step is exposed."""
+    ops = [(*op, lay.data)[:4] for op in ops if op[2] > 0]
+    time = lambda k, b, d: collective_time(k, b, d, cl.group_bw(d, lay.tensor * lay.stage))  # noqa: E731
+    total = sum(n * time(k, b, d) for k, b, n, d in ops)
+    hideable = sum((n - 1) * time(k, b, d) for k, b, n, d in ops)
     hidden = min(hideable, window)
     return {"exposed": total - hidden, "hidden": hidden, "source": source,
-            "bytes": sum(n * b for k, b, n in ops) if d > 1 else 0.0}
+            "bytes": sum(n * b for k, b, n, d in ops if d > 1)}
 
 
 def data_collectives(collectives: list, mesh_shape: dict) -> list:

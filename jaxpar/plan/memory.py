@@ -33,7 +33,7 @@ def compile_data_size(lay: Layout) -> int:
 
 def key(lay: Layout, global_batch: int) -> tuple:
     """What fixes the per-device program: the layout at its compile data size, and the batch per replica."""
-    return (dataclasses.replace(lay, data=compile_data_size(lay)), global_batch // lay.data)
+    return (dataclasses.replace(lay, data=compile_data_size(lay)), global_batch // lay.batch_split)
 
 
 class Compiler:
@@ -45,7 +45,7 @@ class Compiler:
         self.compiles = 0
 
     def can_compile(self, lay: Layout) -> bool:
-        return compile_data_size(lay) * lay.tensor * lay.stage <= len(self.devices)
+        return compile_data_size(lay) * lay.tensor * lay.stage * lay.expert <= len(self.devices)
 
     def memory(self, lay: Layout) -> dict:
         """{"peak": bytes, "temp", "argument", ..., "source": "compiled" | "derived (data 2)", "compile_s",
@@ -58,7 +58,7 @@ class Compiler:
             with c.unlocked():
                 c.train.global_batch_size = B // lay.data * dc
                 c.xla.compile_cache = False
-            n = dc * lay.tensor * lay.stage
+            n = dc * lay.tensor * lay.stage * lay.expert
             rep = report_for(c, self.vocab, self.devices[:n])
             self.compiles += 1
             mesh = {a: rep["layout"][a] for a in MESH_AXES}
@@ -72,12 +72,13 @@ class Compiler:
 
 def estimate(model: Model, lay: Layout) -> tuple[float, float]:
     """Analytic (state, activation) bytes per device, to prune and order compiles (never shown as compiled).
-    state: params, float32 gradient buffer and AdamW moments by ZeRO stage (the matmul weights: within 1 %);
+    state: params, float32 gradient buffer and AdamW moments by ZeRO stage (the matmul weights: within 1 %), the
+    routed experts' over `data`, the rest over data x expert;
     activations: stored layer inputs (with recompute) or Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) bytes per layer
     (without), for the microbatches a stage holds, and one loss chunk's float32 logits and their gradient."""
-    d, P = lay.data, model.params_per_device(lay)
-    state = P * (model.param_bytes / (d if lay.zero_stage >= 3 else 1) + 4 / (d if lay.zero_stage >= 2 else 1)
-                 + 8 / (d if lay.zero_stage >= 1 else 1))
+    state = sum(P * (model.param_bytes / (d if lay.zero_stage >= 3 else 1) + 4 / (d if lay.zero_stage >= 2 else 1)
+                     + 8 / (d if lay.zero_stage >= 1 else 1)) for P, d in model.zero_groups(lay))
+    P = model.params_per_device(lay)
     b, s, h, t = lay.micro_batch(model.global_batch), model.seq, model.embed, lay.tensor
     per_layer = activation_bytes(model, lay)
     if not model.fused_attention and lay.remat == "none":

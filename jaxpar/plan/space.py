@@ -1,5 +1,6 @@
-"""The layouts to rank: every (data, tensor, stage, schedule, virtual stages, microbatches, ZeRO stage, recompute,
-sequence parallelism) that `validate.validate` accepts for the config's model and global batch on `gpus` devices."""
+"""The layouts to rank: every (data, tensor, stage, expert, schedule, virtual stages, microbatches, ZeRO stage,
+recompute, sequence parallelism) that `validate.validate` accepts for the config's model and global batch on `gpus`
+devices. Expert sizes divide the model's experts, and expert x tensor stays within a node (the all-to-all)."""
 from __future__ import annotations
 
 import copy
@@ -19,6 +20,7 @@ class Space:
     """What the enumeration may choose; None = every value that can run. Tuples restrict (the CLI's --tensor etc.)."""
     tensor: tuple | None = None
     stage: tuple | None = None
+    expert: tuple | None = None  # None: every size dividing the model's experts (1 for a dense model)
     schedule: tuple | None = None
     zero: tuple | None = (0, 1, 2, 3)
     remat: tuple | None = SEARCHED_REMAT
@@ -71,22 +73,29 @@ def candidates(config, gpus: int, space: Space = Space()):
 
 def _grid(config, gpus: int, space: Space):
     """Every combination before validation (products of the mesh sizes equal to gpus)."""
-    L, B = int(config.model.layers), int(config.train.global_batch_size)
+    L, B, E = int(config.model.layers), int(config.train.global_batch_size), int(config.model.experts)
     node = min(space.gpus_per_node, gpus)
     tensors = [t for t in space.tensor or [t for t in divisors(gpus) if t & (t - 1) == 0 and t <= 8]
                if node % t == 0]
-    for t in tensors:
-        for s in space.stage or divisors(gpus // t if gpus % t == 0 else 1):
-            if gpus % (t * s) or L % s:
+    for t, s in ((t, s) for t in tensors for s in space.stage or divisors(gpus // t if gpus % t == 0 else 1)):
+        if gpus % (t * s) or L % s:
+            continue
+        for e in space.expert or [e for e in divisors(gpus // (t * s)) if (E % e == 0 if E else e == 1)]:
+            if gpus % (t * s * e) or node % (t * e):
                 continue
-            d = gpus // (t * s)
-            if B % d:
+            d = gpus // (t * s * e)
+            if B % (d * e):
                 continue
-            per_replica = B // d
+            per_replica = B // (d * e)
             for M in divisors(per_replica):
                 if per_replica // M > space.max_micro_batch or (s > 1 and M < s):
                     continue
-                for (sched, v), zero, sp in itertools.product(_schedules(s, L, space), space.zero or (0,),
-                                                              space.sp if t > 1 else (False,)):
-                    for remat, premat in _recompute(s, sched, space):
-                        yield Layout(d, t, s, M, sched, v, zero, remat, premat, sp)
+                yield from _rest(d, t, s, e, M, L, space)
+
+
+def _rest(d, t, s, e, M, L, space: Space):
+    """The layouts of one mesh and microbatch count: schedules, ZeRO stages, SP, recompute."""
+    for (sched, v), zero, sp in itertools.product(_schedules(s, L, space), space.zero or (0,),
+                                                  space.sp if t > 1 else (False,)):
+        for remat, premat in _recompute(s, sched, space):
+            yield Layout(d, t, s, M, sched, v, zero, remat, premat, sp, e)

@@ -5,7 +5,8 @@ from jaxpar.plan import Plan, summary
 from jaxpar.plan.hardware import GiB
 
 _TERMS = (("bubble_s", "bubble"), ("tp_comm_s", "tensor-parallel comm"), ("pp_comm_s", "stage transfers"),
-          ("dp_comm_s", "data-parallel/ZeRO comm"), ("recompute_s", "recompute"), ("optimizer_s", "optimizer update"))
+          ("ep_comm_s", "expert all-to-all"), ("dp_comm_s", "data-parallel/ZeRO comm"), ("recompute_s", "recompute"),
+          ("optimizer_s", "optimizer update"))
 
 
 def why(p: Plan, c, best) -> str:
