@@ -1,12 +1,13 @@
 """Mixtral 8x7B (Jiang et al. 2024: 32 layers, d_model 4096, 32 heads, 8 KV heads, 8 SwiGLU experts of width 14336
 per layer, top-2 with renormalised weights, vocab 32000, RoPE θ 1e6, untied; 46.7B parameters, 12.9B active) for one
-8-GPU server (H100/H200 80+ GB).
+8-GPU server of H200s (141 GB): `--dry_run` on 8 fake CPU devices says 94.8 GiB per device, above an 80 GB H100
+(docs/moe.md: the bfloat16 weights and Adam moments and the float32 gradients alone are 58 GB per device).
 
 Layout: expert 8 (one expert of every layer per device, the tokens sent to it by all-to-all), the batch split over
 the 8 expert devices, ZeRO-2 over them for the attention and embedding weights' optimizer state and gradients,
 bfloat16 weights and Adam moments, full recompute, capacity factor 1.25 per sequence (dropless, the published
 model's routing, is `--config.model.capacity_factor=0`: its buffers hold seq_len slots per expert). Aux-loss weight
-0.02 (Mixtral's `router_aux_loss_coef`). `--dry_run` prints the per-device bytes (docs/moe.md has the figures). To
+0.02 (Mixtral's `router_aux_loss_coef`). 8 sequences of 4096 tokens per step, one per device, no accumulation. To
 fine-tune Mistral's weights: `--config.init_from=hf:/path/to/Mixtral-8x7B-v0.1`.
 """
 from jaxpar.config import base_config
@@ -20,7 +21,7 @@ def get_config():
                    heads=32, kv_heads=8, mlp=14336, norm_eps=1e-5, rope_theta=1e6, tie_embeddings=False,
                    remat="full", experts=8, experts_per_token=2, expert_mlp=14336, router="softmax",
                    router_norm_topk=True, capacity_factor=1.25, aux_loss=0.02)
-    c.train.update(steps=100_000, global_batch_size=64, microbatches=8, seed=0,
+    c.train.update(steps=100_000, global_batch_size=8, microbatches=1, seed=0,
                    param_dtype="bfloat16", compute_dtype="bfloat16")
     c.optim.update(lr=1e-4, min_lr_ratio=0.1, warmup_steps=2000, decay_steps=100_000, weight_decay=0.1,
                    b1=0.9, b2=0.95, clip_norm=1.0, zero_stage=2)
