@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import run_config, steps_for  # noqa: E402
+from hf_checks import close, hf_logits, hf_tensors, logits_of  # noqa: E402
 from jaxpar import hf, runs, trainer  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import BPETokenizer, ByteTokenizer  # noqa: E402
@@ -26,7 +27,6 @@ from jaxpar.export import main as export_main  # noqa: E402
 from jaxpar.logical import activation_rules  # noqa: E402
 from jaxpar.model import ModelConfig, init_params  # noqa: E402
 from jaxpar.nn import rope_frequencies  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
 
 # one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
 pytestmark = pytest.mark.xdist_group("test_hf")
@@ -73,27 +73,12 @@ def models(tmp_path_factory):
 TOKENS = np.random.default_rng(0).integers(0, V, (4, 17)).astype(np.int32)
 
 
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def logits_of(fwd, params, tokens):
-    x = fwd.layers(params["blocks"], fwd.embed(params, jnp.asarray(tokens)))
-    return np.asarray(fwd.logits(params, x))[..., :V]
-
-
-def close(got, want):
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err <= 1e-4, err
-
-
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_import_gives_transformers_logits_on_one_device(models, arch):
     model, single, _ = models[arch]
     fwd, params, tok = hf.load(str(single))
     assert fwd.cfg.arch == arch and fwd.cfg.vocab_size == 384 and tok.vocab_size == 256
-    close(logits_of(fwd, params, TOKENS), hf_logits(model, TOKENS))
+    close(logits_of(fwd, params, TOKENS, V), hf_logits(model, TOKENS))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -131,14 +116,6 @@ def test_sharded_checkpoint_imports_as_the_unsharded_one(models, arch):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
-def hf_tensors(directory):
-    out = {}
-    for name in os.listdir(directory):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
-
-
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_round_trip_is_bitwise(models, tmp_path, arch):
     model, single, _ = models[arch]
@@ -173,7 +150,7 @@ def test_export_after_training_at_2_1_4_loads_in_transformers(models, corpus, tm
     run = runs.load_run(str(wd))
     trained = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert type(trained).__name__ == "LlamaForCausalLM"
-    close(hf_logits(trained, TOKENS), logits_of(run.fwd, run.params, TOKENS))
+    close(hf_logits(trained, TOKENS), logits_of(run.fwd, run.params, TOKENS, V))
     assert np.abs(hf_logits(trained, TOKENS) - hf_logits(model, TOKENS)).max() > 1e-3  # it did train
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     text = "To be, or not to be: ünïcødé"

@@ -6,11 +6,9 @@ Logits within 1e-4 of transformers' (fp32, max abs over the logits' max abs) on 
 loss through the expert-parallel step (all-to-all) equals transformers' cross-entropy; 2 training steps there, `--format
 hf` export, `from_pretrained` gives jaxpar's logits; HF -> jaxpar -> HF is bitwise; unsupported kinds are refused."""
 import json
-import os
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,11 +16,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import run_config, steps_for  # noqa: E402
+from hf_checks import close, hf_logits, hf_tensors, logits_of  # noqa: E402
 from jaxpar import hf, runs, trainer  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402
-from safetensors.numpy import load_file  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_hf_moe")
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
@@ -63,21 +61,6 @@ def models(tmp_path_factory):
     return out
 
 
-def hf_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-
-
-def logits_of(fwd, params, tokens):
-    x = fwd.layers(params["blocks"], fwd.embed(params, jnp.asarray(tokens)))
-    return np.asarray(fwd.logits(params, x))[..., :V]
-
-
-def close(got, want):
-    err = np.abs(got - want).max() / np.abs(want).max()
-    assert err <= 1e-4, err
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_import_gives_transformers_logits_on_one_device(models, kind):
     model, d = models[kind]
@@ -85,7 +68,7 @@ def test_import_gives_transformers_logits_on_one_device(models, kind):
     cfg = fwd.cfg
     assert (cfg.experts, cfg.qk_norm, cfg.head_dim) == {"qwen3": (0, True, 16), "mixtral": (8, False, 8),
                                                         "qwen3_moe": (8, True, 16)}[kind]
-    close(logits_of(fwd, params, TOKENS), hf_logits(model, TOKENS))
+    close(logits_of(fwd, params, TOKENS, V), hf_logits(model, TOKENS))
 
 
 def ce(logits, tokens):
@@ -123,16 +106,8 @@ def test_export_after_training_on_expert_parallel_layout_loads_in_transformers(m
     run = runs.load_run(str(wd))
     trained = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert type(trained).__name__ == "Qwen3MoeForCausalLM"
-    close(hf_logits(trained, TOKENS), logits_of(run.fwd, run.params, TOKENS))
+    close(hf_logits(trained, TOKENS), logits_of(run.fwd, run.params, TOKENS, V))
     assert np.abs(hf_logits(trained, TOKENS) - hf_logits(model, TOKENS)).max() > 1e-3  # it did train
-
-
-def hf_tensors(directory):
-    out = {}
-    for name in os.listdir(directory):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(directory, name)))
-    return out
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
