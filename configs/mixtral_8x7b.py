@@ -1,6 +1,6 @@
 """Mixtral 8x7B (Jiang et al. 2024: 32 layers, d_model 4096, 32 heads, 8 KV heads, 8 SwiGLU experts of width 14336
 per layer, top-2 with renormalised weights, vocab 32000, RoPE θ 1e6, untied; 46.7B parameters, 12.9B active) for one
-8-GPU server of H200s (141 GB): `--dry_run` on 8 fake CPU devices says 94.8 GiB per device, above an 80 GB H100
+8-GPU server of H200s (141 GB): `--dry_run` on 8 fake CPU devices says 90.4 GiB per device, above an 80 GB H100
 (docs/moe.md: the bfloat16 weights and Adam moments and the float32 gradients alone are 58 GB per device).
 
 Layout: expert 8 (one expert of every layer per device, the tokens sent to it by all-to-all), the batch split over

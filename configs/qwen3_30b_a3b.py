@@ -8,7 +8,7 @@ weights and Adam moments, full recompute, capacity factor 1.25 per sequence (dro
 is `--config.model.capacity_factor=0`: its buffers hold seq_len slots for each of the 128 experts). Aux-loss weight
 0.001 (Qwen3's `router_aux_loss_coef`). 8 sequences of 4096 tokens per step, one per device and no accumulation
 (gradient accumulation adds a float32 gradient-sized buffer: 14 GiB per device here). `--dry_run` on 8 fake CPU
-devices: 63.8 GiB per device (docs/moe.md). To fine-tune Qwen's weights:
+devices: 61.9 GiB per device (docs/moe.md). To fine-tune Qwen's weights:
 `--config.init_from=hf:/path/to/Qwen3-30B-A3B`.
 """
 from jaxpar.config import base_config

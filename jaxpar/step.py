@@ -144,7 +144,10 @@ def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
     ls = state["loss_scale"]
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    params = jax.tree.map(lambda p, q: p.astype(q.dtype), params, state["params"])
+    # the state keeps its dtypes (AdamW's first moment would come back in the float32 gradients' dtype): the step
+    # compiles once, and its outputs reuse the donated buffers
+    params, opt_state = jax.tree.map(lambda p, q: p.astype(q.dtype), (params, opt_state),
+                                     (state["params"], state["opt_state"]))
     finite = loss_scale.all_finite(grads) & jnp.isfinite(loss)
     if st.float16:
         ls, apply = loss_scale.update(ls, finite, st.loss_scale)

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from helpers import (BATCHES, LOSS_F64_RTOL, VOCAB, assert_equals_one_device, assert_params_exact, batch, float64_run,
-                     losses, reference_run, run_config, tiny_config)
+                     losses, place, reference_run, run_config, steps_for, tiny_config)
 from jaxpar import model as gpt
 from jaxpar import moe, trainer
 from jaxpar.config import ConfigError
@@ -194,3 +194,22 @@ def test_resume_onto_another_expert_size(corpus, tmp_path):
 def test_bad_moe_config_is_one_clear_error(over, match):
     with pytest.raises(ConfigError, match=match):
         validate(moe_config(**over), 8 if over.get("mesh.expert", 1) != 3 else 3)
+
+
+@needs8
+def test_bfloat16_expert_parallel_step_compiles_once_and_keeps_the_state_dtypes():
+    """bfloat16 weights and compute at (expert 4, data 2): the state keeps its dtypes across steps (AdamW's moment
+    would come back in the float32 gradients' dtype), so the step compiles once; its first loss is float32's within
+    bfloat16's rounding."""
+    bf16 = moe_config(**{"mesh.expert": 4, "mesh.data": 2, "train.param_dtype": "bfloat16",
+                         "train.compute_dtype": "bfloat16"})
+    s = steps_for(bf16, VOCAB, jax.devices())
+    state = s.init(0)
+    dtypes = jax.tree.map(lambda a: a.dtype, state)
+    losses = []
+    for b in BATCHES:
+        state, m = s.train(state, place(s, b))
+        losses.append(float(m["loss"]))
+    assert jax.tree.map(lambda a: a.dtype, state) == dtypes and s.train._cache_size() == 1
+    f32 = float64_run(moe_config(**{"mesh.expert": 4, "mesh.data": 2}), VOCAB, BATCHES[:1])[0][0]
+    assert np.isfinite(losses).all() and abs(losses[0] - f32) <= 2e-2 * f32, (losses, f32)
