@@ -66,7 +66,7 @@ def now_fp(**over):
     fp = {"model.vocab_real": 259, "model.seq_len": 16, "model.layers": 4, "model.embed": 32, "model.heads": 8,
           "model.mlp": 128, "model.tie_embeddings": True, "train.global_batch_size": 16, "tokenizer": "byte",
           "data": "d"}
-    fp.update({f"model.{k}": v for k, v in identity_defaults({"heads": 8, "seq_len": 16, "mlp": 128}).items()})
+    fp.update({f"model.{k}": v for k, v in identity_defaults({"heads": 8, "seq_len": 16, "mlp": 128, "embed": 32}).items()})
     return {**fp, **over}
 
 
