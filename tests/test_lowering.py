@@ -27,6 +27,8 @@ SEQ = 32  # the only dimension of 32 in these models: a "32x32" tensor is XLA's 
 TRITON = "__gpu$xla.gpu.triton"
 SCORES = re.compile(r"[<x]32x32x")
 LLAMA = {"model.arch": "llama", "model.kv_heads": 2, "model.tie_embeddings": False}
+MOE = {**LLAMA, "model.experts": 4, "model.experts_per_token": 2, "model.expert_mlp": 64,
+       "model.capacity_factor": 1.25, "model.aux_loss": 0.01}
 
 # (name, (data, tensor, stage), overrides); every case bf16, documents packed, head_dim 16
 CASES = [
@@ -36,6 +38,9 @@ CASES = [
     ("llama (1,2,4) zb_h1", (1, 2, 4), {**LLAMA, "pipeline.schedule": "zb_h1", "train.microbatches": 4}),
     ("gpt2 (4,2,1) zero3 sp", (4, 2, 1), {"optim.zero_stage": 3, "model.sequence_parallel": True}),
     ("llama (4,2,1) zero3 sp", (4, 2, 1), {**LLAMA, "optim.zero_stage": 3, "model.sequence_parallel": True}),
+    ("llama moe (2,1,1) expert 4 zero2", (2, 1, 1), {**MOE, "mesh.expert": 4, "optim.zero_stage": 2}),
+    ("llama moe (2,1,2) expert 2 1f1b", (2, 1, 2), {**MOE, "mesh.expert": 2, "pipeline.schedule": "1f1b",
+                                                    "train.microbatches": 2}),
 ]
 
 
@@ -52,7 +57,7 @@ def gpu_config(layout, over, attention="auto", packing="documents"):
 
 def lowered(config):
     """(train, evaluate) StableHLO text, each lowered for CUDA from abstract inputs with this layout's shardings."""
-    n = config.mesh.data * config.mesh.tensor * config.mesh.stage
+    n = config.mesh.data * config.mesh.tensor * config.mesh.stage * config.mesh.expert
     s = steps_for(config, VOCAB, jax.devices()[:n])
     state = s.abstract_state()
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
@@ -70,6 +75,8 @@ def test_train_and_eval_steps_lower_for_cuda_with_the_fused_kernel(name, layout,
     # forward and backward kernels in the train step, the forward in evaluation; no XLA attention anywhere
     assert train.count(TRITON) >= 2 and evaluate.count(TRITON) >= 1
     assert not SCORES.search(train) and not SCORES.search(evaluate)
+    if config.mesh.expert > 1:  # the experts' tokens travel by all-to-all, forward and backward
+        assert train.count("all_to_all") >= 4
 
 
 def test_the_checks_see_xla_attention():
