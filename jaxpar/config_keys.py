@@ -47,7 +47,7 @@ _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "True or 
 class Key:
     name: str  # dotted: section.key ("name" for a top-level key)
     default: object
-    kind: type | None  # int, float (ints accepted), bool, str; None: checked in validate (rules, log.profile_steps)
+    kind: type | None  # int, float (ints accepted), bool, str; None: checked in validate (rules, step lists)
     meaning: str  # one line, Markdown (the docs' table)
     test: Callable | None = None  # the allowed range, on a value of the right kind
     allowed: str = ""  # what `test` allows, in words (messages)
@@ -169,6 +169,8 @@ KEYS = (
     K("train.compute_dtype", "float32", str, "matmul dtype (same choices)", choices=DTYPES),
     K("train.nonfinite", "stop", str, "`stop` or `skip`: what a non-finite loss or gradient does (fp16 overflows go "
       "to the loss scale)", choices=("stop", "skip")),
+    K("train.skip_steps", (), None, "steps (as logged: 1 is the first) whose update is skipped, to replay past bad "
+      "data (Megatron's `--iterations-to-skip`); their batches are still read, the schedule counts applied updates"),
     K("train.allow_batch_change", False, bool, "resume a checkpoint written with another `global_batch_size` (the "
       "data order continues)"),
     K("train.loss_scale_initial", 2.0 ** 16, float, "fp16 dynamic loss scaling (DeepSpeed's rule): initial scale"),

@@ -51,6 +51,7 @@ class StepSettings:
     float16: bool  # compute in float16: dynamic loss scaling
     stop_on_nonfinite: bool  # train.nonfinite == "stop"
     skip_bubbles: bool
+    skip_steps: tuple  # train.skip_steps: steps (1 = the first) whose update is skipped
     loss_scale: loss_scale.LossScaleConfig
     optim: OptimSettings
 
@@ -59,7 +60,8 @@ class StepSettings:
         tr = config.train
         return cls(layout=Layout.from_config(config, num_devices), rules=step_rules(config),
                    float16=tr.compute_dtype == "float16", stop_on_nonfinite=tr.nonfinite == "stop",
-                   skip_bubbles=bool(config.pipeline.skip_bubbles), loss_scale=loss_scale.from_config(config),
+                   skip_bubbles=bool(config.pipeline.skip_bubbles),
+                   skip_steps=tuple(int(s) for s in tr.skip_steps), loss_scale=loss_scale.from_config(config),
                    optim=OptimSettings.from_config(config))
 
 
@@ -140,7 +142,7 @@ def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
 def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
     """The optax update, kept or skipped: under float16 an overflow skips it and lowers the loss scale (DeepSpeed's
     rule); otherwise a non-finite loss or gradient skips it and is counted, and with `stop` every later update is
-    skipped too. -> (new state, metrics)."""
+    skipped too; a step `train.skip_steps` names is skipped (`skipped_named`). -> (new state, metrics)."""
     ls = state["loss_scale"]
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -155,11 +157,13 @@ def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
     else:
         bad = ~finite
         apply = finite & ((state["nonfinite"] == 0) if st.stop_on_nonfinite else True)
-    params, opt_state = loss_scale.select_tree(apply, (params, opt_state), (state["params"], state["opt_state"]))
     step = state["step"]
+    named = jnp.isin(step + 1, jnp.asarray(st.skip_steps, jnp.int32)) if st.skip_steps else jnp.zeros((), bool)
+    apply = apply & ~named
+    params, opt_state = loss_scale.select_tree(apply, (params, opt_state), (state["params"], state["opt_state"]))
     # the lr this step applied (or, skipped, would have): the schedule counts applied updates, not steps
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(applied_updates(state["opt_state"])),
-               "loss_scale": ls.scale, "skipped": (~apply).astype(jnp.int32)}
+               "loss_scale": ls.scale, "skipped": (~apply).astype(jnp.int32), "skipped_named": named.astype(jnp.int32)}
     new = {"params": params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"], "loss_scale": ls,
            "nonfinite": state["nonfinite"] + bad.astype(jnp.int32),
            "first_nonfinite": jnp.where(bad & (state["first_nonfinite"] < 0), step + 1, state["first_nonfinite"])}

@@ -337,6 +337,8 @@ class Loop:
             self.profiler.maybe_stop(step, block_on=m["loss"])
             since += 1
             done = step + 1
+            if done in c.train.skip_steps:
+                self.console.print(f"step {done}: update skipped (train.skip_steps); its batch was read")
             log_now = done % c.log.every_steps == 0 or done == self.total
             eval_now = done % c.eval.every_steps == 0 or done == self.total
             stop_now = preemption.reached()

@@ -44,14 +44,22 @@ def _check_float64(tr) -> list[str]:
     return errs
 
 
+def _step_list(steps, least: int) -> bool:
+    return isinstance(steps, (tuple, list)) and all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= least for s in steps)
+
+
 def _check_kinds(config) -> list[str]:
     """The keys the key table leaves to validate: the profile window and the rules table."""
     errs = []
     steps = config.log.profile_steps
-    if not isinstance(steps, (tuple, list)) or not all(
-            isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 0 for s in steps):
+    if not _step_list(steps, 0):
         errs.append(f"log.profile_steps={steps!r} must be a tuple of step numbers >= 0 (the trace covers min to max; "
                     f"() is off); e.g. --config.log.profile_steps='(10, 12)'.")
+    skip = config.train.skip_steps
+    if not _step_list(skip, 1):
+        errs.append(f"train.skip_steps={skip!r} must be a tuple of step numbers >= 1 (as the log counts them; () is "
+                    f"none); e.g. --config.train.skip_steps='(1200, 1201)'.")
     axis = lambda a: a is None or a in MESH_AXES or (
         isinstance(a, (tuple, list)) and all(isinstance(x, str) and x in MESH_AXES for x in a))
     rules = config.rules

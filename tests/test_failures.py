@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import batch, place, steps_for, tiny_config
+from helpers import batch, pipe_config, place, steps_for, tiny_config
 from jaxpar import launch, loss_scale, trainer
 from jaxpar.config import ConfigError
 from jaxpar.validate import validate
@@ -111,6 +111,32 @@ def test_logged_lr_is_the_applied_one_after_a_skipped_step():
     assert lr_skip[3:] == lr_ref[2:]
     for a, b in zip(jax.tree.leaves(p_skip), jax.tree.leaves(p_ref)):
         assert a.tobytes() == b.tobytes()
+
+
+def test_named_steps_are_skipped_as_if_their_batches_were_not_there():
+    """`train.skip_steps=(2, 4)` at (2, 1, 4) 1F1B: steps 2 and 4 log `skipped_named`, and the run equals, bit for bit,
+    the same run without those batches (the schedule counts applied updates); a bad list is one clear error."""
+    c = pipe_config(2, 1, 4, "1f1b", M=4, **{"optim.warmup_steps": 10, "optim.decay_steps": 100})
+    clean = [batch(16, 16, VOCAB, seed=i) for i in range(5)]
+
+    def run(config, batches):
+        s = steps_for(config, VOCAB, jax.devices())
+        state, named = s.init(0), []
+        for b in batches:
+            state, m = s.train(state, place(s, b))
+            named.append(int(m["skipped_named"]))
+        return jax.device_get(state["params"]), named
+
+    skip = c.copy_and_resolve_references()
+    skip.train.skip_steps = (2, 4)
+    p_skip, named = run(skip, clean)
+    p_ref, _ = run(c, [clean[0], clean[2], clean[4]])
+    assert named == [0, 1, 0, 1, 0]
+    for a, b in zip(jax.tree.leaves(p_skip), jax.tree.leaves(p_ref)):
+        assert a.tobytes() == b.tobytes()
+    skip.train.skip_steps = (0, 3)
+    with pytest.raises(ConfigError, match=r"train.skip_steps=\(0, 3\) must be a tuple of step numbers >= 1"):
+        validate(skip, 8)
 
 
 def test_slurm_node_id_beyond_the_tasks_per_node_says_what_disagrees():
