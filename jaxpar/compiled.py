@@ -13,16 +13,27 @@ import numpy as np
 from jaxpar import compile_report as report
 from jaxpar import data, distributed, hf
 from jaxpar import model as gpt
+from jaxpar.errors import ConfigError
 from jaxpar.mesh import make_mesh
 from jaxpar.step import Steps, build
 from jaxpar.validate import validate
+
+
+def xla_cpu_aborts(platform: str, param_dtype: str, zero_stage: int) -> bool:
+    """Whether XLA:CPU (jaxlib 0.10.2) aborts the process compiling this train step: bfloat16 weights at ZeRO 3
+    ("Invalid binary instruction opcode copy", both families, dense or MoE); docs/limits.md."""
+    return platform == "cpu" and param_dtype == "bfloat16" and zero_stage == 3
 
 
 def steps_for(config, vocab: int, devices=None) -> Steps:
     """`config`'s steps on `devices` (default: all): validated (a `ConfigError` before anything compiles), the mesh
     laid out, the steps built (jitted; each compiles at its first call)."""
     devices = list(jax.devices() if devices is None else devices)
-    return build(config, make_mesh(validate(config, len(devices)), devices), vocab)
+    layout = validate(config, len(devices))
+    if xla_cpu_aborts(devices[0].platform, config.train.param_dtype, layout.zero_stage):
+        raise ConfigError("train.param_dtype='bfloat16' with optim.zero_stage=3 on CPU devices: XLA:CPU aborts "
+                          "compiling this step (docs/limits.md); use optim.zero_stage=2 here, or float32 weights.")
+    return build(config, make_mesh(layout, devices), vocab)
 
 
 def abstract_batch(config, steps: Steps) -> dict:

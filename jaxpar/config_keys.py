@@ -152,8 +152,8 @@ KEYS = (
       "choice bias moves by this toward even load; 0: off", lambda v: 0 <= v < _INF, "a number >= 0"),
     K("model.first_dense_layers", 0, int, "MoE: the first N layers are dense (DeepSeek)", lambda v: v >= 0,
       "an integer >= 0"),
-    K("model.moe_every", 1, int, "MoE: layer i (after the dense ones) is MoE when (i + 1) % moe_every == 0 "
-      "(Qwen's `decoder_sparse_step`)", lambda v: v >= 1, "an integer >= 1"),
+    K("model.moe_every", 1, int, "MoE: layer i (0-based, over all layers) is MoE when i >= first_dense_layers and "
+      "(i + 1) % moe_every == 0 (Qwen's `decoder_sparse_step`)", lambda v: v >= 1, "an integer >= 1"),
     K("model.sequence_parallel", False, bool, "Megatron sequence parallelism: the residual stream split on the "
       "sequence over `tensor`"),
     # train

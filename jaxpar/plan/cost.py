@@ -116,10 +116,13 @@ class Model:
 def activation_bytes(model: Model, lay: Layout) -> float:
     """One layer's activations for one microbatch (Korthikanti et al. 2022, Table 2, 2-byte values):
     s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallelism 34/t for the first terms; no a·s² scores under a fused
-    attention kernel."""
+    attention kernel; plus a MoE layer's buffers."""
     b, s, h, t = lay.micro_batch(model.global_batch), model.seq, model.embed, lay.tensor
     scores = 0 if model.fused_attention else 5 * model.heads * s / (h * t)
-    return s * b * h * ((34 / t if lay.sequence_parallel else 10 + 24 / t) + scores)
+    # a MoE layer also keeps its buffers: the dispatched tokens and the experts' output [b, E, C, h], the gate, up and
+    # product [b, E, C, F / t] (2-byte values, as above), averaged over the layers
+    moe = model.moe_layers / model.layers * b * model.experts * model.capacity * (4 * h + 6 * model.expert_mlp / t)
+    return s * b * h * ((34 / t if lay.sequence_parallel else 10 + 24 / t) + scores) + moe
 
 
 def ring(kind: str, n: int) -> float:

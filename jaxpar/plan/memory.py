@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.compiled import report_for
+from jaxpar.compiled import report_for, xla_cpu_aborts
 from jaxpar.config import MESH_AXES
 from jaxpar.plan.cost import Model, activation_bytes, data_collectives, recompute_passes
 from jaxpar.plan.space import Layout, apply
@@ -45,7 +45,9 @@ class Compiler:
         self.compiles = 0
 
     def can_compile(self, lay: Layout) -> bool:
-        return compile_data_size(lay) * lay.tensor * lay.stage * lay.expert <= len(self.devices)
+        """Enough fake devices, and a program XLA:CPU compiles (`compiled.xla_cpu_aborts`: else the estimate)."""
+        return (compile_data_size(lay) * lay.tensor * lay.stage * lay.expert <= len(self.devices)
+                and not xla_cpu_aborts(self.devices[0].platform, self.config.train.param_dtype, lay.zero_stage))
 
     def memory(self, lay: Layout) -> dict:
         """{"peak": bytes, "temp", "argument", ..., "source": "compiled" | "derived (data 2)", "compile_s",
