@@ -36,10 +36,35 @@ def memory_bytes(compiled) -> dict:
         return {}
     if m is None:
         return {}
-    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("argument", "output", "temp", "alias",
-                                                                "generated_code")}
+    kinds = ("argument", "output", "temp", "alias")
+    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in kinds + ("generated_code",)}
     out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    host = {k: int(getattr(m, f"host_{k}_size_in_bytes", 0) or 0) for k in kinds}
+    out["host_peak"] = host["argument"] + host["output"] + host["temp"] - host["alias"]
     return out
+
+
+def placement(memory: dict, host_state: int) -> dict:
+    """Device and host bytes per device of a step whose state holds `host_state` bytes per device in pinned host
+    memory (`optim.offload`). Where XLA reports host memory apart (GPU, TPU: `host_peak` > 0) both come from its
+    report; XLA:CPU has one memory and counts everything as device bytes, so there the device figure is its peak
+    less the host-resident state (an argument aliased to its output: counted once), and the host figure that state.
+    -> {"device": bytes, "host": bytes, "source": "xla" | "xla - host state (XLA:CPU)"}."""
+    if not memory:
+        return {}
+    if memory.get("host_peak", 0) > 0 or not host_state:
+        return {"device": memory["peak"], "host": memory.get("host_peak", 0), "source": "xla"}
+    return {"device": memory["peak"] - host_state, "host": host_state, "source": "xla - host state (XLA:CPU)"}
+
+
+def host_state_bytes(abstract_state) -> int:
+    """Per-device bytes of the state's leaves whose sharding puts them in host memory."""
+    leaves = [a for a in jax.tree.leaves(abstract_state)
+              if getattr(getattr(a, "sharding", None), "memory_kind", None) in HOST_KINDS]
+    return sum(_leaf_bytes(a, a.sharding) for a in leaves)
+
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 def _leaf_bytes(leaf, sharding) -> int:
@@ -87,7 +112,8 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
         step with microbatch or layer scans.
 
     Returns:
-      {"memory": `memory_bytes`, "state_bytes": `state_group_bytes` or {}, "collectives": list,
+      {"memory": `memory_bytes`, "placement": `placement` (device and host bytes), "state_bytes":
+       `state_group_bytes` or {}, "collectives": list,
        "collectives_by_kind": dict, "loops": list (see `hlo_collectives`), "flops_per_step": float or None,
        "xla_flops": float or None, "hlo_flops": `hlo_flops.hlo_flops` (matmul FLOPs per device per step, loop trip counts
        applied; by named scope: embed, head)}.
@@ -108,8 +134,11 @@ def compile_report(lowered_or_compiled, *, state_shardings=None, abstract_state=
             xla_flops = float(ca["flops"])
     except Exception:  # noqa: BLE001 - optional, backend dependent
         pass
+    memory = memory_bytes(compiled)
+    host = host_state_bytes(abstract_state) if abstract_state is not None else 0
     return {
-        "memory": memory_bytes(compiled),
+        "memory": memory,
+        "placement": placement(memory, host),
         "state_bytes": state_group_bytes(abstract_state, state_shardings) if abstract_state is not None else {},
         "collectives": col["collectives"],
         "collectives_by_kind": col["by_kind"],
@@ -134,6 +163,10 @@ def format_table(report: Mapping[str, Any]) -> str:
     for k, v in report.get("memory", {}).items():
         note = "  (argument + output + temp - alias)" if k == "peak" else ""
         lines.append(f"  {k:<30} {v:>14,}  {_fmt_bytes(v)}{note}")
+    pl = report.get("placement")
+    if pl and (pl["host"] or pl["source"] != "xla"):
+        lines.append(f"  {'device (offload)':<30} {pl['device']:>14,}  {_fmt_bytes(pl['device'])}  ({pl['source']})")
+        lines.append(f"  {'host, pinned':<30} {pl['host']:>14,}  {_fmt_bytes(pl['host'])}")
     for k, v in report.get("state_bytes", {}).items():
         lines.append(f"  state[{k!r}]{'':<{max(0, 21 - len(k))}} {v:>14,}  {_fmt_bytes(v)}")
     by = report.get("collectives_by_kind", {})

@@ -37,7 +37,8 @@ NEW_RULES = ("experts", "router")  # added after configs with their own `rules` 
 # order of the device grid: tensor last = neighbouring devices, expert next (its all-to-all within a node)
 MESH_AXES = ("data", "stage", "expert", "tensor")
 ROUTERS = ("softmax", "sigmoid")
-REMAT_POLICIES = ("none", "selective", "full", "dots", "attention")
+REMAT_POLICIES = ("none", "selective", "full", "dots", "attention", "offload")
+OFFLOAD = ("none", "optimizer", "params")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs (validate._check_float64)
 _INF = float("inf")
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
@@ -125,7 +126,8 @@ KEYS = (
     K("model.dropout_resid", 0.0, float, "dropout on each residual branch", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     K("model.tie_embeddings", True, bool, "the LM head is the token embedding"),
     K("model.remat", "none", str, "activation recompute: `none`, `selective` (Korthikanti et al.: the attention "
-      "core), `full`, `dots`, `attention`: [gpu](gpu.md)", choices=REMAT_POLICIES),
+      "core), `full`, `dots`, `attention`, `offload` (what `selective` keeps goes to pinned host memory): "
+      "[gpu](gpu.md), [offload](offload.md)", choices=REMAT_POLICIES),
     K("model.attention", "auto", str, "attention kernel: `auto`, `xla`, `cudnn`, `pallas`: [gpu](gpu.md)"),
     K("model.loss_chunk", 1024, int, "sequence positions per chunk of the LM head + cross-entropy (the float32 "
       "logits are never whole)", lambda v: v >= 1, "an integer >= 1 (sequence positions per chunk of the loss)"),
@@ -171,6 +173,12 @@ KEYS = (
       "to the loss scale)", choices=("stop", "skip")),
     K("train.skip_steps", (), None, "steps (as logged: 1 is the first) whose update is skipped, to replay past bad "
       "data (Megatron's `--iterations-to-skip`); their batches are still read, the schedule counts applied updates"),
+    K("train.skip_spikes", False, bool, "skip the update of a step whose loss or gradient norm is a spike: above the "
+      "mean of the last `spike_window` applied steps by `spike_threshold` standard deviations: [offload](offload.md)"),
+    K("train.spike_window", 100, int, "applied steps the spike statistics cover (they are part of the train state "
+      "and of checkpoints)", lambda v: v >= 1, "an integer >= 1 (applied steps in the window)"),
+    K("train.spike_threshold", 6.0, float, "standard deviations above the window's mean that make a spike",
+      lambda v: 0 < v < _INF, "a finite number > 0 (standard deviations)"),
     K("train.allow_batch_change", False, bool, "resume a checkpoint written with another `global_batch_size` (the "
       "data order continues)"),
     K("train.loss_scale_initial", 2.0 ** 16, float, "fp16 dynamic loss scaling (DeepSpeed's rule): initial scale"),
@@ -197,6 +205,8 @@ KEYS = (
     K("optim.clip_norm", 1.0, float, "global gradient-norm clip (inf: none)",
       lambda v: v > 0, "a number > 0 (the global-norm clip; inf: no clipping)"),
     K("optim.zero_stage", 0, int, "ZeRO stage 0–3: [layouts](layouts.md)", choices=(0, 1, 2, 3)),
+    K("optim.offload", "none", str, "host offload (ZeRO-Offload): `none`, `optimizer` (AdamW's moments live in pinned "
+      "host memory between steps), `params` (the parameters too): [offload](offload.md)", choices=OFFLOAD),
     # pipeline
     K("pipeline.schedule", "gpipe", str, "`gpipe`, `circular`, `1f1b` or `zb_h1`: [pipeline](pipeline.md)"),
     K("pipeline.virtual_stages", 1, int, "chunks per stage (circular, interleaved 1f1b)",

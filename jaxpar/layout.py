@@ -1,7 +1,7 @@
 """The one description of a layout: how a step is spread over the devices and over time.
 
-A `Layout` holds the mesh sizes, the pipeline schedule and its virtual stages, the microbatches, the ZeRO stage, the
-recompute choices and sequence parallelism. It is read off a config once (`Layout.from_config`, `data = -1`
+A `Layout` holds the mesh sizes, the pipeline schedule and its virtual stages, the microbatches, the ZeRO stage, host
+offload, the recompute choices and sequence parallelism. It is read off a config once (`Layout.from_config`, `data = -1`
 resolved against the devices present) and written back as config keys (`overrides`, `apply`). `validate` checks
 it, the step is built from it, the compile report prints it and the planner enumerates it; a new axis (expert,
 context) is one more field here. Imports nothing of jaxpar but the config defaults.
@@ -17,6 +17,7 @@ from jaxpar.config import MESH_AXES, _get, mesh_shape
 KEYS = {"data": "mesh.data", "tensor": "mesh.tensor", "stage": "mesh.stage", "expert": "mesh.expert",
         "microbatches": "train.microbatches",
         "schedule": "pipeline.schedule", "virtual_stages": "pipeline.virtual_stages", "zero_stage": "optim.zero_stage",
+        "offload": "optim.offload",
         "remat": "model.remat", "pipeline_remat": "pipeline.remat", "sequence_parallel": "model.sequence_parallel"}
 
 
@@ -33,6 +34,7 @@ class Layout:
     pipeline_remat: bool = True  # pipeline.remat: recompute each stage's layers in the backward pass
     sequence_parallel: bool = False  # model.sequence_parallel
     expert: int = 1  # mesh.expert: the routed experts split over it; the batch over data x expert
+    offload: str = "none"  # optim.offload: what lives in pinned host memory between steps
 
     @classmethod
     def from_config(cls, config, num_devices: int) -> "Layout":
@@ -69,7 +71,8 @@ class Layout:
         sched = "" if self.stage == 1 else f" {self.schedule}" + (f" v{v}" if v > 1 else "")
         rem = self.remat if self.stage == 1 or not self.pipeline_remat else "stage"
         return (f"({self.data},{self.tensor},{self.stage}){sched} M{self.microbatches} z{self.zero_stage} {rem}"
-                + (" SP" if self.sequence_parallel else "") + (f" E{self.expert}" if self.expert > 1 else ""))
+                + (" SP" if self.sequence_parallel else "") + (f" E{self.expert}" if self.expert > 1 else "")
+                + ("" if self.offload == "none" else f" off:{self.offload[:3]}"))
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

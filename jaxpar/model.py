@@ -204,15 +204,19 @@ def map_layers(tree, fn):
     return jax.tree_util.tree_map_with_path(lambda path, a: fn(a) if in_layers(path) else a, tree)
 
 
+# Korthikanti et al. 2022's selective recompute (sec. 5): keep what their eq. 1 counts except the attention core
+# (QK^T, softmax, ·V), which the backward recomputes; the names are the block's (`jaxpar/nn.py`) (a MoE layer's
+# dispatched tokens too: saving them spares the backward pass an all-to-all)
+_SELECTIVE = ("norm", "qkv", "attention", "residual", "mlp_in", "mlp_act", "moe_dispatch")
 _REMAT = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Korthikanti et al. 2022's selective recompute (sec. 5): keep what their eq. 1 counts except the attention
-    # core (QK^T, softmax, ·V), which the backward recomputes; the names are the block's (`jaxpar/nn.py`)
-    # (a MoE layer's dispatched tokens too: saving them spares the backward pass an all-to-all)
-    "selective": jax.checkpoint_policies.save_only_these_names("norm", "qkv", "attention", "residual", "mlp_in",
-                                                               "mlp_act", "moe_dispatch"),
+    "selective": jax.checkpoint_policies.save_only_these_names(*_SELECTIVE),
     "attention": jax.checkpoint_policies.save_only_these_names("attention"),
+    # the same residuals as `selective`, kept in pinned host memory between the forward and the backward pass
+    "offload": jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(_SELECTIVE),
+        offload_src="device", offload_dst="pinned_host"),
 }
 
 

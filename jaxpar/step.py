@@ -23,14 +23,14 @@ from jax.sharding import NamedSharding
 
 from jaxpar import gradients, loss_scale
 from jaxpar import model as gpt
-from jaxpar import moe
+from jaxpar import moe, spikes
 from jaxpar import pipeline
 from jaxpar.config import step_rules
 from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules
 from jaxpar.optim import OptimSettings, applied_updates, make_optimizer, schedule
 from jaxpar.layout import Layout
-from jaxpar.train_state import Shardings, init_state, shardings
+from jaxpar.train_state import Shardings, init_state, on_device, shardings
 from jaxpar.zero import DataParallel
 
 __all__ = ["build", "Steps", "StepSettings", "init_state", "model_config", "split_batch", "to_microbatches",
@@ -52,6 +52,9 @@ class StepSettings:
     stop_on_nonfinite: bool  # train.nonfinite == "stop"
     skip_bubbles: bool
     skip_steps: tuple  # train.skip_steps: steps (1 = the first) whose update is skipped
+    skip_spikes: bool  # train.skip_spikes
+    spike_window: int
+    spike_threshold: float
     loss_scale: loss_scale.LossScaleConfig
     optim: OptimSettings
 
@@ -61,7 +64,9 @@ class StepSettings:
         return cls(layout=Layout.from_config(config, num_devices), rules=step_rules(config),
                    float16=tr.compute_dtype == "float16", stop_on_nonfinite=tr.nonfinite == "stop",
                    skip_bubbles=bool(config.pipeline.skip_bubbles),
-                   skip_steps=tuple(int(s) for s in tr.skip_steps), loss_scale=loss_scale.from_config(config),
+                   skip_steps=tuple(int(s) for s in tr.skip_steps), skip_spikes=bool(tr.skip_spikes),
+                   spike_window=int(tr.spike_window), spike_threshold=float(tr.spike_threshold),
+                   loss_scale=loss_scale.from_config(config),
                    optim=OptimSettings.from_config(config))
 
 
@@ -142,7 +147,8 @@ def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
 def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
     """The optax update, kept or skipped: under float16 an overflow skips it and lowers the loss scale (DeepSpeed's
     rule); otherwise a non-finite loss or gradient skips it and is counted, and with `stop` every later update is
-    skipped too; a step `train.skip_steps` names is skipped (`skipped_named`). -> (new state, metrics)."""
+    skipped too; a step `train.skip_steps` names is skipped (`skipped_named`), and with `train.skip_spikes` a loss
+    or gradient-norm spike (`skipped_spike`, `jaxpar/spikes.py`). -> (new state, metrics)."""
     ls = state["loss_scale"]
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -159,14 +165,18 @@ def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
         apply = finite & ((state["nonfinite"] == 0) if st.stop_on_nonfinite else True)
     step = state["step"]
     named = jnp.isin(step + 1, jnp.asarray(st.skip_steps, jnp.int32)) if st.skip_steps else jnp.zeros((), bool)
-    apply = apply & ~named
+    values = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    spike = spikes.is_spike(state["spikes"], values, st.spike_threshold) if st.skip_spikes else jnp.zeros((), bool)
+    apply = apply & ~named & ~spike
     params, opt_state = loss_scale.select_tree(apply, (params, opt_state), (state["params"], state["opt_state"]))
     # the lr this step applied (or, skipped, would have): the schedule counts applied updates, not steps
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr_at(applied_updates(state["opt_state"])),
-               "loss_scale": ls.scale, "skipped": (~apply).astype(jnp.int32), "skipped_named": named.astype(jnp.int32)}
+    flag = lambda b: b.astype(jnp.int32)  # noqa: E731
+    metrics = {**values, "lr": lr_at(applied_updates(state["opt_state"])), "loss_scale": ls.scale,
+               "skipped": flag(~apply), "skipped_named": flag(named), "skipped_spike": flag(spike)}
     new = {"params": params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"], "loss_scale": ls,
-           "nonfinite": state["nonfinite"] + bad.astype(jnp.int32),
-           "first_nonfinite": jnp.where(bad & (state["first_nonfinite"] < 0), step + 1, state["first_nonfinite"])}
+           "nonfinite": state["nonfinite"] + flag(bad),
+           "first_nonfinite": jnp.where(bad & (state["first_nonfinite"] < 0), step + 1, state["first_nonfinite"]),
+           "spikes": spikes.record(state["spikes"], values, apply, spike, step + 1)}
     return new, metrics
 
 
@@ -196,7 +206,8 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     optimizer = make_optimizer(st.optim, cfg)
     lr_at = schedule(st.optim)
     lo = st.layout
-    sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage)
+    sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage, lo.offload)
+    dev = lambda tree, group=None: on_device(tree, sh, lo.offload, group)  # host-resident state to the device
     grad_fn = strategy(st, fwd, sh, mesh)
     S = lo.stage
     v = pipeline.virtual_stages(lo.schedule, S, lo.virtual_stages)
@@ -217,6 +228,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
 
     def train_with_grads(state, batch):
         """`train`, also returning the gradients it applied, in canonical layer order."""
+        state = dev(state)  # optim.offload: on the device only inside the step (out_shardings send it back)
         with activation_rules(st.rules, mesh):
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
             loss, grads, stats = loss_and_grads(state["params"], batch, rng if gpt.has_dropout(cfg) else None,
@@ -232,21 +244,23 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     def evaluate(params, batch):
         """(loss_sum, token_count) over a batch, microbatched like training."""
         with activation_rules(st.rules, mesh):
-            return grad_fn.loss(params, microbatched(batch, lo.microbatches)[1])
+            return grad_fn.loss(dev(params, "params"), microbatched(batch, lo.microbatches)[1])
 
     def grads(params, batch):
         """(mean loss, grads in canonical layer order): for tests and tools, no update."""
         with activation_rules(st.rules, mesh):
-            loss, g, _ = loss_and_grads(params, batch, None)
+            loss, g, _ = loss_and_grads(dev(params, "params"), batch, None)
         return loss, canonical(g)
 
     state_sh, repl = sh.state, sh.replicated
-    jit_state = lambda f: jax.jit(f, in_shardings=(state_sh,), out_shardings=state_sh) if v > 1 else (lambda s: s)
+    jit_state = lambda f: jax.jit(lambda s: f(dev(s)), in_shardings=(state_sh,), out_shardings=state_sh) \
+        if v > 1 else (lambda s: s)
     return Steps(
         layout=lo, cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh,
         grad_shardings=sh.grads,
         batch_sharding=sh.batch,
-        init=jax.jit(lambda seed: stage_major(init_state(cfg, optimizer, seed, st.loss_scale)), static_argnums=0,
+        init=jax.jit(lambda seed: stage_major(init_state(cfg, optimizer, seed, st.loss_scale,
+                                                         spike_window=st.spike_window)), static_argnums=0,
                      out_shardings=state_sh),
         train=jax.jit(train, in_shardings=(state_sh, sh.batch), out_shardings=(state_sh, repl), donate_argnums=0),
         train_with_grads=jax.jit(train_with_grads, in_shardings=(state_sh, sh.batch),
@@ -255,6 +269,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
         layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
-        init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=p),
+        init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=dev(p, "params"),
+                                                    spike_window=st.spike_window),
                           static_argnums=1, out_shardings=state_sh, donate_argnums=0),
     )

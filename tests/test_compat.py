@@ -47,8 +47,10 @@ def test_old_checkpoint_restores_bitwise_and_resumes(old_run):
     ckpt.close()
     flat = jax.tree_util.tree_flatten_with_path(jax.device_get(state))[0]
     got = {jax.tree_util.keystr(p): hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for p, x in flat}
+    fresh = {k: got.pop(k) for k in list(got) if k.startswith("['spikes']")}  # newer than these checkpoints
     assert got == expected["sha256"]
     assert meta["step"] == 2
+    assert len(fresh) == 5 and int(state["spikes"]["count"]) == 0 and int(state["spikes"]["last"]) == -1
 
     trainer.run(config, str(work))
     with open(work / "metrics.jsonl") as f:
