@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 
 _STATE = "state"
 _META = "meta"
-_SPIKES = "spikes"  # the train state's loss-spike statistics (`jaxpar/spikes.py`): adapted on restore
 _SUBDIR = "checkpoints"
 _SET_ASIDE_BARRIERS = 0
 _TRASH = "deleting"  # where Orbax moves the steps it drops (one atomic rename each) before they are removed
@@ -232,33 +231,15 @@ class Checkpointer:
             the checkpoint's; checked before any array is read. Dtypes must match: no silent casts.
         """
         step = self._existing(step)
-        abstract_state, target = self._spike_window(step, abstract_state)
+        abstract_state, target = spikes.restore_target(abstract_state, self._saved_leaves(step))
         self._check_abstract(step, abstract_state)
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract_state), _META: ocp.args.JsonRestore()})
         restored = self._mngr.restore(step, args=args)
         state = restored[_STATE]
         if target is not None:  # the loss-spike window, made the size asked for (`spikes.resize`)
-            host = jax.device_get(state.get(_SPIKES))
-            state = {**state, _SPIKES: jax.device_put(spikes.resize(host, target[0]), target[1])}
+            host = jax.device_get(state.get(spikes.GROUP))
+            state = {**state, spikes.GROUP: jax.device_put(spikes.resize(host, target[0]), target[1])}
         return state, restored[_META]
-
-    def _spike_window(self, step: int, abstract_state: Any):
-        """The restore target with the loss-spike statistics as saved (none, in checkpoints written before they
-        existed; another `train.spike_window`), and (the window asked for, its shardings), or None when the saved
-        statistics fit as they are."""
-        if not isinstance(abstract_state, dict) or _SPIKES not in abstract_state:
-            return abstract_state, None
-        want = abstract_state[_SPIKES]
-        saved = {k: v for k, v in self._saved_leaves(step).items() if k.startswith(_SPIKES + ".")}
-        if saved and all(tuple(saved[f"{_SPIKES}.{k}"].shape) == tuple(a.shape) for k, a in want.items()
-                         if f"{_SPIKES}.{k}" in saved) and len(saved) == len(want):
-            return abstract_state, None
-        rest = {k: v for k, v in abstract_state.items() if k != _SPIKES}
-        shardings = {k: a.sharding for k, a in want.items()}
-        if saved:
-            rest[_SPIKES] = {n.split(".", 1)[1]: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=shardings["count"])
-                             for n, m in saved.items()}
-        return rest, (want["loss"].shape[0], shardings)
 
     def _saved_leaves(self, step: int) -> dict:
         """{leaf name: metadata with .shape and .dtype} of checkpoint `step`'s state; no array is read."""

@@ -12,9 +12,11 @@ recent steps.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+GROUP = "spikes"  # the train state's key
 KEYS = ("loss", "grad_norm")
 COUNTS = ("count", "skipped", "last")
 
@@ -60,3 +62,20 @@ def resize(saved: dict | None, window: int) -> dict:
         out[k] = np.concatenate([np.zeros(window - count, np.float32), vals])
     return {**out, "count": np.asarray(count, np.int32), "skipped": np.asarray(saved.get("skipped", 0), np.int32),
             "last": np.asarray(saved.get("last", -1), np.int32)}
+
+
+def restore_target(abstract_state, saved: dict):
+    """A checkpoint restore's target with the statistics as saved (none, in checkpoints written before they existed;
+    another `train.spike_window`), and (the window asked for, its shardings), or None when the saved statistics
+    fit as they are. `saved`: {leaf name 'spikes.loss': metadata with .shape and .dtype} of the checkpoint."""
+    if not isinstance(abstract_state, dict) or GROUP not in abstract_state:
+        return abstract_state, None
+    want = abstract_state[GROUP]
+    saved = {n.split(".", 1)[1]: m for n, m in saved.items() if n.startswith(GROUP + ".")}
+    if saved.keys() == want.keys() and all(tuple(saved[k].shape) == tuple(a.shape) for k, a in want.items()):
+        return abstract_state, None
+    rest = {k: v for k, v in abstract_state.items() if k != GROUP}
+    shardings = {k: a.sharding for k, a in want.items()}
+    if saved:
+        rest[GROUP] = {k: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=shardings["count"]) for k, m in saved.items()}
+    return rest, (want["loss"].shape[0], shardings)

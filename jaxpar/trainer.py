@@ -118,7 +118,8 @@ def check_health(config, state, done: int) -> dict:
     """Raise FloatingPointError if training must stop: a non-finite loss/grad under `train.nonfinite = stop` (every
     update since was skipped, so the state is the last good step's), or fp16 overflows persisting at the minimum
     loss scale. Called before every log and save, so a NaN never reaches a checkpoint."""
-    bad, first, ls = jax.device_get((state["nonfinite"], state["first_nonfinite"], state["loss_scale"]))
+    bad, first, ls, sp = jax.device_get((state["nonfinite"], state["first_nonfinite"], state["loss_scale"],
+                                         state["spikes"]["skipped"]))
     if bad and config.train.nonfinite == "stop":
         raise FloatingPointError(
             f"non-finite loss or gradients at step {int(first)} (checked at step {done}); that update and every "
@@ -130,7 +131,7 @@ def check_health(config, state, done: int) -> dict:
         raise FloatingPointError(
             f"float16 overflow in {int(ls.consecutive_min_overflows)} steps in a row at the minimum loss scale "
             f"{float(ls.scale)} (step {done}); try bfloat16 (--config.train.compute_dtype=bfloat16) or a lower lr.")
-    return {"nonfinite_steps": int(bad), "overflow_steps": int(ls.overflows)}
+    return {"nonfinite_steps": int(bad), "overflow_steps": int(ls.overflows), "spike_steps": int(sp)}
 
 
 def check_export(directory: str, cfg) -> None:
@@ -284,6 +285,7 @@ class Loop:
         self.B, self.T = int(config.train.global_batch_size), int(config.model.seq_len)
         self.total = int(config.train.steps)
         self.rows = data.process_rows(steps.batch_sharding, self.B)
+        self.spikes_said = 0  # spikes skipped when last said (`run` starts it at the resumed state's count)
         self.flops_tok = gpt.flops_per_token(steps.cfg)
         self.peak, self.ndev = throughput.peak_flops(devices[0].device_kind), len(devices)
         is_main = jax.process_index() == 0
@@ -314,6 +316,7 @@ class Loop:
         return tot / max(n, 1.0)
 
     def run(self, state, start: int) -> dict:
+        self.spikes_said = int(jax.device_get(state["spikes"]["skipped"]))
         preemption = PreemptionWatch()
         dist = self.config.dist  # from the end of the first step (compiled) on; evaluation and saves count too
         watchdog.arm_steps(float(dist.step_timeout_s), float(dist.step_timeout_min_s), float(dist.step_timeout_factor))
@@ -345,6 +348,7 @@ class Loop:
             save_now = done % c.checkpoint.every_steps == 0 or done == self.total or stop_now
             if log_now or eval_now or save_now:
                 health = check_health(c, state, done)
+                self._say_spikes(state, health["spike_steps"])
             if log_now or eval_now:
                 last = self._log(state, done, m, health, since, time.perf_counter() - t0, eval_now)
                 t0, since = time.perf_counter(), 0
@@ -361,6 +365,14 @@ class Loop:
                 raise Preempted(done)
             watchdog.beat(done)
         return last
+
+    def _say_spikes(self, state, skipped: int) -> None:
+        """A console line when loss spikes were skipped since the last look (`train.skip_spikes`)."""
+        if skipped > self.spikes_said:
+            last = int(jax.device_get(state["spikes"]["last"]))
+            self.console.print(f"step {last}: update skipped (loss or gradient-norm spike, train.skip_spikes); "
+                               f"{skipped - self.spikes_said} since the last log, {skipped} in all")
+        self.spikes_said = skipped
 
     def _log(self, state, done, m, health, since, dt, eval_now) -> dict:
         m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in jax.device_get(m).items()} | health
