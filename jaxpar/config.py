@@ -13,8 +13,8 @@ import re
 
 import ml_collections
 
-from jaxpar.config_keys import (DEFAULT_RULES, DTYPES, KEYS, MESH_AXES, NEW_RULES, REMAT_POLICIES,  # noqa: F401
-                                ROUTERS)  # (re-exported)
+from jaxpar.config_keys import (DEFAULT_RULES, DTYPES, KEYS, MESH_AXES, NEW_RULES, OFFLOAD,  # noqa: F401
+                                REMAT_POLICIES, ROUTERS)  # (re-exported)
 from jaxpar.config_keys import get as _get  # noqa: F401
 from jaxpar.errors import ConfigError  # noqa: F401 (re-exported: raised by every room that checks a config)
 

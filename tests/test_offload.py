@@ -120,3 +120,28 @@ def test_llama3_8b_dry_run_device_bytes_drop_by_the_optimizer_state():
     assert abs(saved / formula - 1) < 0.05, (saved, formula)
     assert abs(reps["optimizer"]["placement"]["host"] / formula - 1) < 0.05
     assert reps["none"]["placement"]["host"] == 0
+
+
+def test_the_planner_ranks_offloaded_layouts_for_a_model_that_fits_only_with_them():
+    """Mixtral 8x7B (bfloat16, 46.7B params) on 8 x A100 80 GB: params, float32 gradients and AdamW's moments alone
+    exceed 72 GiB on every layout without offload; with `optim.offload=optimizer` the planner compiles the best,
+    which fits, and prices the host link: 2 x the host bytes / 25 GB/s (PCIe Gen4, `hardware.HOST_LINKS`)."""
+    import importlib.util
+
+    from helpers import ROOT
+    from jaxpar import plan as planner
+    from jaxpar.plan import hardware
+    from jaxpar.plan.space import Space
+    spec = importlib.util.spec_from_file_location("mixtral_8x7b", f"{ROOT}/configs/mixtral_8x7b.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    space = Space(tensor=(1,), stage=(1,), expert=(8,), zero=(2,), remat=("full",))
+    p = planner.plan(mod.get_config(), hardware.cluster("a100-80g", 8), space, compile_top=1, devices=jax.devices())
+    kept = [c for c in p.ranked if c.layout.offload == "none"]
+    assert kept and all(c.fits(p.capacity) is False for c in kept)
+    best = p.ranked[0]
+    assert best.layout.offload != "none" and best.memory["source"] == "compiled" and best.fits(p.capacity)
+    host = best.memory["host"]
+    assert abs(p.model.host_bytes(best.layout) / host - 1) < 0.01  # the analytic host bytes: the compiled ones
+    assert best.time["offload_s"] == pytest.approx(2 * (host / 25e9 + 10e-6), rel=0.01)
+    assert best.memory["peak"] == best.memory["xla_peak"] - host

@@ -26,6 +26,7 @@ class Candidate:
     memory: dict | None = None  # memory.Compiler.memory (compiled or derived), None: not compiled
 
     def peak(self) -> float:
+        """Device bytes (with `optim.offload`, less what lives in host memory)."""
         return self.memory["peak"] if self.memory else sum(self.estimate)
 
     def rank(self, capacity: float) -> tuple:
@@ -102,5 +103,6 @@ def summary(p: Plan, c: Candidate) -> dict:
             "tflops_per_gpu": mf / 1e12, "mfu": mf / p.cluster.device.peak_flops,
             "hw_tflops_per_gpu": t["device_flops"] / t["step_s"] / 1e12,
             "memory_gib": c.peak() / GiB, "memory_source": c.memory["source"] if c.memory else "estimate",
+            "host_gib": (c.memory["host"] if c.memory else m.host_bytes(c.layout)) / GiB,
             "fits": c.fits(p.capacity), "time": t,
             "collectives_by_kind": c.memory.get("collectives_by_kind") if c.memory else None}

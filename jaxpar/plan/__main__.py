@@ -25,6 +25,7 @@ _STAGE = flags.DEFINE_list("stage", None, "Pipeline stages to consider (default:
 _EXPERT = flags.DEFINE_list("expert", None, "Expert-parallel sizes (default: every size dividing model.experts).")
 _SCHEDULE = flags.DEFINE_list("schedule", None, "Schedules (default: gpipe, 1f1b, zb_h1, circular).")
 _ZERO = flags.DEFINE_list("zero", ["0", "1", "2", "3"], "ZeRO stages to consider.")
+_OFFLOAD = flags.DEFINE_list("offload", None, "optim.offload modes to consider (default: none, optimizer, params).")
 _REMAT = flags.DEFINE_list("remat", None, "model.remat values to consider (default: those the cost model prices, "
                            "plan.space.SEARCHED_REMAT).")
 _SP = flags.DEFINE_list("sp", ["False", "True"], "model.sequence_parallel values to consider.")
@@ -38,7 +39,7 @@ _MEASURE = flags.DEFINE_bool("measure", False, "Run the best layout's step on th
 
 def _space():
     """The search space from the flags; ValueError naming the flag when a value cannot be searched."""
-    from jaxpar.config import REMAT_POLICIES
+    from jaxpar.config import OFFLOAD, REMAT_POLICIES
     from jaxpar.pipeline.registry import NAMES
     from jaxpar.plan.space import Space
 
@@ -66,14 +67,15 @@ def _space():
     return Space(tensor=ints(_TENSOR, 1), stage=ints(_STAGE, 1), expert=ints(_EXPERT, 1),
                  schedule=names(_SCHEDULE, NAMES),
                  zero=ints(_ZERO, 0, (0, 1, 2, 3)), remat=names(_REMAT, REMAT_POLICIES),
+                 offload=names(_OFFLOAD, OFFLOAD) or OFFLOAD,
                  sp=tuple(v.lower() == "true" for v in sp) if sp else (False, True), max_micro_batch=_MAX_MB.value)
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    from jaxpar.plan import memory  # no jax at import: the device count is set first
-    if "jax" not in sys.modules and (_COMPILE.value or _MEASURE.value):  # fake CPU devices to compile on
+    from jaxpar.plan import memory  # imports jax, but no backend starts before the device count is set here
+    if _COMPILE.value or _MEASURE.value:  # fake CPU devices to compile on
         os.environ["XLA_FLAGS"] = memory.compile_flags(os.environ.get("XLA_FLAGS", ""), _GPUS.value, not _MEASURE.value)
     import jax
 
@@ -103,8 +105,8 @@ def main(argv):
     print(table.format_table(p, table.rows(p, _TOP.value)))
     best = p.ranked[0]
     if best.fits(p.capacity) is False:
-        sys.exit(f"\nerror: no layout fits in {p.capacity / 2 ** 30:.1f} GiB per device; more devices, ZeRO, "
-                 f"recompute or a smaller micro batch (--max_micro_batch) may.")
+        sys.exit(f"\nerror: no layout fits in {p.capacity / 2 ** 30:.1f} GiB per device; more devices, ZeRO, host "
+                 f"offload (--offload), recompute or a smaller micro batch (--max_micro_batch) may.")
     print(f"\ntrain the best layout with:\n  python train.py --config {flags.FLAGS['config'].config_filename} "
           f"{best.layout.flags()}" + ("" if best.memory else "\n(its memory is an estimate: not compiled)"))
     if _JSON.value:

@@ -19,6 +19,7 @@ Data parallelism / ZeRO: the float32 gradient all-reduce (ZeRO 0, 1) or per-micr
   data x expert group's link (the routed experts' over data's); what runs inside the microbatch loop overlaps with its compute (XLA's pipelined collectives,
   `runtime.GPU_FLAGS`), what runs after it is exposed.
 The optimizer update streams 28 bytes per float32 parameter it updates (AdamW: read p, g, m, v; write p, m, v).
+Host offload: what lives in host memory crosses the device's host link (PCIe) twice per step, exposed.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ from jaxpar.attention import choose
 from jaxpar.config import padded_vocab
 from jaxpar.hlo_groups import axes_of
 from jaxpar.pipeline import registry
-from jaxpar.plan.hardware import Cluster
+from jaxpar.plan.hardware import HOST_LINKS, Cluster
 from jaxpar.plan.space import Layout
+from jaxpar.train_state import OFFLOADED
 
 # The model's two global constants, set once against Narayanan et al. 2021, Table 1 (bench/plan_published.py)
 MATMUL_EFFICIENCY = 0.70  # fraction of the dense peak a large bf16 GEMM sustains
@@ -111,6 +113,20 @@ class Model:
         experts = self.expert_params / lay.stage / t / lay.expert
         dense = self.layers / lay.stage * (self.layer_total - self.expert_params / self.layers) / t + shared
         return [(dense, lay.data * lay.expert), (experts, lay.data)]
+
+    def state_bytes(self, lay: Layout) -> dict:
+        """Per-device bytes of the params, the float32 gradient buffer and AdamW's two moments (in the params' dtype,
+        `train.param_dtype`) by ZeRO stage (the matmul weights: within 1 %), the routed experts' over `data`, the
+        rest over data x expert."""
+        z = lay.zero_stage
+        part = lambda nbytes, zmin: sum(P * nbytes / (d if z >= zmin else 1) for P, d in self.zero_groups(lay))  # noqa
+        return {"params": part(self.param_bytes, 3), "grad_buffer": part(4, 2),
+                "opt_state": part(2 * self.param_bytes, 1)}
+
+    def host_bytes(self, lay: Layout) -> float:
+        """Per-device bytes in pinned host memory between steps (`optim.offload`: `train_state.OFFLOADED`)."""
+        groups = self.state_bytes(lay)
+        return sum(groups[g] for g in OFFLOADED[lay.offload])
 
 
 def activation_bytes(model: Model, lay: Layout) -> float:
@@ -213,13 +229,24 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
     dp = (_data_parallel(model, lay, cl, critical) if compiled is None
           else _overlap(compiled, lay, cl, critical, "compiled"))
     opt = 28 * sum(p / (g if lay.zero_stage >= 1 else 1) for p, g in model.zero_groups(lay)) / cl.device.hbm_bw
+    off = offload_time(model, lay, cl)
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     flops = M * (Lc * ((3 + r_full) * ly.flops_fwd + r_core * ly.flops_core) + head_passes * ly.head_fwd * rate)
-    return {"step_s": critical + pp + dp["exposed"] + opt, "compute_s": ideal, "bubble_s": critical - ideal,
+    return {"step_s": critical + pp + dp["exposed"] + opt + off, "compute_s": ideal, "bubble_s": critical - ideal,
             "pp_comm_s": pp, "tp_comm_s": M * (Lc * (4 + 2 * r_full) + 2) * ly.tp,
             "ep_comm_s": M * Lc * (4 + 2 * r_full) * ly.ep, "dp_comm_s": dp["exposed"],
             "dp_overlapped_s": dp["hidden"], "dp_bytes": dp["bytes"], "dp_source": dp["source"], "optimizer_s": opt,
-            "recompute_s": M * Lc * recompute, "device_flops": flops}
+            "recompute_s": M * Lc * recompute, "offload_s": off, "device_flops": flops}
+
+
+def offload_time(model: Model, lay: Layout, cl: Cluster) -> float:
+    """Seconds per step on the host link (`optim.offload`): this device's shard of AdamW's two moments (and,
+    offloading params, of the params) to the device and back, exposed (the update needs them whole). Activation
+    offload (`model.remat="offload"`) is not priced: the search leaves it out (`space.SEARCHED_REMAT`)."""
+    if lay.offload == "none":
+        return 0.0
+    link = HOST_LINKS[cl.device.host]
+    return 2 * (model.host_bytes(lay) / link.busbw + link.latency)
 
 
 def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> dict:

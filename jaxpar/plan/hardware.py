@@ -19,6 +19,7 @@ class Device:
     memory: float  # bytes
     intra_node: str  # default link between GPUs of one server (a key of LINKS)
     source: str
+    host: str = "pcie4"  # the link to host memory (a key of HOST_LINKS): `optim.offload`'s transfers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +33,14 @@ class Link:
 
 DEVICES = {d.name: d for d in (
     Device("a100-80g", 312e12, 2.039e12, 80 * GiB, "nvlink3",
-           "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e, 80 GB"),
+           "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e, 80 GB; PCIe Gen4"),
     Device("a100-80g-pcie", 312e12, 1.935e12, 80 * GiB, "pcie4",
-           "NVIDIA A100 datasheet (PCIe 80GB): 312 TFLOP/s bf16 dense, 1,935 GB/s HBM2e, 80 GB, no NVLink switch"),
+           "NVIDIA A100 datasheet (PCIe 80GB): 312 TFLOP/s bf16 dense, 1,935 GB/s HBM2e, 80 GB, no NVLink switch; "
+           "PCIe Gen4"),
     Device("h100", 989e12, 3.35e12, 80 * GiB, "nvlink4",
-           "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB"),
+           "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB; PCIe Gen5", "pcie5"),
     Device("h200", 989e12, 4.8e12, 140 * GiB, "nvlink4",
-           "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB"),
+           "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB; PCIe Gen5", "pcie5"),
 )}
 
 LINKS = {k.name: k for k in (
@@ -57,6 +59,17 @@ LINKS = {k.name: k for k in (
     Link("ib-ndr", 43e9, 50e9, 20e-6,
          "InfiniBand NDR 400 Gb/s = 50 GB/s per NIC; the same 0.86 of line rate as HDR (assumed)"),
     Link("ethernet-100g", 10.5e9, 12.5e9, 30e-6, "100 GbE RoCE, 12.5 GB/s per NIC; 0.86 of line rate (assumed)"),
+)}
+
+
+# A device's link to pinned host memory (per GPU, per direction): what `optim.offload` moves each step crosses it.
+HOST_LINKS = {k.name: k for k in (
+    Link("pcie4", 25e9, 32e9, 10e-6,
+         "PCIe Gen4 x16: 16 GT/s x 16 lanes, 128b/130b = 31.5 GB/s per direction (PCI-SIG); pinned host<->device "
+         "copies reach ~80 % of it (CUDA's bandwidthTest on A100: ~25 GB/s; assumed for every Gen4 device)"),
+    Link("pcie5", 50e9, 64e9, 10e-6,
+         "PCIe Gen5 x16: 32 GT/s x 16 lanes = 63 GB/s per direction (PCI-SIG); the same ~80 % taken for pinned "
+         "copies (assumed; bench/offload.py measures it on the device present)"),
 )}
 
 

@@ -15,6 +15,7 @@ from jaxpar.compiled import report_for, xla_cpu_aborts
 from jaxpar.config import MESH_AXES
 from jaxpar.plan.cost import Model, activation_bytes, data_collectives, recompute_passes
 from jaxpar.plan.space import Layout, apply
+from jaxpar.train_state import OFFLOADED
 
 
 def compile_flags(flags_: str, devices: int, fast: bool) -> str:
@@ -32,8 +33,17 @@ def compile_data_size(lay: Layout) -> int:
 
 
 def key(lay: Layout, global_batch: int) -> tuple:
-    """What fixes the per-device program: the layout at its compile data size, and the batch per replica."""
-    return (dataclasses.replace(lay, data=compile_data_size(lay)), global_batch // lay.batch_split)
+    """What fixes the per-device program: the layout at its compile data size without offload (which changes
+    only where the state lives, `placed`), and the batch per replica."""
+    return (dataclasses.replace(lay, data=compile_data_size(lay), offload="none"), global_batch // lay.batch_split)
+
+
+def placed(compiled: dict, offload: str) -> dict:
+    """A compile without offload, as the same layout with `offload`: the groups `train_state.OFFLOADED` names leave
+    the device bytes (`peak`) for the host (`host`); XLA's own figure stays under `xla_peak`. On XLA:CPU this is
+    what compiling with offload reports (`compile_report.placement`: one memory, the transfers dropped)."""
+    host = sum(compiled["state_bytes"][g] for g in OFFLOADED[offload])
+    return {**compiled, "xla_peak": compiled["peak"], "peak": compiled["peak"] - host, "host": host}
 
 
 class Compiler:
@@ -50,13 +60,14 @@ class Compiler:
                 and not xla_cpu_aborts(self.devices[0].platform, self.config.train.param_dtype, lay.zero_stage))
 
     def memory(self, lay: Layout) -> dict:
-        """{"peak": bytes, "temp", "argument", ..., "source": "compiled" | "derived (data 2)", "compile_s",
+        """{"peak": device bytes, "host": pinned host bytes, "xla_peak", "temp", "argument", ..., "source":
+        "compiled" | "derived (data 2)", "compile_s",
         "collectives_by_kind", "data_collectives" (`cost.data_collectives`)} of the layout's train step."""
         B = int(self.config.train.global_batch_size)
         k = key(lay, B)
         if k not in self.cache:
             dc = compile_data_size(lay)
-            c = apply(self.config, dataclasses.replace(lay, data=dc))
+            c = apply(self.config, k[0])
             with c.unlocked():
                 c.train.global_batch_size = B // lay.data * dc
                 c.xla.compile_cache = False
@@ -67,19 +78,17 @@ class Compiler:
             self.cache[k] = {**rep["memory"], "compile_s": rep["compile_s"], "state_bytes": rep["state_bytes"],
                              "collectives_by_kind": rep["collectives_by_kind"], "hlo_flops": rep["hlo_flops"]["total"],
                              "data_collectives": data_collectives(rep["collectives"], mesh)}
-        out = dict(self.cache[k])
+        out = placed(self.cache[k], lay.offload)
         out["source"] = "compiled" if compile_data_size(lay) == lay.data else "derived (data 2)"
         return out
 
 
 def estimate(model: Model, lay: Layout) -> tuple[float, float]:
-    """Analytic (state, activation) bytes per device, to prune and order compiles (never shown as compiled).
-    state: params, float32 gradient buffer and AdamW moments by ZeRO stage (the matmul weights: within 1 %), the
-    routed experts' over `data`, the rest over data x expert;
+    """Analytic (device state, activation) bytes per device, to prune and order compiles (never shown as compiled).
+    state: `Model.state_bytes` less what `optim.offload` keeps in host memory (`Model.host_bytes`);
     activations: stored layer inputs (with recompute) or Korthikanti et al.'s s·b·h·(34 + 5·a·s/h) bytes per layer
     (without), for the microbatches a stage holds, and one loss chunk's float32 logits and their gradient."""
-    state = sum(P * (model.param_bytes / (d if lay.zero_stage >= 3 else 1) + 4 / (d if lay.zero_stage >= 2 else 1)
-                     + 8 / (d if lay.zero_stage >= 1 else 1)) for P, d in model.zero_groups(lay))
+    state = sum(model.state_bytes(lay).values()) - model.host_bytes(lay)
     P = model.params_per_device(lay)
     b, s, h, t = lay.micro_batch(model.global_batch), model.seq, model.embed, lay.tensor
     per_layer = activation_bytes(model, lay)

@@ -1,5 +1,5 @@
 """The layouts to rank: every (data, tensor, stage, expert, schedule, virtual stages, microbatches, ZeRO stage,
-recompute, sequence parallelism) that `validate.validate` accepts for the config's model and global batch on `gpus`
+host offload, recompute, sequence parallelism) that `validate.validate` accepts for the config's model and global batch on `gpus`
 devices. Expert sizes divide the model's experts, and expert x tensor stays within a node (the all-to-all)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import itertools
 
-from jaxpar.config import ConfigError
+from jaxpar.config import OFFLOAD, ConfigError
 from jaxpar.layout import Layout, apply, set_layout  # noqa: F401 (apply, set_layout: the planner's callers use them)
 from jaxpar.validate import validate
 
@@ -23,6 +23,7 @@ class Space:
     expert: tuple | None = None  # None: every size dividing the model's experts (1 for a dense model)
     schedule: tuple | None = None
     zero: tuple | None = (0, 1, 2, 3)
+    offload: tuple | None = OFFLOAD  # optim.offload modes
     remat: tuple | None = SEARCHED_REMAT
     sp: tuple | None = (False, True)
     max_micro_batch: int = 16
@@ -94,8 +95,8 @@ def _grid(config, gpus: int, space: Space):
 
 
 def _rest(d, t, s, e, M, L, space: Space):
-    """The layouts of one mesh and microbatch count: schedules, ZeRO stages, SP, recompute."""
-    for (sched, v), zero, sp in itertools.product(_schedules(s, L, space), space.zero or (0,),
-                                                  space.sp if t > 1 else (False,)):
+    """The layouts of one mesh and microbatch count: schedules, ZeRO stages, SP, offload, recompute."""
+    for (sched, v), zero, sp, off in itertools.product(_schedules(s, L, space), space.zero or (0,),
+                                                       space.sp if t > 1 else (False,), space.offload or ("none",)):
         for remat, premat in _recompute(s, sched, space):
-            yield Layout(d, t, s, M, sched, v, zero, remat, premat, sp, e)
+            yield Layout(d, t, s, M, sched, v, zero, remat, premat, sp, e, off)

@@ -6,7 +6,7 @@ from jaxpar.plan.hardware import GiB
 
 _TERMS = (("bubble_s", "bubble"), ("tp_comm_s", "tensor-parallel comm"), ("pp_comm_s", "stage transfers"),
           ("ep_comm_s", "expert all-to-all"), ("dp_comm_s", "data-parallel/ZeRO comm"), ("recompute_s", "recompute"),
-          ("optimizer_s", "optimizer update"))
+          ("optimizer_s", "optimizer update"), ("offload_s", "host offload transfers"))
 
 
 def why(p: Plan, c, best) -> str:
@@ -49,10 +49,11 @@ def format_table(p: Plan, rs: list[dict]) -> str:
             f"{cl.nics_per_node} x {cl.inter.name} between nodes); {p.considered} layouts valid, {p.compiles} "
             f"compiled; memory limit {p.capacity / GiB:.1f} GiB per device")
     lines = [head, f"{'#':>3} {'layout (data,tensor,stage)':<40} {'b':>3} {'tokens/s':>10} {'TFLOP/s':>8} "
-                   f"{'MFU':>6} {'GiB':>7} {'memory':<16} {'fits':<5} why it loses"]
+                   f"{'MFU':>6} {'GiB':>7} {'host':>6} {'memory':<16} {'fits':<5} why it loses"]
     for i, r in enumerate(rs, 1):
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
         lines.append(f"{i:>3} {r['layout']:<40} {r['micro_batch']:>3} {r['tokens_per_s']:>10.4g} "
-                     f"{r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%} {r['memory_gib']:>7.1f} {r['memory_source']:<16} "
+                     f"{r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%} {r['memory_gib']:>7.1f} {r['host_gib']:>6.1f} "
+                     f"{r['memory_source']:<16} "
                      f"{fits:<5} {r['why']}")
     return "\n".join(lines)
