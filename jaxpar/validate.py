@@ -192,6 +192,10 @@ def validate(config, num_devices: int) -> Layout:
         errs.append(f"train.microbatches={M} < mesh.stage={s}: the pipeline needs at least one microbatch per "
                     f"stage; set --config.train.microbatches={s} or more.")
     errs += schedule_errors(config.pipeline.schedule, s, M, v, bool(config.pipeline.remat))
+    if s > 1 and not config.pipeline.remat and m.remat == "offload":
+        errs.append("model.remat='offload' with pipeline.remat=False: the 1F1B loop keeps each stage's residuals in "
+                    "its own device buffers (the CUDA lowering refuses host ones there); use model.remat='selective' "
+                    "or pipeline.remat=True.")
     errs += _check_kernels(config, t)
     errs += _check_float64(tr)
     errs += _check_loss_scale(config)

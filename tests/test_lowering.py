@@ -41,6 +41,10 @@ CASES = [
     ("llama moe (2,1,1) expert 4 zero2", (2, 1, 1), {**MOE, "mesh.expert": 4, "optim.zero_stage": 2}),
     ("llama moe (2,1,2) expert 2 1f1b", (2, 1, 2), {**MOE, "mesh.expert": 2, "pipeline.schedule": "1f1b",
                                                     "train.microbatches": 2}),
+    ("llama (2,2,2) 1f1b zero1 offload params", (2, 2, 2),
+     {**LLAMA, "pipeline.schedule": "1f1b", "train.microbatches": 2, "optim.zero_stage": 1, "optim.offload": "params"}),
+    ("gpt2 (4,2,1) zero3 offload optimizer, remat offload", (4, 2, 1),
+     {"optim.zero_stage": 3, "optim.offload": "optimizer", "model.remat": "offload"}),
 ]
 
 
@@ -77,6 +81,10 @@ def test_train_and_eval_steps_lower_for_cuda_with_the_fused_kernel(name, layout,
     assert not SCORES.search(train) and not SCORES.search(evaluate)
     if config.mesh.expert > 1:  # the experts' tokens travel by all-to-all, forward and backward
         assert train.count("all_to_all") >= 4
+    if config.optim.offload != "none":  # the offloaded state enters in host memory and is moved to the device
+        assert 'mhlo.memory_kind = "pinned_host"' in train and '_xla_buffer_placement = "device"' in train
+    if config.model.remat == "offload":  # the residuals go to the host in the forward pass
+        assert '_xla_buffer_placement = "pinned_host"' in train
 
 
 def test_the_checks_see_xla_attention():

@@ -10,13 +10,18 @@ from helpers import VOCAB, batch, place, steps_for, tiny_config
 
 BATCHES = [batch(16, 16, VOCAB, seed=i) for i in range(3)]
 # (data, tensor, stage), schedule, ZeRO stage, microbatches: the layouts the issue names
-LAYOUTS = {"2x2x2-1f1b-z1": ((2, 2, 2), "1f1b", 1, 4), "4x2x1-z3": ((4, 2, 1), "gpipe", 3, 2)}
+# and a mixture of experts (llama family) at (data 2, expert 4) with the choice bias, ZeRO 2
+LAYOUTS = {"2x2x2-1f1b-z1": ((2, 2, 2), "1f1b", 1, 4), "4x2x1-z3": ((4, 2, 1), "gpipe", 3, 2),
+           "moe-e4-z2": ((2, 1, 1), "gpipe", 2, 2)}
+MOE = {"model.arch": "llama", "model.kv_heads": 4, "model.experts": 8, "model.experts_per_token": 2,
+       "model.expert_mlp": 32, "model.aux_loss": 0.01, "model.router_bias_rate": 0.01, "mesh.expert": 4}
 
 
 def layout_config(name, offload="none", **over):
     (d, t, s), sched, zero, M = LAYOUTS[name]
     return tiny_config(**{"mesh.data": d, "mesh.tensor": t, "mesh.stage": s, "pipeline.schedule": sched,
-                          "optim.zero_stage": zero, "train.microbatches": M, "optim.offload": offload, **over})
+                          "optim.zero_stage": zero, "train.microbatches": M, "optim.offload": offload,
+                          **(MOE if name.startswith("moe") else {}), **over})
 
 
 def kinds(tree) -> set:
@@ -43,8 +48,8 @@ def no_offload(name):
     return _NONE[name]
 
 
-@pytest.mark.parametrize("offload", ["optimizer", "params"])
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name,offload", [(n, o) for n in LAYOUTS for o in ("optimizer", "params")
+                                          if not (n.startswith("moe") and o == "optimizer")])
 def test_offload_equals_no_offload_bitwise(name, offload):
     losses, state, st = train(layout_config(name, offload))
     ref_losses, ref_state = no_offload(name)
@@ -145,3 +150,11 @@ def test_the_planner_ranks_offloaded_layouts_for_a_model_that_fits_only_with_the
     assert abs(p.model.host_bytes(best.layout) / host - 1) < 0.01  # the analytic host bytes: the compiled ones
     assert best.time["offload_s"] == pytest.approx(2 * (host / 25e9 + 10e-6), rel=0.01)
     assert best.memory["peak"] == best.memory["xla_peak"] - host
+
+
+def test_activation_offload_with_the_loop_engines_own_residuals_is_one_clear_error():
+    from jaxpar.errors import ConfigError
+    from jaxpar.validate import validate
+    c = layout_config("2x2x2-1f1b-z1", **{"model.remat": "offload", "pipeline.remat": False})
+    with pytest.raises(ConfigError, match=r"model.remat='offload' with pipeline.remat=False"):
+        validate(c, 8)
