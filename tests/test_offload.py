@@ -158,3 +158,23 @@ def test_activation_offload_with_the_loop_engines_own_residuals_is_one_clear_err
     c = layout_config("2x2x2-1f1b-z1", **{"model.remat": "offload", "pipeline.remat": False})
     with pytest.raises(ConfigError, match=r"model.remat='offload' with pipeline.remat=False"):
         validate(c, 8)
+
+
+def test_the_offload_bench_runs_and_reports_the_bytes_it_moves():
+    """`bench/offload.py` at a tiny size (so that it cannot rot before a GPU runs it): every case computes the same
+    loss; offloading moves exactly the host bytes off the device; params offload moves more than optimizer."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "offload.py"), "--steps=1", "--embed=64",
+                          "--layers=2", "--seq_len=32", "--batch=8", "--link_mb=1"],
+                         capture_output=True, text=True, check=True, env=dict(os.environ), timeout=300).stdout
+    got = json.loads(out[out.index("{"):])
+    rows = {(r["offload"], r["remat"]): r for r in got["rows"]}
+    assert got["same_loss"] and len(rows) == 4
+    opt, params = rows[("optimizer", "selective")], rows[("params", "selective")]
+    assert opt["device_bytes_saved"] == opt["host_bytes"] > 0 and params["host_bytes"] > opt["host_bytes"]
+    assert got["host_link"]["to_device_gb_s"] > 0
