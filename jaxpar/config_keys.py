@@ -174,7 +174,8 @@ KEYS = (
     K("train.skip_steps", (), None, "steps (as logged: 1 is the first) whose update is skipped, to replay past bad "
       "data (Megatron's `--iterations-to-skip`); their batches are still read, the schedule counts applied updates"),
     K("train.skip_spikes", False, bool, "skip the update of a step whose loss or gradient norm is a spike: above the "
-      "mean of the last `spike_window` applied steps by `spike_threshold` standard deviations: [offload](offload.md)"),
+      "mean of the last `spike_window` applied steps by `spike_threshold` standard deviations: "
+      "[precision](precision.md#loss-spikes)"),
     K("train.spike_window", 100, int, "applied steps the spike statistics cover (they are part of the train state "
       "and of checkpoints)", lambda v: v >= 1, "an integer >= 1 (applied steps in the window)"),
     K("train.spike_threshold", 6.0, float, "standard deviations above the window's mean that make a spike",

@@ -150,6 +150,9 @@ def test_the_planner_ranks_offloaded_layouts_for_a_model_that_fits_only_with_the
     assert abs(p.model.host_bytes(best.layout) / host - 1) < 0.01  # the analytic host bytes: the compiled ones
     assert best.time["offload_s"] == pytest.approx(2 * (host / 25e9 + 10e-6), rel=0.01)
     assert best.memory["peak"] == best.memory["xla_peak"] - host
+    # that layout is `configs/mixtral_8x7b.py`'s, whose --dry_run device bytes are this compile's: under 80 GB
+    from jaxpar.layout import Layout
+    assert best.layout == Layout.from_config(mod.get_config(), 8) and best.memory["peak"] < 80e9
 
 
 def test_activation_offload_with_the_loop_engines_own_residuals_is_one_clear_error():
