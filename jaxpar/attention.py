@@ -23,7 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.logical import per_shard
+from jaxpar import blockwise, context
+from jaxpar.logical import context_rank, context_split, gather_context, per_shard
 from jaxpar.shard_map_body import vary_like
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas")
@@ -168,6 +169,21 @@ def _pallas_bwd(res, do):
 
 
 _pallas.defvjp(_pallas_fwd, _pallas_bwd)
+
+
+def context_attention(q, k, v, segment_ids=None):
+    """Causal attention of this device's piece of every sequence (context parallelism: the balanced order of
+    `jaxpar/context.py`) against the whole sequence: the K/V heads (not repeated for grouped queries) and the segment
+    ids are all-gathered over `context`, and the blockwise kernel (`jaxpar/blockwise.py`) tiles the local queries
+    against them with an online softmax, in tiles within one chunk, skipping the causally empty ones.
+    q `[b, t, heads, hd]`, k, v `[b, t, kv_heads, hd]` (t = seq / context), segment_ids `[b, t]` or None."""
+    cp, t = context_split(), q.shape[1]
+    keys, values = gather_context(k), gather_context(v)
+    k_seg = None if segment_ids is None else gather_context(segment_ids)
+    q_idx = context.local_index(t, cp, context_rank())
+    k_idx = jnp.asarray(context.permutation(t * cp, cp))
+    tile = blockwise.block_size(t // 2)
+    return blockwise.attention(q, keys, values, q_idx, k_idx, segment_ids, k_seg, tile, tile)
 
 
 def attention(q, k, v, segment_ids=None, implementation: str = "xla"):

@@ -42,12 +42,13 @@ def padded_vocab(vocab_size: int, tensor: int) -> int:
 
 def mesh_shape(config, num_devices: int) -> dict[str, int]:
     """Resolve `data = -1` into the devices left over; returns the sizes of `MESH_AXES`, in its order."""
-    t, s, e, d = (int(config.mesh[a]) for a in ("tensor", "stage", "expert", "data"))
-    for name, v in (("tensor", t), ("stage", s), ("expert", e)):
+    t, s, e, c, d = (int(config.mesh[a]) for a in ("tensor", "stage", "expert", "context", "data"))
+    for name, v in (("tensor", t), ("stage", s), ("expert", e), ("context", c)):
         if v < 1:
             raise ConfigError(f"mesh.{name}={v}: must be >= 1.")
-    rest = t * s * e
-    named = f"mesh.tensor={t} x mesh.stage={s}" + (f" x mesh.expert={e}" if e > 1 else "")
+    rest = t * s * e * c
+    extra = (f" x mesh.expert={e}" if e > 1 else "") + (f" x mesh.context={c}" if c > 1 else "")
+    named = f"mesh.tensor={t} x mesh.stage={s}" + extra
     if d == -1:
         if num_devices % rest:
             raise ConfigError(f"{named} = {rest} does not divide the {num_devices} devices; pick sizes whose product "
@@ -55,10 +56,10 @@ def mesh_shape(config, num_devices: int) -> dict[str, int]:
         d = num_devices // rest
     if d < 1 or d * rest != num_devices:
         raise ConfigError(
-            f"layout data={d} x tensor={t} x stage={s}" + (f" x expert={e}" if e > 1 else "") +
+            f"layout data={d} x tensor={t} x stage={s}" + extra.replace("mesh.", "") +
             f" = {d * rest} devices, but {num_devices} are present; set --config.mesh.data=-1 to use the rest, or "
             f"make the product {num_devices}.")
-    sizes = {"data": d, "stage": s, "expert": e, "tensor": t}
+    sizes = {"data": d, "stage": s, "expert": e, "context": c, "tensor": t}
     return {a: sizes[a] for a in MESH_AXES}
 
 

@@ -34,8 +34,9 @@ DEFAULT_RULES = (
 )
 NEW_RULES = ("experts", "router")  # added after configs with their own `rules` were written: defaulted if absent
 
-# order of the device grid: tensor last = neighbouring devices, expert next (its all-to-all within a node)
-MESH_AXES = ("data", "stage", "expert", "tensor")
+# order of the device grid: tensor last = neighbouring devices, then context (its K/V all-gathers) and expert (its
+# all-to-all) within a node where they fit
+MESH_AXES = ("data", "stage", "expert", "context", "tensor")
 ROUTERS = ("softmax", "sigmoid")
 REMAT_POLICIES = ("none", "selective", "full", "dots", "attention", "offload")
 OFFLOAD = ("none", "optimizer", "params")
@@ -89,6 +90,8 @@ KEYS = (
     K("mesh.stage", 1, int, "pipeline stages: [pipeline](pipeline.md)"),
     K("mesh.expert", 1, int, "expert-parallel size: the routed experts split over it, the batch split over data x "
       "expert: [moe](moe.md)"),
+    K("mesh.context", 1, int, "context-parallel size: every sequence split over it, load-balanced, attention gathering "
+      "K/V: [long context](context.md)"),
     # model
     K("model.arch", "gpt2", str, "`gpt2` (LayerNorm, learned positions, GELU MLP, biases) or `llama` (RMSNorm, RoPE, "
       "GQA, SwiGLU)"),

@@ -25,6 +25,7 @@ from jaxpar import pipeline
 from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules, mesh_axes
 from jaxpar.shard_map_body import vary
+from jaxpar.sharding import CONTEXT, replica_axes, xs_spec
 
 
 
@@ -51,7 +52,8 @@ class Accumulate:
         def grad_mb(mb):
             def f(p):
                 s, _, st = fwd.loss_and_stats(dp.gather_shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
-                                              prepare=self.gather_layer, segments=mb.get("seg"))
+                                              prepare=self.gather_layer, segments=mb.get("seg"),
+                                              positions=mb.get("pos"))
                 return s * ex["norm"] + moe.regulariser(st, fwd.cfg) * ex["reg_norm"], {"loss": s, "moe": st}
 
             g, sums = jax.grad(f, has_aux=True)(params)
@@ -68,11 +70,20 @@ class Accumulate:
         return sums, grads
 
     def loss(self, params, xs):
+        if CONTEXT not in self.dp.manual:
+            return self._loss(params, xs)
+        # context parallel: each device runs its piece of every sequence, under the same manual region as training
+        with activation_rules(self.rules, None, manual=self.dp.manual):
+            return self.dp.run_forward(lambda p, x: self._loss(p, x, self.dp.gather_shared, self.gather_layer),
+                                       params, xs)
+
+    def _loss(self, params, xs, gather=lambda p: p, prepare=None):
         def body(acc, mb):
-            s, n = self.fwd.loss(params, mb["x"], mb["y"], mb["w"], segments=mb.get("seg"))
+            s, n = self.fwd.loss(gather(params), mb["x"], mb["y"], mb["w"], prepare=prepare, segments=mb.get("seg"),
+                                 positions=mb.get("pos"))
             return (acc[0] + s, acc[1] + n), None
 
-        (s, n), _ = jax.lax.scan(body, (jnp.zeros(()), jnp.zeros(())), xs)
+        (s, n), _ = jax.lax.scan(body, vary((jnp.zeros(()), jnp.zeros(()))), xs)
         return s, n
 
 
@@ -87,11 +98,16 @@ class PipelineAutodiff:
     def __init__(self, fwd: gpt.Forward, forward_table, mesh, rules, unsharded, remat: bool, skip_bubbles: bool):
         self.fwd, self.forward_table, self.mesh, self.rules = fwd, forward_table, mesh, rules
         self.unsharded, self.remat, self.skip_bubbles = unsharded, remat, skip_bubbles
-        self.batch_axes = ("data",) + (("expert",) if mesh.shape.get("expert", 1) > 1 else ())
+        # manual with `stage`: the params' replica axes (`data` always; `expert`, `context` with > 1 device)
+        self.batch_axes = ("data",) + tuple(a for a in replica_axes(mesh) if a != "data")
         self.manual = ("stage",) + self.batch_axes
         # the stacked layers' shardings over the manual axes: `stage` on the layers, `expert` on the routed experts
         man = lambda sh: P(*[tuple(a for a in mesh_axes(e) if a in self.manual) or None for e in sh.spec])  # noqa
         self.stacked_specs = jax.tree.map(man, gpt.split_params(unsharded)[1])
+
+    def xs_specs(self, xs):
+        """The inputs' specs over the manual axes: rows over data (x expert), the sequence over context."""
+        return jax.tree.map(lambda a: xs_spec(a.ndim, self.mesh), xs)
 
     def fence(self, tree):
         return jax.lax.with_sharding_constraint(tree, self.unsharded)
@@ -99,7 +115,8 @@ class PipelineAutodiff:
     def _ends(self, params, rng):
         """(shared params, layer params, the pipeline's first and last functions over one microbatch)."""
         shared, layers = gpt.split_params(params)
-        first = lambda sh, mb: self.fwd.embed(sh, mb["x"], rng, mb["ids"], segments=mb.get("seg"))
+        first = lambda sh, mb: self.fwd.embed(sh, mb["x"], rng, mb["ids"], segments=mb.get("seg"),  # noqa: E731
+                                              positions=mb.get("pos"))
         last = lambda sh, a, mb: self.fwd.head_loss(sh, a, mb["y"], mb["w"])
         return shared, layers, first, last
 
@@ -111,13 +128,14 @@ class PipelineAutodiff:
         cfg = self.fwd.cfg
 
         def stage(chunk, a, cid, mb):
-            y, st = self.fwd.layers_and_stats(chunk, a, rng, mb["ids"], first_layer=cid * Lc, segments=mb.get("seg"))
+            y, st = self.fwd.layers_and_stats(chunk, a, rng, mb["ids"], first_layer=cid * Lc, segments=mb.get("seg"),
+                                              positions=mb.get("pos"))
             return y, moe.regulariser(st, cfg), st
 
         with activation_rules(self.rules, None, manual=self.manual):
             return pipeline.run(first, stage, last, shared, layers, xs, tab, self.mesh, remat=self.remat,
                                 skip_bubbles=self.skip_bubbles, batch_axes=self.batch_axes,
-                                stacked_specs=self.stacked_specs)
+                                stacked_specs=self.stacked_specs, xs_specs=self.xs_specs(xs))
 
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         def f(p):
@@ -143,12 +161,14 @@ class PipelineLoop(PipelineAutodiff):
         cfg = self.fwd.cfg
 
         def layer(p, a, index, mb):
-            y, st = self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"), stats=True)
+            y, st = self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"), stats=True,
+                                   positions=mb.get("pos"))
             return y, moe.regulariser(st, cfg), st
 
         with activation_rules(self.rules, None, manual=self.manual):
             lsum, _, _, dshared, dlayers, stats = pipeline.run_loop(
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
-                remat=self.remat, reg_seed=reg_norm, batch_axes=self.batch_axes, stacked_specs=self.stacked_specs)
+                remat=self.remat, reg_seed=reg_norm, batch_axes=self.batch_axes, stacked_specs=self.stacked_specs,
+                xs_specs=self.xs_specs(xs))
         grads = gpt.join_params(dshared, dlayers)
         return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), stats

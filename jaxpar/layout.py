@@ -15,6 +15,7 @@ from jaxpar.config import MESH_AXES, _get, mesh_shape
 
 # field -> config key: the one place a layout meets the config's key names
 KEYS = {"data": "mesh.data", "tensor": "mesh.tensor", "stage": "mesh.stage", "expert": "mesh.expert",
+        "context": "mesh.context",
         "microbatches": "train.microbatches",
         "schedule": "pipeline.schedule", "virtual_stages": "pipeline.virtual_stages", "zero_stage": "optim.zero_stage",
         "offload": "optim.offload",
@@ -35,6 +36,7 @@ class Layout:
     sequence_parallel: bool = False  # model.sequence_parallel
     expert: int = 1  # mesh.expert: the routed experts split over it; the batch over data x expert
     offload: str = "none"  # optim.offload: what lives in pinned host memory between steps
+    context: int = 1  # mesh.context: every sequence split over it (context parallelism)
 
     @classmethod
     def from_config(cls, config, num_devices: int) -> "Layout":
@@ -72,6 +74,7 @@ class Layout:
         rem = self.remat if self.stage == 1 or not self.pipeline_remat else "stage"
         return (f"({self.data},{self.tensor},{self.stage}){sched} M{self.microbatches} z{self.zero_stage} {rem}"
                 + (" SP" if self.sequence_parallel else "") + (f" E{self.expert}" if self.expert > 1 else "")
+                + (f" C{self.context}" if self.context > 1 else "")
                 + ("" if self.offload == "none" else f" off:{self.offload[:3]}"))
 
     def as_dict(self) -> dict:

@@ -98,3 +98,24 @@ def exchange_experts(x: jax.Array, split_axis: int, concat_axis: int) -> jax.Arr
     if EXPERT not in mesh.manual_axes or mesh.shape[EXPERT] == 1:
         return x
     return jax.lax.all_to_all(x, EXPERT, split_axis, concat_axis, tiled=True)
+
+
+CONTEXT = "context"  # the mesh axis of context parallelism
+
+
+def context_split() -> int:
+    """Devices this code's sequences are split over: the `context` axis's size inside a `shard_map` manual over it
+    (the step's data-parallel region, the pipelines'), else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape[CONTEXT] if CONTEXT in mesh.manual_axes else 1
+
+
+def context_rank():
+    """This device's index along `context` (inside a region manual over it)."""
+    return jax.lax.axis_index(CONTEXT)
+
+
+def gather_context(x: jax.Array, axis: int = 1) -> jax.Array:
+    """The pieces of `x` along `axis` from every `context` device, concatenated in device order (all-gather); its
+    gradient is the reduce-scatter back to each piece's device."""
+    return jax.lax.all_gather(x, CONTEXT, axis=axis, tiled=True)

@@ -1,8 +1,8 @@
-"""The device mesh `(data, stage, expert, tensor)`: tensor on neighbouring devices (the fastest links), then expert
-(its all-to-all), data outermost.
+"""The device mesh `(data, stage, expert, context, tensor)`: tensor on neighbouring devices (the fastest links), then
+context (its K/V all-gathers) and expert (its all-to-all), data outermost.
 
 `make_mesh(shape)` takes the resolved sizes from `validate.validate`. Devices are ordered by (node, process, id) and
-reshaped to (data, stage, expert, tensor), tensor fastest: a tensor group (and an expert x tensor block, when a node
+reshaped to (data, stage, expert, context, tensor), tensor fastest: a tensor group (and an expert x tensor block, when a node
 holds one) lies within a node and `data` spans nodes, so tensor-parallel traffic never crosses the network. The node of
 each process comes from `jaxpar.distributed`; without it each process counts as its own node.
 """
@@ -16,11 +16,11 @@ from jaxpar import distributed
 from jaxpar.config import MESH_AXES, ConfigError
 from jaxpar.layout import Layout
 
-AXES = MESH_AXES  # ("data", "stage", "expert", "tensor"): the config's one list
+AXES = MESH_AXES  # ("data", "stage", "expert", "context", "tensor"): the config's one list
 
 
 def make_mesh(shape: Layout | dict[str, int], devices=None) -> Mesh:
-    """Mesh with axes `AXES`, sizes `shape` (a `Layout`, or {'data', 'stage', 'tensor'[, 'expert']}), axis types Auto
+    """Mesh with axes `AXES`, sizes `shape` (a `Layout`, or {'data', 'stage', 'tensor'[, 'expert', 'context']}), axis types Auto
     (compiler-propagated).
 
     Raises:

@@ -220,6 +220,11 @@ _REMAT = {
 }
 
 
+def _positions(positions, segments):
+    """The tokens' positions: given, or each segment's from its start."""
+    return positions if positions is not None else segment_positions(segments)
+
+
 class Forward:
     """Pure functions over the params dict; build once per config (holds the block's graph definition)."""
 
@@ -230,55 +235,60 @@ class Forward:
         self.cdt = jnp.dtype(cfg.compute_dtype)
 
     @jax.named_scope("embed")  # the scope names in the HLO's op_name metadata (`hlo_flops` reads them)
-    def embed(self, params, tokens, rng=None, seq_ids=None, pos0=0, segments=None):
+    def embed(self, params, tokens, rng=None, seq_ids=None, pos0=0, segments=None, positions=None):
         """tokens `[batch, seq]` int32 -> `[batch, seq, embed]` (compute dtype); positions start at `pos0`, or at
-        each segment's start (`segments` `[batch, seq]` int32: packed documents)."""
+        each segment's start (`segments` `[batch, seq]` int32: packed documents), or are given (`positions`
+        `[batch, seq]` int32: a context-parallel shard of a sequence, `jaxpar/context.py`)."""
         tokens = constrain(tokens, ("batch", "seq"))
         x = lookup(params["wte"], tokens, self.cdt)
         if "wpe" in params:  # gpt2's learned positions; llama rotates q and k in each block instead
-            if segments is None:
+            if positions is None and segments is None:
                 pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)[None]
             else:
-                pos = jnp.take(params["wpe"], segment_positions(segments), axis=0)
+                pos = jnp.take(params["wpe"], _positions(positions, segments), axis=0)
             x = x + pos.astype(self.cdt)
         if rng is not None and self.cfg.dropout_embed > 0:
             x = dropout(x, self.cfg.dropout_embed, jax.random.fold_in(rng, 0), seq_ids)
         # not split on `act_seq`: the pipeline's stage-0 branch and its buffer reads must agree on the layout
         return constrain(x, ("batch", "seq", "embed"))
 
-    def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None):
+    def layers(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None,
+               positions=None):
         """Apply the stacked blocks `block_params` (leading axis: layers of this chunk) to x `[batch, seq, embed]`.
 
         `first_layer` is the global index of the chunk's first layer (it keys dropout, so any split agrees).
         `prepare(layer_params)`, if given, runs on each layer's params inside the scan before use (ZeRO-3 gathers
-        them there, one layer at a time). `segments`: as in `block`."""
-        return self.layers_and_stats(block_params, x, rng, seq_ids, first_layer, prepare, segments)[0]
+        them there, one layer at a time). `segments`, `positions`: as in `block`."""
+        return self.layers_and_stats(block_params, x, rng, seq_ids, first_layer, prepare, segments, positions)[0]
 
-    def layers_and_stats(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None):
+    def layers_and_stats(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None,
+                         positions=None):
         """`layers`, also returning the MoE layers' stats (`jaxpar/moe.py: STATS`, leaves `[layers of the chunk,
         ...]`; None for a dense model)."""
         cfg = self.cfg
 
         def one(x, inp):
             p, i = inp
-            return self.block(prepare(p) if prepare is not None else p, x, rng, seq_ids, i, segments, stats=True)
+            return self.block(prepare(p) if prepare is not None else p, x, rng, seq_ids, i, segments, stats=True,
+                              positions=positions)
 
         if cfg.remat != "none":
             one = jax.checkpoint(one, policy=_REMAT[cfg.remat], prevent_cse=False)
         n = jax.tree.leaves(block_params)[0].shape[0]
         return jax.lax.scan(one, x, (block_params, first_layer + jnp.arange(n)))
 
-    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0, segments=None, stats=False):
+    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0, segments=None, stats=False, positions=None):
         """One transformer block (params without the `layers` axis) on x `[batch, seq, embed]`; `layer` is its
         global index (int or traced int32), which keys its dropout. `segments` `[batch, seq]` int32 (packed
-        documents): attention within a segment only, positions from each segment's start. With `stats`: (x, the
-        MoE layer's stats or None)."""
+        documents): attention within a segment only, positions from each segment's start; `positions` `[batch, seq]`
+        int32, if given, are the tokens' (a context-parallel shard). With `stats`: (x, the MoE layer's stats or
+        None)."""
         cfg = self.cfg
         drop = None
         if rng is not None and cfg.dropout_resid > 0:
             lk = jax.random.fold_in(rng, 1 + layer)
             drop = lambda y, site: dropout(y, cfg.dropout_resid, jax.random.fold_in(lk, site), seq_ids)
-        positions = None if segments is None else segment_positions(segments)
+        positions = None if positions is None and segments is None else _positions(positions, segments)
         y, _, st = nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments, layer)
         return (y, st) if stats else y
 
@@ -304,14 +314,18 @@ class Forward:
         w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
         return cross_entropy(h, w, targets, mask, cfg.vocab_real, cfg.loss_chunk)
 
-    def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None):
-        """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`, `segments`: as in `layers`."""
-        return self.loss_and_stats(params, tokens, targets, mask, rng, seq_ids, prepare, segments)[:2]
+    def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None,
+             positions=None):
+        """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`, `segments`, `positions`: as in
+        `layers`."""
+        return self.loss_and_stats(params, tokens, targets, mask, rng, seq_ids, prepare, segments, positions)[:2]
 
-    def loss_and_stats(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None):
+    def loss_and_stats(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None,
+                       positions=None):
         """`loss`, and the MoE layers' stats (`layers_and_stats`)."""
-        x = self.embed(params, tokens, rng, seq_ids, segments=segments)
-        x, stats = self.layers_and_stats(params[_LAYERS], x, rng, seq_ids, prepare=prepare, segments=segments)
+        x = self.embed(params, tokens, rng, seq_ids, segments=segments, positions=positions)
+        x, stats = self.layers_and_stats(params[_LAYERS], x, rng, seq_ids, prepare=prepare, segments=segments,
+                                         positions=positions)
         return (*self.head_loss(params, x, targets, mask), stats)
 
     def init_cache(self, batch: int, length: int | None = None) -> KVCache:

@@ -24,7 +24,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar import attention as kernels
 from jaxpar import moe
 from jaxpar.dtypes import at_least_f32  # noqa: F401 (re-exported)
-from jaxpar.logical import constrain
+from jaxpar.logical import constrain, context_split
 from jaxpar.nn_base import LOGICAL, ROLE, param, swiglu  # noqa: F401 (re-exported)
 
 def _ones(dim, dtype, names=("embed",)):
@@ -122,6 +122,8 @@ def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, impl
     if cache is not None:
         k, v, mask, cache = cache.append(k, v)
         dt, q, k, v = q.dtype, *(a.astype(jnp.float32) for a in (q, k, v))
+    elif context_split() > 1:  # this device holds a piece of every sequence: attend over the gathered K/V
+        return checkpoint_name(kernels.context_attention(q, k, v, segment_ids), "attention"), cache
     rep = q.shape[2] // k.shape[2]
     if rep > 1:  # under tensor parallelism each device then slices its own heads (KV heads split or replicated)
         k, v = (jnp.repeat(a, rep, axis=2) for a in (k, v))

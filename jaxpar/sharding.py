@@ -25,12 +25,28 @@ def _fits(p: P, shape, mesh) -> P:
     return P(*out)
 
 
-BATCH_AXES = ("data", "expert")  # the batch's split: every parameter but the routed experts is replicated over both
+BATCH_AXES = ("data", "expert")  # the batch's rows split: every parameter but the routed experts is replicated over both
+CONTEXT = "context"  # the sequence's split (context parallelism)
+# the axes every parameter (but a routed expert's, split over `expert`) is replicated over: its gradient is reduced
+# over them and ZeRO shards over them
+REPLICA_AXES = BATCH_AXES + (CONTEXT,)
 
 
 def batch_axes(mesh) -> tuple:
-    """The mesh axes of `BATCH_AXES` with more than one device."""
+    """The mesh axes of `BATCH_AXES` with more than one device (the rows' split)."""
     return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
+
+
+def replica_axes(mesh) -> tuple:
+    """The mesh axes of `REPLICA_AXES` with more than one device."""
+    return tuple(a for a in REPLICA_AXES if mesh.shape.get(a, 1) > 1)
+
+
+def xs_spec(ndim: int, mesh) -> P:
+    """The spec of a microbatched input `[M, rows, seq, ...]` (ndim >= 3) or `[M, rows]` inside a region manual over
+    the replica axes: rows over the batch axes, the sequence over `context`."""
+    seq = CONTEXT if ndim >= 3 and mesh.shape.get(CONTEXT, 1) > 1 else None
+    return P(None, entry(batch_axes(mesh)), seq) if seq else P(None, entry(batch_axes(mesh)))
 
 
 def entry(axes: tuple):
@@ -44,10 +60,10 @@ def batch_spec(mesh) -> P:
 
 
 def zero_axes(p: P, mesh) -> tuple:
-    """The batch axes a parameter with spec `p` is replicated over: what ZeRO shards it over and what its gradient
-    is reduced over (a routed expert's weight is split over `expert` already: `data` only)."""
+    """The replica axes a parameter with spec `p` is replicated over: what ZeRO shards it over and what its gradient
+    is reduced over (a routed expert's weight is split over `expert` already: `data` and `context` only)."""
     used = {a for ax in p for a in mesh_axes(ax)}
-    return tuple(a for a in batch_axes(mesh) if a not in used)
+    return tuple(a for a in replica_axes(mesh) if a not in used)
 
 
 def zero_dim(p: P, axes: tuple):
@@ -74,8 +90,8 @@ def add_data_axis(p: P, shape, mesh, skip=()) -> P:
         if dim % (n * math.prod(mesh.shape[a] for a in have)) == 0:
             # a batch axis already here (`expert`) stays major: ZeRO splits each device's own piece further; the
             # compiler's axes (`tensor`) minor, as the data-parallel region sees them whole
-            parts[i] = entry(tuple(a for a in have if a in BATCH_AXES) + axes
-                             + tuple(a for a in have if a not in BATCH_AXES))
+            parts[i] = entry(tuple(a for a in have if a in REPLICA_AXES) + axes
+                             + tuple(a for a in have if a not in REPLICA_AXES))
             return P(*parts)
     return P(*parts)
 

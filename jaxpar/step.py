@@ -26,6 +26,7 @@ from jaxpar import model as gpt
 from jaxpar import moe, spikes
 from jaxpar import pipeline
 from jaxpar.config import step_rules
+from jaxpar.context import permutation as balanced_order
 from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules
 from jaxpar.optim import OptimSettings, applied_updates, make_optimizer, schedule
@@ -88,12 +89,19 @@ def to_microbatches(x, m: int):
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
-def microbatched(batch, m: int):
-    """-> mask `[batch, seq]`, and {x, y, w, ids (, seg)} with leaves `[m, batch / m, ...]`."""
+def microbatched(batch, m: int, context: int = 1):
+    """-> mask `[batch, seq]`, and {x, y, w, ids (, seg)} with leaves `[m, batch / m, ...]`. With context
+    parallelism (`context` > 1) every sequence is laid out in the balanced order (`jaxpar/context.py`) and the
+    tokens' true positions come along (`pos`)."""
     inputs, targets, mask, seg = split_batch(batch)
     ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
-    xs = {"x": inputs, "y": targets, "w": mask, "ids": ids} | ({} if seg is None else {"seg": seg})
-    return mask, jax.tree.map(lambda a: to_microbatches(a, m), xs)
+    xs = {"x": inputs, "y": targets, "w": mask} | ({} if seg is None else {"seg": seg})
+    if context > 1:
+        pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape) if seg is None \
+            else gpt.segment_positions(seg)
+        order = jnp.asarray(balanced_order(inputs.shape[1], context))
+        xs = jax.tree.map(lambda a: a[:, order], {**xs, "pos": pos})
+    return mask, jax.tree.map(lambda a: to_microbatches(a, m), {**xs, "ids": ids})
 
 
 def map_blocks(state, fn):
@@ -220,7 +228,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
 
         The objective is the loss plus the MoE regularisers' mean over the batch's sequences (`moe.regulariser`);
         the backward pass runs on it times `scale` (fp16 loss scaling); the grads returned are unscaled."""
-        mask, xs = microbatched(batch, lo.microbatches)
+        mask, xs = microbatched(batch, lo.microbatches, lo.context)
         total = jnp.maximum(mask.sum(dtype=at_least_f32(cfg.compute_dtype)), 1.0)  # float64 in float64 runs
         lsum, grads, stats = grad_fn.loss_and_grads(params, xs, scale / total, rng, scale / mask.shape[0])
         grads = jax.lax.with_sharding_constraint(grads, sh.grads)
@@ -244,7 +252,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     def evaluate(params, batch):
         """(loss_sum, token_count) over a batch, microbatched like training."""
         with activation_rules(st.rules, mesh):
-            return grad_fn.loss(dev(params, "params"), microbatched(batch, lo.microbatches)[1])
+            return grad_fn.loss(dev(params, "params"), microbatched(batch, lo.microbatches, lo.context)[1])
 
     def grads(params, batch):
         """(mean loss, grads in canonical layer order): for tests and tools, no update."""

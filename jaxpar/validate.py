@@ -137,6 +137,31 @@ def check_experts(m, lay: Layout) -> list[str]:
     return errs
 
 
+def check_context(m, c: int, t: int) -> list[str]:
+    """Context parallelism's rules (`mesh.context` = c > 1) against the model and `mesh.tensor` = t."""
+    if c == 1:
+        return []
+    errs = []
+    if m.sequence_parallel and m.seq_len % (2 * c) == 0 and (m.seq_len // c) % t:
+        errs.append(f"model.sequence_parallel splits each context device's {m.seq_len // c} tokens over "
+                    f"mesh.tensor={t}; use a seq_len that is a multiple of {c * t}.")
+    if m.seq_len % (2 * c):
+        errs.append(f"model.seq_len={m.seq_len} is not divisible by 2 x mesh.context={c} = {2 * c}: each context "
+                    f"device holds two equal chunks of every sequence; use a multiple of {2 * c} (the nearest: "
+                    f"{nearest_multiples(m.seq_len, 2 * c)}).")
+    if m.attention in ("cudnn", "pallas"):
+        errs.append(f"model.attention={m.attention!r} cannot serve mesh.context={c}: its kernel attends within the "
+                    f"sequence it is given, and a context device holds pieces; use 'auto' or 'xla' (the blockwise "
+                    f"kernel runs there, docs/context.md).")
+    if m.dropout_embed > 0 or m.dropout_resid > 0:
+        errs.append(f"dropout (model.dropout_embed={m.dropout_embed}, model.dropout_resid={m.dropout_resid}) with "
+                    f"mesh.context={c}: the masks are drawn per whole sequence; set both to 0 or mesh.context=1.")
+    if m.experts:
+        errs.append(f"model.experts={m.experts} with mesh.context={c}: a MoE layer's per-sequence capacity and "
+                    f"balancing need the whole sequence, not built for context parallelism; use mesh.context=1.")
+    return errs
+
+
 def _check_kernels(config, t: int) -> list[str]:
     """model.attention (against the dtype, the packing and this process's backend), model.loss_chunk,
     model.sequence_parallel."""
@@ -182,7 +207,7 @@ def validate(config, num_devices: int) -> Layout:
             f"train.global_batch_size={B} is not divisible by {split} x train.microbatches={M} = {n}; "
             f"use a batch that is a multiple of {n} (the nearest: {nearest_multiples(B, n)}) or change the "
             f"layout.")
-    errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay)
+    errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay) + check_context(m, lay.context, t)
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
         errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "

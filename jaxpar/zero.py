@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.logical import mesh_axes
 from jaxpar.shard_map_body import vary
-from jaxpar.sharding import batch_axes, zero_axes, zero_dim
+from jaxpar.sharding import replica_axes, xs_spec, zero_axes, zero_dim
 
 LAYERS = "layers"  # the logical axis of stacked per-layer params (scanned over, so absent inside a layer)
 
@@ -51,7 +51,7 @@ class DataParallel:
 
     def __init__(self, mesh, base_specs, param_specs, grad_specs, zero_stage: int, names):
         self.mesh, self.names = mesh, names
-        self.manual = batch_axes(mesh)  # mesh axes that are manual inside `run` (none: no shard_map at all)
+        self.manual = replica_axes(mesh)  # mesh axes that are manual inside `run` (none: no shard_map at all)
         is_p = lambda x: isinstance(x, P)  # noqa: E731
         self.axes = jax.tree.map(lambda b: zero_axes(b, mesh), base_specs, is_leaf=is_p)
         self.pspec, self.gspec = param_specs, grad_specs
@@ -101,6 +101,14 @@ class DataParallel:
         """Sum over every batch axis (loss sums, MoE load counts)."""
         return jax.tree.map(lambda a: jax.lax.psum(a, self.manual), x) if self.manual else x
 
+    def run_forward(self, fn, params, xs):
+        """`fn(params, xs) -> sums` (no gradients: evaluation) on each shard, summed over the shards."""
+        man = lambda spec: _manual_only(spec, self.manual)  # noqa: E731
+        f = jax.shard_map(lambda p, x: self.psum(fn(p, x)), mesh=self.mesh, axis_names=set(self.manual),
+                          in_specs=(self._map(man, self.pspec), jax.tree.map(lambda a: xs_spec(a.ndim, self.mesh), xs)),
+                          out_specs=P())
+        return f(params, xs)
+
     def run(self, fn, params, xs, extras):
         """Call `fn(params, xs, extras) -> (sums, grads)` on each batch shard; returns the sums added over the shards
         (a pytree: the loss sum, MoE stats) and the reduced grads (sharded where ZeRO >= 2 says so).
@@ -115,14 +123,13 @@ class DataParallel:
         man = lambda spec: _manual_only(spec, self.manual)  # noqa: E731
         pin = self._map(man, self.pspec)
         gout = self._map(lambda g, p, mode: man(g if mode == "scatter" else p), self.gspec, self.pspec, self.mode)
-        rows = self.manual[0] if len(self.manual) == 1 else self.manual
 
         def local(params, xs, extras):
             sums, grads = fn(vary(params), xs, extras)
             return self.psum(sums), self.reduce_end(grads)
 
         f = jax.shard_map(local, mesh=self.mesh, axis_names=set(self.manual),
-                          in_specs=(pin, jax.tree.map(lambda a: P(None, rows), xs),
+                          in_specs=(pin, jax.tree.map(lambda a: xs_spec(a.ndim, self.mesh), xs),
                                     jax.tree.map(lambda a: P(), extras)),
                           out_specs=(P(), gout))
         return f(params, xs, extras)

@@ -94,7 +94,7 @@ LOSS_F64_RTOL = 1e-12
 def reference_config(config):
     """The same run on 1 device, unpipelined, one microbatch, ZeRO 0: layout settings change only the order of sums."""
     c = config.copy_and_resolve_references()
-    c.mesh.update(data=1, tensor=1, stage=1, expert=1)
+    c.mesh.update(data=1, tensor=1, stage=1, expert=1, context=1)
     c.train.microbatches = 1
     c.optim.zero_stage = 0
     c.pipeline.update(schedule="gpipe", virtual_stages=1)
@@ -129,7 +129,7 @@ def _cached(kind, config, vocab, batches, fn):
 def float64_run(config, vocab, batches, devices=None):
     """(losses, params in canonical layer order, the gradients of the first step, each step's metrics on the host)
     after one float64 train step per batch on `config`'s layout: one compiled program (`Steps.train_with_grads`)."""
-    n = config.mesh.data * config.mesh.tensor * config.mesh.stage * config.mesh.expert
+    n = config.mesh.data * config.mesh.tensor * config.mesh.stage * config.mesh.expert * config.mesh.context
     with jax.enable_x64(True):
         s = steps_for(float64_config(config), vocab, jax.devices()[:n] if devices is None else devices)
         state, losses, first, metrics = s.init(0), [], None, []

@@ -37,7 +37,7 @@ DATA = "data"  # manual too: each device runs its rows; the gradient is reduced 
 
 
 def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, *, remat: bool = True,
-        bubble_fill: float = 0.0, skip_bubbles: bool = True, batch_axes=(DATA,), stacked_specs=None):
+        bubble_fill: float = 0.0, skip_bubbles: bool = True, batch_axes=(DATA,), stacked_specs=None, xs_specs=None):
     """Run the pipeline -> (loss_sum, count, per_microbatch_loss_sum `[M]`, aux sum, stats `[L, ...]` in stacked's
     stage-major order) in `last_fn`'s dtypes (float32; float64 in float64 runs), summed over microbatches.
 
@@ -49,17 +49,27 @@ def run(first_fn, stage_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
       bubble_fill: value of the activation buffers before any work arrives (tests pass NaN).
       skip_bubbles: skip the stage's compute in bubble slots (`lax.cond`); False computes every slot on a zeroed
         input and discards the result (for measuring what skipping saves).
-      batch_axes: the mesh axes the rows of `xs` are split over (manual here, with `stage`).
+      batch_axes: the mesh axes the params are replicated over (manual here, with `stage`; losses and gradients are
+        summed over them): those the rows of `xs` are split over, and `context`, which splits their sequence.
       stacked_specs: `PartitionSpec`s of `stacked` over `stage` and the batch axes (default: `stage` on axis 0).
+      xs_specs: `PartitionSpec`s of `xs` over the manual axes (default: rows over `batch_axes`).
     """
     tables = tuple(jnp.asarray(t["f"]) for t in (schedule.mb, schedule.rep, schedule.ok))
     ticks = _Ticks(first_fn, with_side(stage_fn), last_fn, schedule, remat, bubble_fill, skip_bubbles,
                    tuple(batch_axes))
-    rows = batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes)
     f = jax.shard_map(ticks.local, mesh=mesh, axis_names={AXIS, *batch_axes},
-                      in_specs=(P(), P(AXIS) if stacked_specs is None else stacked_specs, P(None, rows), P()),
+                      in_specs=(P(), P(AXIS) if stacked_specs is None else stacked_specs,
+                                _xs_specs(xs, batch_axes, xs_specs), P()),
                       out_specs=(P(), P(), P(), P(), P(AXIS)))
     return f(shared, stacked, xs, tables)
+
+
+def _xs_specs(xs, batch_axes, xs_specs):
+    """`xs_specs`, or rows over `batch_axes`."""
+    if xs_specs is not None:
+        return xs_specs
+    rows = batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes)
+    return P(None, rows)
 
 
 def with_side(fn):

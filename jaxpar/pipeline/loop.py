@@ -34,14 +34,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.dtypes import at_least_f32
 from jaxpar.shard_map_body import put as put_at, take, vary
-from jaxpar.pipeline.autodiff import AXIS, DATA, with_side
+from jaxpar.pipeline.autodiff import AXIS, DATA, _xs_specs, with_side
 from jaxpar.pipeline.tables import LANES, Schedule
 
 FIRST, MIDDLE, LAST, IDLE = range(4)  # a B lane's role: the chunk's place in the model, or no work
 
 
 def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, seed, *,
-        remat: bool = True, reg_seed=0.0, batch_axes=(DATA,), stacked_specs=None):
+        remat: bool = True, reg_seed=0.0, batch_axes=(DATA,), stacked_specs=None, xs_specs=None):
     """Loss and gradients of `seed · Σ_microbatches loss_sum` through the pipeline.
 
     Args:
@@ -52,7 +52,8 @@ def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
       seed: scalar in the loss sum's dtype, the cotangent of each microbatch's loss_sum (e.g. 1 / tokens of the global batch).
       remat: True: keep stage inputs and recompute the forward in B; False: keep the vjp residuals (1F1B only).
       reg_seed: the cotangent of each layer's aux (e.g. the MoE regularisers' weight over the global batch).
-      batch_axes, stacked_specs: as in `autodiff.run` (the rows' mesh axes; `stacked`'s specs over the manual axes).
+      batch_axes, stacked_specs, xs_specs: as in `autodiff.run` (the params' replica axes; `stacked`'s and `xs`'s
+        specs over the manual axes).
 
     Returns:
       (loss_sum, count, per-microbatch loss sums `[M]`, shared grads, stacked grads, layer stats `[L, ...]`): sums
@@ -66,9 +67,8 @@ def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
               for k in LANES}
     specs = jax.tree.map(lambda _: P(AXIS), stacked) if stacked_specs is None else stacked_specs
     engine = _Engine(first_fn, with_side(layer_fn), last_fn, schedule, remat, tuple(batch_axes), specs)
-    rows = batch_axes[0] if len(batch_axes) == 1 else tuple(batch_axes)
     f = jax.shard_map(engine.local, mesh=mesh, axis_names={AXIS, *batch_axes},
-                      in_specs=(P(), specs, P(None, rows), P(), P(), P()),
+                      in_specs=(P(), specs, _xs_specs(xs, batch_axes, xs_specs), P(), P(), P()),
                       out_specs=(P(), P(), P(), P(), specs, P(AXIS)))
     return f(shared, stacked, xs, seed, jnp.asarray(reg_seed), tables)
 

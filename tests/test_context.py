@@ -1,0 +1,134 @@
+"""Context parallelism (`mesh.context`): every layout with the sequence split over `context` computes the 1-device
+run (float64 on both sides: loss, gradients, params after AdamW steps), packed documents included; the causal work
+per device is balanced (the blockwise kernel's own tile count against the formula); bad settings fail in validate."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import (VOCAB, assert_equals_one_device, batch, float64_config, place, reference_config, steps_for,
+                     tiny_config)
+from jaxpar import blockwise, context
+from jaxpar.errors import ConfigError
+from jaxpar.validate import validate
+
+LLAMA = {"model.arch": "llama", "model.kv_heads": 4, "model.tie_embeddings": False}  # 8 query heads: GQA, 2 per KV
+BATCHES = [batch(16, 16, VOCAB, seed=i) for i in range(2)]
+
+
+def packed(seed):
+    """16 rows of 17 tokens cut into documents at random points: many cross the 2-token chunks of context 4, some
+    are a single token (shorter than a chunk)."""
+    rng = np.random.default_rng(seed)
+    seg = np.cumsum(rng.random((16, 17)) < 0.3, axis=1).astype(np.int32)
+    return {**batch(16, 16, VOCAB, seed=seed), "segments": seg}
+
+
+def config(data=1, tensor=1, stage=1, ctx=2, **over):
+    return tiny_config(**{"mesh.data": data, "mesh.tensor": tensor, "mesh.stage": stage, "mesh.context": ctx,
+                          **LLAMA, **over})
+
+
+CASES = {
+    "context 2": config(ctx=2),
+    "context 4": config(ctx=4),
+    "context 8": config(ctx=8),
+    "data 2 x context 2 x tensor 2, sequence parallel": config(2, 2, ctx=2, **{"model.sequence_parallel": True}),
+    "context 2 x stage 2 x data 2, 1f1b": config(2, 1, 2, ctx=2, **{"pipeline.schedule": "1f1b",
+                                                                    "train.microbatches": 2}),
+    "context 4 x data 2, zero 3": config(2, ctx=4, **{"optim.zero_stage": 3, "train.microbatches": 2}),
+    "gpt2, context 4 x data 2": tiny_config(**{"mesh.data": 2, "mesh.context": 4}),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_context_parallel_equals_one_device(name):
+    assert_equals_one_device(CASES[name], VOCAB, BATCHES)
+
+
+def test_packed_documents_across_chunks_equal_one_device():
+    """`data.packing=documents` at (data 2, context 4): documents cross the chunk boundaries and some are shorter
+    than a chunk; positions restart at each document, attention never crosses one."""
+    c = config(2, ctx=4, **{"data.packing": "documents"})
+    assert_equals_one_device(c, VOCAB, [packed(0), packed(1)])
+
+
+def test_evaluation_at_context_4_is_the_one_device_loss():
+    c = float64_config(config(2, ctx=4, **{"data.packing": "documents"}))
+    with jax.enable_x64(True):
+        got = {}
+        for name, cfg, n in (("cp", c, 8), ("one", reference_config(c), 1)):
+            st = steps_for(cfg, VOCAB, jax.devices()[:n])
+            s, count = st.evaluate(st.init(0)["params"], place(st, packed(2)))
+            got[name] = float(s) / float(count)
+    assert got["cp"] == pytest.approx(got["one"], rel=1e-12)
+
+
+def test_a_context_4_checkpoint_resumes_at_context_1(tmp_path):
+    """2 steps at (data 2, context 4), a checkpoint, the third step on one device: the uninterrupted run's loss."""
+    from jaxpar.checkpoint import Checkpointer
+    c4, c1 = config(2, ctx=4), config(1, ctx=1)
+    steps3 = [batch(16, 16, VOCAB, seed=i) for i in range(3)]
+    st4 = steps_for(c4, VOCAB)
+    state = st4.init(0)
+    for b in steps3[:2]:
+        state, _ = st4.train(state, place(st4, b))
+    st1 = steps_for(c1, VOCAB, jax.devices()[:1])
+    with Checkpointer(str(tmp_path), 1, 1, async_save=False) as ck:
+        ck.save(2, st4.to_canonical(state), {"step": 2}, force=True)
+        resumed, _ = ck.restore(2, st1.abstract_state())
+    _, m = st1.train(resumed, place(st1, steps3[2]))
+    ref = st4.init(0)
+    for b in steps3:
+        ref, m_ref = st4.train(ref, place(st4, b))
+    assert float(m["loss"]) == pytest.approx(float(m_ref["loss"]), rel=1e-6)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_causal_work_is_balanced_across_context_devices(cp):
+    """Each device's tiles, counted by the blockwise kernel as it runs them (chunk-sized tiles): 2·cp + 1 pairs of
+    chunks on every device in the balanced order (the formula, `context.pair_work`), against 4i + 3 for device i of
+    the contiguous split (imbalance (4cp − 1) / (2cp + 1): 2.3x at cp 2, 3.4x at cp 8)."""
+    seq, n = 64, 64 // (2 * cp)
+    q = jnp.zeros((1, seq // cp, 2, 4))
+    kv = jnp.zeros((1, seq, 2, 4))
+    order = context.permutation(seq, cp)
+    for balanced in (True, False):
+        work = []
+        for rank in range(cp):
+            mine = context.local_index(seq // cp, cp, rank) if balanced else rank * (seq // cp) + jnp.arange(seq // cp)
+            keys = order if balanced else np.arange(seq)
+            work.append(int(blockwise.tiles_computed(q, kv, kv, jnp.asarray(mine, jnp.int32),
+                                                     jnp.asarray(keys, jnp.int32), block_q=n, block_k=n)))
+        assert work == context.pair_work(cp, balanced)
+    balanced = context.pair_work(cp)
+    assert max(balanced) / min(balanced) - 1 <= 0.10
+
+
+def test_the_blockwise_kernel_equals_dense_attention_with_documents():
+    """float64, GQA, segments, tiles smaller than the sequence: the values and the gradients of dense softmax
+    attention (`attention._float64` over a repeated K/V and a causal, same-document mask)."""
+    from jaxpar import attention as kernels
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(0)
+        q, k, v, w = (jnp.asarray(rng.normal(size=s)) for s in ((2, 16, 4, 8), (2, 16, 2, 8), (2, 16, 2, 8),
+                                                                  (2, 16, 4, 8)))
+        seg = jnp.asarray(np.cumsum(rng.random((2, 16)) < 0.25, axis=1).astype(np.int32))
+        idx = jnp.arange(16, dtype=jnp.int32)
+        mask = (seg[:, None, :, None] == seg[:, None, None, :]) & jnp.tril(jnp.ones((16, 16), bool))
+        dense = lambda q, k, v: (kernels._float64(q, *(jnp.repeat(a, 2, axis=2) for a in (k, v)), mask) * w).sum()
+        tiled = lambda q, k, v: (blockwise.attention(q, k, v, idx, idx, seg, seg, 4, 8) * w).sum()
+        assert float(tiled(q, k, v)) == pytest.approx(float(dense(q, k, v)), rel=1e-13)
+        for a, b in zip(jax.grad(tiled, (0, 1, 2))(q, k, v), jax.grad(dense, (0, 1, 2))(q, k, v)):
+            np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("over,says", [
+    ({"model.seq_len": 20, "mesh.context": 4}, "model.seq_len=20 is not divisible by 2 x mesh.context=4 = 8"),
+    ({"mesh.context": 2, "model.attention": "pallas"}, "model.attention='pallas' cannot serve mesh.context=2"),
+    ({"mesh.context": 2, "model.dropout_resid": 0.1}, "with mesh.context=2: the masks are drawn per whole sequence"),
+    ({"mesh.context": 2, "model.experts": 4, "model.arch": "llama"}, "model.experts=4 with mesh.context=2"),
+])
+def test_bad_context_settings_are_one_clear_error(over, says):
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        validate(tiny_config(**over), 8)
