@@ -54,6 +54,17 @@ def _needed(qi, ki):
     return qi.max() >= ki.min()
 
 
+def _loop(body, carry, xs):
+    """`body(carry, x)` over the leading axis of `xs` in a `lax.while_loop` -> the final carry."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+
+    def step(state):
+        i, c = state
+        return i + 1, body(c, jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), xs))
+
+    return jax.lax.while_loop(lambda state: state[0] < n, step, (vary(jnp.zeros((), jnp.int32)), carry))[1]
+
+
 def _forward(q, k, v, q_idx, k_idx, q_seg, k_seg, bq, bk):
     """-> (out `[b, tq, h, d]` in q's dtype, lse `[nq, b, g, r, bq]`, tiles computed (int32))."""
     f = at_least_f32(q.dtype)
@@ -78,9 +89,12 @@ def _forward(q, k, v, q_idx, k_idx, q_seg, k_seg, bq, bk):
                 o = o * jnp.moveaxis(corr, -1, 1)[..., None] + jnp.einsum("bgrqk,bkgd->bqgrd", p, vt.astype(f))
                 return o, m_new, l * corr + p.sum(-1), n + 1
 
-            return jax.lax.cond(_needed(qit, kit), tile, lambda c: c, carry), None
+            return jax.lax.cond(_needed(qit, kit), tile, lambda c: c, carry)
 
-        (o, m, l, n), _ = jax.lax.scan(k_block, (acc, stat, jnp.zeros_like(stat), n), (kb, vb, ki, ks))
+        # a while loop, not a scan: the forward is never differentiated (the custom VJP below is its derivative),
+        # and JAX's partial evaluation of a scan inside a scanned, differentiated layer would stack every tile's
+        # intermediates as if it were
+        (o, m, l, n) = _loop(k_block, (acc, stat, jnp.zeros_like(stat), n), (kb, vb, ki, ks))
         return n, (o / jnp.moveaxis(l, -1, 1)[..., None], m + jnp.log(l))
 
     n, (o, lse) = jax.lax.scan(q_block, vary(jnp.zeros((), jnp.int32)), (qb, qi, qs))

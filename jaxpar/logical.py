@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 _RULES: contextvars.ContextVar = contextvars.ContextVar("jaxpar_rules", default=None)
@@ -117,5 +119,21 @@ def context_rank():
 
 def gather_context(x: jax.Array, axis: int = 1) -> jax.Array:
     """The pieces of `x` along `axis` from every `context` device, concatenated in device order (all-gather); its
-    gradient is the reduce-scatter back to each piece's device."""
+    gradient is the reduce-scatter back to each piece's device, summed in at least float32."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.all_gather(x, CONTEXT, axis=axis, tiled=True)
+    return _gather_context(x, axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_context(x, axis):
     return jax.lax.all_gather(x, CONTEXT, axis=axis, tiled=True)
+
+
+def _gather_context_bwd(axis, _, g):
+    # the partial dK/dV of every device summed in float32 (XLA:CPU also aborts on a bfloat16 reduce-scatter)
+    wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+    return (jax.lax.psum_scatter(wide, CONTEXT, scatter_dimension=axis, tiled=True).astype(g.dtype),)
+
+
+_gather_context.defvjp(lambda x, axis: (_gather_context(x, axis), None), _gather_context_bwd)

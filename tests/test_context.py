@@ -132,3 +132,23 @@ def test_the_blockwise_kernel_equals_dense_attention_with_documents():
 def test_bad_context_settings_are_one_clear_error(over, says):
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         validate(tiny_config(**over), 8)
+
+
+def test_llama3_8b_128k_dry_run_fits_and_never_holds_a_chunk_by_sequence_score_matrix():
+    """`configs/llama3_8b_128k.py` (context 8, ZeRO 3) on 8 fake CPU devices: under 80 GB per device, and no float
+    buffer of the compiled step spans the 131,072-token sequence together with a device's 16,384 queries (the
+    attention works in 512 x 512 tiles; the K/V gathered over context are [131072, 8 KV heads, 128])."""
+    import importlib.util
+    import re
+
+    from helpers import ROOT
+    from jaxpar.compiled import report_for
+    spec = importlib.util.spec_from_file_location("llama3_8b_128k", f"{ROOT}/configs/llama3_8b_128k.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rep = report_for(mod.get_config(), vocab=128256)
+    assert rep["placement"]["device"] < 80e9
+    shapes = [[int(x) for x in m.group(2).split(",")] for m in re.finditer(r"(bf16|f32)\[([\d,]+)\]", rep["hlo_text"])]
+    assert not [s for s in shapes if 131072 in s and any(d >= 16384 for d in s if d != 131072)]
+    tiles = [s for s in shapes if s[-2:] == [512, 512]]
+    assert tiles and max(np.prod(s[-5:]) for s in tiles) * 4 <= 64 * 2 ** 20  # one tile: [b, kv, groups, 512, 512]
