@@ -33,7 +33,7 @@ TABLE1 = [("1.7B", 2304, 24, 24, 1, 1, 32, 512, 137), ("18B", 6144, 40, 48, 8, 1
           ("145B", 12288, 80, 96, 8, 8, 1536, 2304, 148), ("530B", 20480, 105, 128, 8, 35, 2520, 2520, 163),
           ("1T", 25600, 128, 160, 8, 64, 3072, 3072, 163)]
 # the 2021 techniques: full recompute (stage recompute in a pipeline), no ZeRO, no SP
-MEGATRON_2021 = dict(zero=(0,), remat=("full",), sp=(False,))
+MEGATRON_2021 = dict(zero=(0,), remat=("full",), sp=(False,), context=(1,), offload=("none",))  # what Megatron-LM had in 2021
 
 
 def megatron_config(h, layers, heads, batch, seq=2048):
@@ -120,7 +120,8 @@ def deepspeed(compile_):
     cl = hardware.cluster("a100-80g-pcie", 8, 8, "ib-hdr", nics_per_node=1)
     for mname, c in models.items():
         for sname, tps, gb, (d, t, s) in SCENARIOS:
-            sp = Space(tensor=(t,), stage=(s,), zero=(2,), remat=("none", "selective", "full"), sp=(False, True))
+            sp = Space(tensor=(t,), stage=(s,), zero=(2,), remat=("none", "selective", "full"), sp=(False, True),
+                       context=(1,), offload=("none",))
             pl = planner.plan(c, cl, sp, compile_top=1, devices=_devices(compile_))
             if not pl.ranked:  # tensor and stage are fixed, so is data
                 rows.append({"model": mname, "scenario": sname, "article_tokens_per_s": tps, "article_gb": gb,

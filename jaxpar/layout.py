@@ -51,6 +51,11 @@ class Layout:
         return {a: getattr(self, a) for a in MESH_AXES}
 
     @property
+    def model_devices(self) -> int:
+        """Devices one data replica spans: tensor x stage x expert x context."""
+        return self.tensor * self.stage * self.expert * self.context
+
+    @property
     def batch_split(self) -> int:
         """Devices the batch is split over: data x expert (the data replicas of every non-expert parameter)."""
         return self.data * self.expert

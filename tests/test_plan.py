@@ -49,7 +49,8 @@ def canonical(lay: Layout) -> bool:
 
 
 def test_enumeration_is_exactly_what_validate_accepts():
-    c, space = small(), Space(zero=(0, 3), remat=("none", "full"), max_micro_batch=8, offload=("none",))
+    c, space = small(), Space(zero=(0, 3), remat=("none", "full"), max_micro_batch=8, offload=("none",),
+                             context=(1,))
     found = set(candidates(c, 8, space))
     brute, work = set(), copy.deepcopy(c)
     for t, s, M, sched, v, z, r, pr, sp in itertools.product(

@@ -22,6 +22,8 @@ _NICS = flags.DEFINE_integer("nics_per_node", 0, "Network cards per server (0: o
 _INTRA = flags.DEFINE_string("intra_node", "", "Link within a server (default: the device's: nvlink3/4, pcie4).")
 _TENSOR = flags.DEFINE_list("tensor", None, "Tensor sizes to consider (default: powers of 2 up to 8).")
 _STAGE = flags.DEFINE_list("stage", None, "Pipeline stages to consider (default: every divisor).")
+_CONTEXT = flags.DEFINE_list("context", None, "Context-parallel sizes (default: every size whose 2 x size divides "
+                             "seq_len, within a node with tensor and expert).")
 _EXPERT = flags.DEFINE_list("expert", None, "Expert-parallel sizes (default: every size dividing model.experts).")
 _SCHEDULE = flags.DEFINE_list("schedule", None, "Schedules (default: gpipe, 1f1b, zb_h1, circular).")
 _ZERO = flags.DEFINE_list("zero", ["0", "1", "2", "3"], "ZeRO stages to consider.")
@@ -64,7 +66,7 @@ def _space():
     sp = names(_SP, ("False", "True", "false", "true"))
     if _MAX_MB.value < 1 or _TOP.value < 1:
         raise ValueError(f"--max_micro_batch={_MAX_MB.value}, --top={_TOP.value}: both must be >= 1")
-    return Space(tensor=ints(_TENSOR, 1), stage=ints(_STAGE, 1), expert=ints(_EXPERT, 1),
+    return Space(tensor=ints(_TENSOR, 1), stage=ints(_STAGE, 1), expert=ints(_EXPERT, 1), context=ints(_CONTEXT, 1),
                  schedule=names(_SCHEDULE, NAMES),
                  zero=ints(_ZERO, 0, (0, 1, 2, 3)), remat=names(_REMAT, REMAT_POLICIES),
                  offload=names(_OFFLOAD, OFFLOAD) or OFFLOAD,
@@ -121,7 +123,7 @@ def _measure(config, p, best):
     from jaxpar.plan.measure import time_step
     from jaxpar.plan.space import apply
 
-    n = best.layout.data * best.layout.tensor * best.layout.stage * best.layout.expert
+    n = best.layout.data * best.layout.model_devices
     if n > len(jax.devices()):
         sys.exit(f"--measure: the best layout needs {n} devices, {len(jax.devices())} are present.")
     got = time_step(apply(config, best.layout), p.model.vocab, devices=jax.devices()[:n])

@@ -20,6 +20,10 @@ Data parallelism / ZeRO: the float32 gradient all-reduce (ZeRO 0, 1) or per-micr
   `runtime.GPU_FLAGS`), what runs after it is exposed.
 The optimizer update streams 28 bytes per float32 parameter it updates (AdamW: read p, g, m, v; write p, m, v).
 Host offload: what lives in host memory crosses the device's host link (PCIe) twice per step, exposed.
+Context parallelism: a device's matmuls and activations are its seq / context tokens'; its queries attend to the
+  whole sequence, the causal half computed (the balanced order makes that half equal on every device); per layer
+  and forward pass an all-gather of K and V (this device's heads) over `context`, per backward pass their float32
+  reduce-scatter, exposed.
 """
 from __future__ import annotations
 
@@ -112,7 +116,7 @@ class Model:
         shared = self.padded_vocab(t) * h / t * (1 if self.tied else 2) + self.shared_other
         experts = self.expert_params / lay.stage / t / lay.expert
         dense = self.layers / lay.stage * (self.layer_total - self.expert_params / self.layers) / t + shared
-        return [(dense, lay.data * lay.expert), (experts, lay.data)]
+        return [(dense, lay.data * lay.expert * lay.context), (experts, lay.data * lay.context)]
 
     def state_bytes(self, lay: Layout) -> dict:
         """Per-device bytes of the params, the float32 gradient buffer and AdamW's two moments (in the params' dtype,
@@ -132,9 +136,10 @@ class Model:
 def activation_bytes(model: Model, lay: Layout) -> float:
     """One layer's activations for one microbatch (Korthikanti et al. 2022, Table 2, 2-byte values):
     s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallelism 34/t for the first terms; no a·s² scores under a fused
-    attention kernel; plus a MoE layer's buffers."""
-    b, s, h, t = lay.micro_batch(model.global_batch), model.seq, model.embed, lay.tensor
-    scores = 0 if model.fused_attention else 5 * model.heads * s / (h * t)
+    attention kernel (or the blockwise one of context parallelism); plus a MoE layer's buffers. s: a device's piece
+    of the sequence (seq / context)."""
+    b, s, h, t = lay.micro_batch(model.global_batch), model.seq // lay.context, model.embed, lay.tensor
+    scores = 0 if model.fused_attention or lay.context > 1 else 5 * model.heads * s / (h * t)
     # a MoE layer also keeps its buffers: the dispatched tokens and the experts' output [b, E, C, h], the gate, up and
     # product [b, E, C, F / t] (2-byte values, as above), averaged over the layers
     moe = model.moe_layers / model.layers * b * model.experts * model.capacity * (4 * h + 6 * model.expert_mlp / t)
@@ -181,24 +186,31 @@ class _Layer:
     head_fwd: float
     transfer: float  # bytes of one [b, s, h] activation
     ep: float = 0.0  # one expert all-to-all, averaged over the layers
+    cp: float = 0.0  # a forward pass's K/V all-gather over context
+    cp_bwd: float = 0.0  # the backward pass's dK/dV reduce-scatter (float32)
 
 
 def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
-    t, b, s, h = lay.tensor, lay.micro_batch(model.global_batch), model.seq, model.embed
+    """Per device: s is its piece of the sequence (seq / context); its queries attend to all seq keys, the causal
+    half computed (a fused kernel's or the blockwise kernel's skipped tiles)."""
+    t, b, s, h, c = lay.tensor, lay.micro_batch(model.global_batch), model.seq // lay.context, model.embed, lay.context
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     moe_share = model.moe_layers / model.layers
     slots = b * (model.experts * model.capacity - model.top_k * s)  # buffer slots beyond the active k·s tokens
     lin = 2 * b * s * model.layer_params() / t + moe_share * 2 * slots * 3 * h * model.expert_mlp / t
-    core = 4 * b * s * s * h / t * (0.5 if model.fused_attention else 1.0)
+    core = 4 * b * s * (s * c) * h / t * (0.5 if model.fused_attention or c > 1 else 1.0)
     work = (lin + core) / rate + ELEMENTWISE_TRAFFIC * activation_bytes(model, lay) / cl.device.hbm_bw
     x = b * s * h * model.compute_bytes
     bw = cl.group_bw(t, 1)
     tp = collective_time("all-reduce", x, t, bw) + (bw[1] if lay.sequence_parallel else 0.0)  # SP: two collectives, one latency more
     buf = b * model.experts * model.capacity * h * model.compute_bytes
     ep = moe_share * collective_time("all-to-all", buf, lay.expert, cl.group_bw(lay.expert, t))
-    return _Layer(fwd=work + 2 * tp + 2 * ep, bwd=2 * work + 2 * tp + 2 * ep, core=core / rate, tp=tp,
+    kv = 2 * b * (s * c) * h * model.kv_heads / model.heads / t  # K and V of the whole sequence, this device's heads
+    cp = collective_time("all-gather", kv * model.compute_bytes, c, cl.group_bw(c, t))
+    cp_bwd = collective_time("reduce-scatter", kv * 4, c, cl.group_bw(c, t))
+    return _Layer(fwd=work + 2 * tp + 2 * ep + cp, bwd=2 * work + 2 * tp + 2 * ep + cp_bwd, core=core / rate, tp=tp,
                   mm_fwd=lin / rate, flops_fwd=lin + core, flops_core=core,
-                  head_fwd=2 * b * s * h * model.padded_vocab(t) / t / rate, transfer=x, ep=ep)
+                  head_fwd=2 * b * s * h * model.padded_vocab(t) / t / rate, transfer=x, ep=ep, cp=cp, cp_bwd=cp_bwd)
 
 
 def _pipeline(lay: Layout, cl: Cluster, ly: _Layer, Lc: float, head: float, r_full: float, r_core: float):
@@ -234,7 +246,8 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
     flops = M * (Lc * ((3 + r_full) * ly.flops_fwd + r_core * ly.flops_core) + head_passes * ly.head_fwd * rate)
     return {"step_s": critical + pp + dp["exposed"] + opt + off, "compute_s": ideal, "bubble_s": critical - ideal,
             "pp_comm_s": pp, "tp_comm_s": M * (Lc * (4 + 2 * r_full) + 2) * ly.tp,
-            "ep_comm_s": M * Lc * (4 + 2 * r_full) * ly.ep, "dp_comm_s": dp["exposed"],
+            "ep_comm_s": M * Lc * (4 + 2 * r_full) * ly.ep,
+            "cp_comm_s": M * Lc * ((1 + r_full) * ly.cp + ly.cp_bwd), "dp_comm_s": dp["exposed"],
             "dp_overlapped_s": dp["hidden"], "dp_bytes": dp["bytes"], "dp_source": dp["source"], "optimizer_s": opt,
             "recompute_s": M * Lc * recompute, "offload_s": off, "device_flops": flops}
 

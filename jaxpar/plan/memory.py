@@ -56,7 +56,7 @@ class Compiler:
 
     def can_compile(self, lay: Layout) -> bool:
         """Enough fake devices, and a program XLA:CPU compiles (`compiled.xla_cpu_aborts`: else the estimate)."""
-        return (compile_data_size(lay) * lay.tensor * lay.stage * lay.expert <= len(self.devices)
+        return (compile_data_size(lay) * lay.model_devices <= len(self.devices)
                 and not xla_cpu_aborts(self.devices[0].platform, self.config.train.param_dtype, lay.zero_stage))
 
     def memory(self, lay: Layout) -> dict:
@@ -71,7 +71,7 @@ class Compiler:
             with c.unlocked():
                 c.train.global_batch_size = B // lay.data * dc
                 c.xla.compile_cache = False
-            n = dc * lay.tensor * lay.stage * lay.expert
+            n = dc * lay.model_devices
             rep = report_for(c, self.vocab, self.devices[:n])
             self.compiles += 1
             mesh = {a: rep["layout"][a] for a in MESH_AXES}
@@ -90,7 +90,7 @@ def estimate(model: Model, lay: Layout) -> tuple[float, float]:
     (without), for the microbatches a stage holds, and one loss chunk's float32 logits and their gradient."""
     state = sum(model.state_bytes(lay).values()) - model.host_bytes(lay)
     P = model.params_per_device(lay)
-    b, s, h, t = lay.micro_batch(model.global_batch), model.seq, model.embed, lay.tensor
+    b, s, h, t = lay.micro_batch(model.global_batch), model.seq // lay.context, model.embed, lay.tensor
     per_layer = activation_bytes(model, lay)
     if not model.fused_attention and lay.remat == "none":
         per_layer *= 2.1  # jaxpar keeps every elementwise residual: 2.11-2.17x the formula (bench/activations.py)

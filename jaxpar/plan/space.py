@@ -1,6 +1,7 @@
 """The layouts to rank: every (data, tensor, stage, expert, schedule, virtual stages, microbatches, ZeRO stage,
-host offload, recompute, sequence parallelism) that `validate.validate` accepts for the config's model and global batch on `gpus`
-devices. Expert sizes divide the model's experts, and expert x tensor stays within a node (the all-to-all)."""
+host offload, recompute, sequence parallelism, context) that `validate.validate` accepts for the config's model and global batch on
+`gpus` devices. Expert sizes divide the model's experts, and expert x context x tensor stays within a node (the
+all-to-all, the K/V all-gathers)."""
 from __future__ import annotations
 
 import copy
@@ -21,6 +22,7 @@ class Space:
     tensor: tuple | None = None
     stage: tuple | None = None
     expert: tuple | None = None  # None: every size dividing the model's experts (1 for a dense model)
+    context: tuple | None = None  # None: every size c with 2c dividing seq_len (1 for a MoE model)
     schedule: tuple | None = None
     zero: tuple | None = (0, 1, 2, 3)
     offload: tuple | None = OFFLOAD  # optim.offload modes
@@ -75,6 +77,7 @@ def candidates(config, gpus: int, space: Space = Space()):
 def _grid(config, gpus: int, space: Space):
     """Every combination before validation (products of the mesh sizes equal to gpus)."""
     L, B, E = int(config.model.layers), int(config.train.global_batch_size), int(config.model.experts)
+    T = int(config.model.seq_len)
     node = min(space.gpus_per_node, gpus)
     tensors = [t for t in space.tensor or [t for t in divisors(gpus) if t & (t - 1) == 0 and t <= 8]
                if node % t == 0]
@@ -84,19 +87,22 @@ def _grid(config, gpus: int, space: Space):
         for e in space.expert or [e for e in divisors(gpus // (t * s)) if (E % e == 0 if E else e == 1)]:
             if gpus % (t * s * e) or node % (t * e):
                 continue
-            d = gpus // (t * s * e)
-            if B % (d * e):
-                continue
-            per_replica = B // (d * e)
-            for M in divisors(per_replica):
-                if per_replica // M > space.max_micro_batch or (s > 1 and M < s):
+            for c in space.context or [c for c in divisors(gpus // (t * s * e)) if c == 1 or (not E and T % (2 * c) == 0)]:
+                if gpus % (t * s * e * c) or node % (t * e * c):
                     continue
-                yield from _rest(d, t, s, e, M, L, space)
+                d = gpus // (t * s * e * c)
+                if B % (d * e):
+                    continue
+                per_replica = B // (d * e)
+                for M in divisors(per_replica):
+                    if per_replica // M > space.max_micro_batch or (s > 1 and M < s):
+                        continue
+                    yield from _rest(d, t, s, e, c, M, L, space)
 
 
-def _rest(d, t, s, e, M, L, space: Space):
+def _rest(d, t, s, e, c, M, L, space: Space):
     """The layouts of one mesh and microbatch count: schedules, ZeRO stages, SP, offload, recompute."""
     for (sched, v), zero, sp, off in itertools.product(_schedules(s, L, space), space.zero or (0,),
                                                        space.sp if t > 1 else (False,), space.offload or ("none",)):
         for remat, premat in _recompute(s, sched, space):
-            yield Layout(d, t, s, M, sched, v, zero, remat, premat, sp, e, off)
+            yield Layout(d, t, s, M, sched, v, zero, remat, premat, sp, e, off, c)

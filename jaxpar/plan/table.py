@@ -5,7 +5,7 @@ from jaxpar.plan import Plan, summary
 from jaxpar.plan.hardware import GiB
 
 _TERMS = (("bubble_s", "bubble"), ("tp_comm_s", "tensor-parallel comm"), ("pp_comm_s", "stage transfers"),
-          ("ep_comm_s", "expert all-to-all"), ("dp_comm_s", "data-parallel/ZeRO comm"), ("recompute_s", "recompute"),
+          ("ep_comm_s", "expert all-to-all"), ("cp_comm_s", "context K/V all-gather"), ("dp_comm_s", "data-parallel/ZeRO comm"), ("recompute_s", "recompute"),
           ("optimizer_s", "optimizer update"), ("offload_s", "host offload transfers"))
 
 
