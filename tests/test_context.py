@@ -152,3 +152,33 @@ def test_llama3_8b_128k_dry_run_fits_and_never_holds_a_chunk_by_sequence_score_m
     assert not [s for s in shapes if 131072 in s and any(d >= 16384 for d in s if d != 131072)]
     tiles = [s for s in shapes if s[-2:] == [512, 512]]
     assert tiles and max(np.prod(s[-5:]) for s in tiles) * 4 <= 64 * 2 ** 20  # one tile: [b, kv, groups, 512, 512]
+
+
+def test_the_planner_chooses_a_context_size_for_128k_tokens():
+    """Llama 3 8B at 131,072 tokens on 8 H100s (ZeRO 3, full recompute, no tensor or pipeline): without context
+    parallelism no layout fits (a device holding whole sequences), the best compiled layout splits the sequence,
+    and its K/V traffic is the formula: per layer and microbatch two forward all-gathers (with the recompute) of K
+    and V, [b, 131072, 8 KV heads x 128] bf16, and one float32 reduce-scatter of their gradients."""
+    import importlib.util
+
+    from helpers import ROOT
+    from jaxpar import plan as planner
+    from jaxpar.plan import cost, hardware
+    from jaxpar.plan.space import Space
+    spec = importlib.util.spec_from_file_location("llama3_8b_128k", f"{ROOT}/configs/llama3_8b_128k.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cl = hardware.cluster("h100", 8)
+    space = Space(tensor=(1,), stage=(1,), zero=(3,), remat=("full",), offload=("none",))
+    p = planner.plan(mod.get_config(), cl, space, compile_top=1, devices=jax.devices())
+    best = p.ranked[0]
+    assert best.layout.context > 1 and best.memory["source"] == "compiled" and best.fits(p.capacity)
+    assert all(c.fits(p.capacity) is not True for c in p.ranked if c.layout.context == 1)
+    lay, m = best.layout, p.model
+    kv = 2 * lay.micro_batch(m.global_batch) * m.seq * m.embed * m.kv_heads // m.heads
+    bw, lat = cl.group_bw(lay.context, 1)
+    share = (lay.context - 1) / lay.context
+    gather, scatter = share * kv * 2 / bw + lat, share * kv * 4 / bw + lat
+    expected = lay.microbatches * m.layers * (2 * gather + scatter)
+    assert best.time["cp_comm_s"] == pytest.approx(expected, rel=1e-9)
+    assert cost.step_time(m, lay, cl)["cp_comm_s"] == pytest.approx(expected, rel=1e-9)

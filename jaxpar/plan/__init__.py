@@ -81,7 +81,9 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
     for c in cands:
         if compiler is None or found >= compile_top or compiler.compiles >= 2 * compile_top + 4:
             break
-        kind = (c.layout.stage > 1, c.layout.pipeline_remat, c.layout.remat)
+        # what decides how far the activation estimate is off: the recompute, and the attention kernel (XLA's on
+        # the CPU compile; blockwise, with no score matrix, under context parallelism)
+        kind = (c.layout.stage > 1, c.layout.pipeline_remat, c.layout.remat, c.layout.context > 1)
         state, act = c.estimate
         if state + act * 0.8 * ratio.get(kind, 0.5) > capacity or not compiler.can_compile(c.layout):
             continue
