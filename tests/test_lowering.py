@@ -61,7 +61,7 @@ def gpu_config(layout, over, attention="auto", packing="documents"):
 
 def lowered(config):
     """(train, evaluate) StableHLO text, each lowered for CUDA from abstract inputs with this layout's shardings."""
-    n = config.mesh.data * config.mesh.tensor * config.mesh.stage * config.mesh.expert
+    n = config.mesh.data * config.mesh.tensor * config.mesh.stage * config.mesh.expert * config.mesh.context
     s = steps_for(config, VOCAB, jax.devices()[:n])
     state = s.abstract_state()
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
@@ -85,6 +85,20 @@ def test_train_and_eval_steps_lower_for_cuda_with_the_fused_kernel(name, layout,
         assert 'mhlo.memory_kind = "pinned_host"' in train and '_xla_buffer_placement = "device"' in train
     if config.model.remat == "offload":  # the residuals go to the host in the forward pass
         assert '_xla_buffer_placement = "pinned_host"' in train
+
+
+@pytest.mark.parametrize("layout,over", [((2, 1, 1), {"mesh.context": 4, "optim.zero_stage": 3}),
+                                         ((1, 2, 2), {"mesh.context": 2, "pipeline.schedule": "1f1b",
+                                                      "train.microbatches": 2, "model.sequence_parallel": True})],
+                         ids=["context 4 zero3", "context 2 tensor 2 1f1b sp"])
+def test_context_parallel_steps_lower_for_cuda_without_whole_score_matrices(layout, over):
+    """Context parallelism on a GPU: the blockwise kernel (plain JAX) lowers for CUDA with its K/V all-gathers and
+    their reduce-scatters, and no `[seq, seq]` (nor `[seq / context, seq]`) score matrix exists in the program."""
+    config = gpu_config(layout, {**LLAMA, **over}, attention="xla")
+    train, evaluate = lowered(config)
+    assert "all_gather" in train and "reduce_scatter" in train and "all_gather" in evaluate
+    local = SEQ // config.mesh.context
+    assert not SCORES.search(train) and not re.search(rf"\dx{local}x{SEQ}x(f32|bf16)", train)  # [.., q, k] scores
 
 
 def test_the_checks_see_xla_attention():
