@@ -28,11 +28,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.dtypes import at_least_f32
-from jaxpar.logical import constrain, exchange_experts
+from jaxpar import context
+from jaxpar.logical import constrain, context_rank, context_split, exchange_experts, gather_context
 from jaxpar.nn_base import param, swiglu
 from jaxpar.shard_map_body import vary_like
 
@@ -131,7 +133,23 @@ class MoE(nnx.Module):
             self.shared = SwiGLU(rngs, cfg.embed, cfg.shared_experts * cfg.expert_mlp, cfg.layers, dt)
 
     def __call__(self, h, cfg):
-        """h `[b, t, d]` (normed) -> (out `[b, t, d]` in h's dtype, stats {name: float32}: `STATS`)."""
+        """h `[b, t, d]` (normed) -> (out `[b, t, d]` in h's dtype, stats {name: float32}: `STATS`).
+
+        Under context parallelism (h: this device's piece of each sequence, in the balanced order of
+        `jaxpar/context.py`) the layer runs on the whole sequences, gathered over `context`, so that capacity and
+        the sequence-wise statistics see every token: exact, at context x the layer's work; each device keeps its
+        own tokens' outputs and 1 / context of the statistics (every device computed the same sums)."""
+        cp = context_split()
+        if cp == 1:
+            return self._whole(h, cfg)
+        t = h.shape[1]
+        order = context.permutation(t * cp, cp)
+        full = gather_context(h)[:, jnp.asarray(np.argsort(order))]  # the sequences in token order
+        out, stats = self._whole(full, cfg)
+        mine = jax.lax.dynamic_slice_in_dim(out[:, jnp.asarray(order)], context_rank() * t, t, axis=1)
+        return mine, jax.tree.map(lambda a: a / cp, stats)
+
+    def _whole(self, h, cfg):
         b, t, _ = h.shape
         E, cap = cfg.experts, capacity(cfg, t)
         h = constrain(h, ("batch", "seq", "embed"))
