@@ -2,8 +2,8 @@
 
 A logical name maps to a mesh axis through `config.rules`; a dimension the mesh axis does not divide stays
 replicated (e.g. 6 heads on tensor 4 would not be allowed by validation, but `seq` of odd length is fine).
-ZeRO (Rajbhandari et al. 2020, sec. 5) adds `data` to the first dimension of a tensor that it divides and that is
-not already sharded.
+ZeRO (Rajbhandari et al. 2020, sec. 5) adds the replica axes (`data`, `expert`, `context`: those the parameter is
+replicated over) to the first dimension of a tensor that they divide and that is not already sharded.
 """
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def zero_dim(p: P, axes: tuple):
 
 
 def add_data_axis(p: P, shape, mesh, skip=()) -> P:
-    """ZeRO: also shard over the batch axes it is replicated over (`zero_axes`: `data`, and `expert` for all but the
-    experts) along the first dimension they divide (replicated if none is), never along the dimensions in `skip`
+    """ZeRO: also shard over the replica axes it is replicated over (`zero_axes`: `data` and `context`, and `expert`
+    for all but the experts) along the first dimension they divide (replicated if none is), never along the dimensions in `skip`
     (the `layers` axis, so ZeRO-3 can gather one layer at a time)."""
     parts = list(tuple(p) + (None,) * (len(shape) - len(p)))
     axes = zero_axes(P(*parts), mesh)

@@ -1,11 +1,11 @@
-"""Data parallelism with ZeRO's gradient reduction, written by hand over the batch's mesh axes (`data`, and `expert`
-when the experts are split: `sharding.BATCH_AXES`).
+"""Data parallelism with ZeRO's gradient reduction, written by hand over the parameters' replica axes (`data`;
+`expert` when the experts are split; `context` when the sequence is: `sharding.REPLICA_AXES`).
 
 Left to the compiler, the gradient of a replicated parameter inside a microbatch loop (or the pipeline's tick loop)
 is all-reduced at every iteration, and XLA:CPU turns a reduce-scatter into an all-reduce plus a slice. So the
-loss-and-grads function runs under `shard_map`, manual over the batch axes only (tensor and stage stay with the
-compiler and the pipeline), on this shard's rows, and the reduction is explicit, as in ZeRO (Rajbhandari et al.
-2020, sec. 5):
+loss-and-grads function runs under `shard_map`, manual over the replica axes only (tensor and stage stay with the
+compiler and the pipeline), on this shard's rows (and, with `context`, its piece of each sequence), and the reduction
+is explicit, as in ZeRO (Rajbhandari et al. 2020, sec. 5):
 
 | ZeRO stage | params inside            | per microbatch                 | at the end of the step |
 |------------|--------------------------|--------------------------------|------------------------|
@@ -13,8 +13,9 @@ compiler and the pipeline), on this shard's rows, and the reduction is explicit,
 | 2          | replicated               | reduce-scatter into a 1/N buffer | —                    |
 | 3          | sharded; gathered layer by layer where used (the gather's transpose is the reduce-scatter) | — | — |
 
-Each parameter is replicated over, sharded by ZeRO over, and reduced over its own batch axes (`sharding.zero_axes`):
-both for every parameter but a routed expert's weights, which are split over `expert` already and use `data` only
+Each parameter is replicated over, sharded by ZeRO over, and reduced over its own replica axes (`sharding.zero_axes`):
+all of them for every parameter but a routed expert's weights, which are split over `expert` already and use `data`
+(and `context`) only
 (the all-to-all inside the MoE layer, `logical.exchange_experts`, brought them every token they serve).
 A parameter too small to split stays replicated and is all-reduced once at the end, whatever the stage.
 ZeRO-3's gathers are keyed by logical axis names: a leaf with a `layers` axis is gathered one layer at a time inside
