@@ -92,7 +92,7 @@ def test_import_onto_2_2_2_gives_transformers_logits_and_loss(models, corpus, tm
     steps = steps_for(config, V)
     params = hf.load_params(str(single), steps.cfg, steps.state_shardings["params"], steps.layer_order)
     some = jax.tree.leaves(params)[0]
-    assert dict(some.sharding.mesh.shape) == {"data": 2, "stage": 2, "expert": 1, "tensor": 2}
+    assert dict(some.sharding.mesh.shape) == {"data": 2, "stage": 2, "expert": 1, "context": 1, "tensor": 2}
     fwd = steps.fwd
     with activation_rules(config.rules, steps.mesh):  # tensor-parallel compute on the placed (2,2,2) params
         got = jax.jit(lambda p, t: fwd.logits(p, fwd.layers(p["blocks"], fwd.embed(p, t))))(

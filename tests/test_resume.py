@@ -12,6 +12,7 @@ import pytest
 from helpers import losses, run_config
 from jaxpar import data, trainer
 from jaxpar.checkpoint import Checkpointer, CheckpointSaveError
+from jaxpar.config import MESH_AXES
 from jaxpar.config import ConfigError
 
 # one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
@@ -84,7 +85,7 @@ def test_resume_onto_another_layout(sources, corpus, source, target, ndev, monke
 
     # the restored state is the saved one, bit for bit, placed in the new layout's shardings (checked in spy)
     (step, state, meta, meshes), = restored
-    assert meshes == {tuple((k, target.get(f"mesh.{k}", 1)) for k in ("data", "stage", "expert", "tensor"))}
+    assert meshes == {tuple((k, target.get(f"mesh.{k}", 1)) for k in MESH_AXES)}
     assert step == 3 and meta["step"] == 3 and meta["samples"] == 3 * 16
     want, got = leaves(saved[3]), leaves(state)
     assert want.keys() == got.keys()
