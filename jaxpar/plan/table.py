@@ -49,7 +49,7 @@ def format_table(p: Plan, rs: list[dict]) -> str:
             f"{cl.nics_per_node} x {cl.inter.name} between nodes); {p.considered} layouts valid, {p.compiles} "
             f"compiled; memory limit {p.capacity / GiB:.1f} GiB per device")
     lines = [head, f"{'#':>3} {'layout (data,tensor,stage)':<40} {'b':>3} {'tokens/s':>10} {'TFLOP/s':>8} "
-                   f"{'MFU':>6} {'GiB':>7} {'host':>6} {'memory':<16} {'fits':<5} why it loses"]
+                   f"{'MFU':>6} {'GiB':>7} {'host':>6} {'GiB from':<16} {'fits':<5} why it loses"]
     for i, r in enumerate(rs, 1):
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
         lines.append(f"{i:>3} {r['layout']:<40} {r['micro_batch']:>3} {r['tokens_per_s']:>10.4g} "
