@@ -29,14 +29,22 @@ from jaxpar.sharding import CONTEXT, replica_axes, xs_spec
 
 
 
+def _to_device(tree):
+    """`tree` in device memory (inside a jitted function; the identity for what is there already)."""
+    return jax.device_put(tree, jax.memory.Space.Device)
+
+
 class Accumulate:
     """Microbatches accumulated in a `lax.scan` under `DataParallel.run` (manual over `data` when it has > 1 device).
 
     ZeRO-3 gathers each layer's params inside the layer scan and the shared ones once per microbatch."""
 
-    def __init__(self, fwd: gpt.Forward, dp, rules, mesh):
+    def __init__(self, fwd: gpt.Forward, dp, rules, mesh, fetch: bool = False):
         self.fwd, self.dp, self.rules, self.mesh = fwd, dp, rules, mesh
         self.gather_layer = dp.layer_gather(lambda tree: gpt.split_params(tree)[1])
+        # optim.offload=params: the params arrive in host memory; each layer's are brought to the device inside the
+        # layer scan, the rest once per microbatch, and the gradients (host-typed, as their params) come back
+        self.fetch = _to_device if fetch else (lambda tree: tree)
 
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         extras = {"norm": norm, "reg_norm": reg_norm, "rng": None if rng is None else jax.random.key_data(rng)}
@@ -49,15 +57,19 @@ class Accumulate:
         rng = None if ex["rng"] is None else jax.random.wrap_key_data(ex["rng"])
         fwd, dp = self.fwd, self.dp
 
+        def shared(p):
+            rest, layers = gpt.split_params(p)
+            return dp.gather_shared(gpt.join_params(self.fetch(rest), layers))
+
         def grad_mb(mb):
             def f(p):
-                s, _, st = fwd.loss_and_stats(dp.gather_shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
-                                              prepare=self.gather_layer, segments=mb.get("seg"),
-                                              positions=mb.get("pos"))
+                s, _, st = fwd.loss_and_stats(shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
+                                              prepare=lambda lp: self.gather_layer(self.fetch(lp)),
+                                              segments=mb.get("seg"), positions=mb.get("pos"))
                 return s * ex["norm"] + moe.regulariser(st, fwd.cfg) * ex["reg_norm"], {"loss": s, "moe": st}
 
             g, sums = jax.grad(f, has_aux=True)(params)
-            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), g)), sums
+            return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), self.fetch(g))), sums
 
         def body(carry, mb):
             g, sums = grad_mb(mb)

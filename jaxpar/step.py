@@ -137,13 +137,20 @@ class Steps:
                             shapes, self.state_shardings)
 
 
+def layerwise_fetch(lo: Layout, cfg: gpt.ModelConfig) -> bool:
+    """Whether offloaded params (`optim.offload=params`) reach the device layer by layer inside the layer scan: without
+    a pipeline (a pipeline fetches each device's stage whole) and for a dense model (a MoE layer's choice bias, read
+    without a gradient, would get a device-typed zero cotangent for its host-typed param)."""
+    return lo.offload == "params" and lo.stage == 1 and cfg.experts == 0
+
+
 def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
     """The gradient strategy for this layout (`jaxpar/gradients.py`)."""
     lo = st.layout
     S = lo.stage
     if S == 1:
         dp = DataParallel(mesh, sh.base_specs, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names)
-        return gradients.Accumulate(fwd, dp, st.rules, mesh)
+        return gradients.Accumulate(fwd, dp, st.rules, mesh, fetch=layerwise_fetch(lo, fwd.cfg))
     M, v = lo.microbatches, lo.virtual_stages
     common = (pipeline.forward_table(lo.schedule, S, M, v), mesh, st.rules, sh.unsharded, lo.pipeline_remat,
               st.skip_bubbles)
@@ -236,10 +243,13 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
 
     def train_with_grads(state, batch):
         """`train`, also returning the gradients it applied, in canonical layer order."""
-        state = dev(state)  # optim.offload: on the device only inside the step (out_shardings send it back)
+        # optim.offload: on the device only inside the step (out_shardings send it back); offloaded params without a
+        # pipeline go in as they are, each layer brought to the device where the layer scan uses it
+        params = state["params"] if layerwise_fetch(lo, cfg) else dev(state["params"], "params")
+        state = dev(state)
         with activation_rules(st.rules, mesh):
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-            loss, grads, stats = loss_and_grads(state["params"], batch, rng if gpt.has_dropout(cfg) else None,
+            loss, grads, stats = loss_and_grads(params, batch, rng if gpt.has_dropout(cfg) else None,
                                                 state["loss_scale"].scale if st.float16 else 1.0)
             new, metrics = apply_update(state, loss, grads, optimizer, st, lr_at)
             if stats is not None:

@@ -43,6 +43,8 @@ CASES = [
                                                     "train.microbatches": 2}),
     ("llama (2,2,2) 1f1b zero1 offload params", (2, 2, 2),
      {**LLAMA, "pipeline.schedule": "1f1b", "train.microbatches": 2, "optim.zero_stage": 1, "optim.offload": "params"}),
+    ("llama (4,2,1) zero3 offload params (per layer)", (4, 2, 1),
+     {**LLAMA, "optim.zero_stage": 3, "optim.offload": "params"}),
     ("gpt2 (4,2,1) zero3 offload optimizer, remat offload", (4, 2, 1),
      {"optim.zero_stage": 3, "optim.offload": "optimizer", "model.remat": "offload"}),
 ]
