@@ -57,14 +57,14 @@ def placement(memory: dict, host_state: int) -> dict:
     return {"device": memory["peak"] - host_state, "host": host_state, "source": "xla - host state (XLA:CPU)"}
 
 
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
 def host_state_bytes(abstract_state) -> int:
     """Per-device bytes of the state's leaves whose sharding puts them in host memory."""
     leaves = [a for a in jax.tree.leaves(abstract_state)
               if getattr(getattr(a, "sharding", None), "memory_kind", None) in HOST_KINDS]
     return sum(_leaf_bytes(a, a.sharding) for a in leaves)
-
-
-HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 def _leaf_bytes(leaf, sharding) -> int:

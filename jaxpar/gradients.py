@@ -25,7 +25,7 @@ from jaxpar import pipeline
 from jaxpar.dtypes import at_least_f32
 from jaxpar.logical import activation_rules, mesh_axes
 from jaxpar.shard_map_body import vary
-from jaxpar.sharding import CONTEXT, replica_axes, xs_spec
+from jaxpar.sharding import CONTEXT, replica_axes, xs_specs
 
 
 
@@ -117,10 +117,6 @@ class PipelineAutodiff:
         man = lambda sh: P(*[tuple(a for a in mesh_axes(e) if a in self.manual) or None for e in sh.spec])  # noqa
         self.stacked_specs = jax.tree.map(man, gpt.split_params(unsharded)[1])
 
-    def xs_specs(self, xs):
-        """The inputs' specs over the manual axes: rows over data (x expert), the sequence over context."""
-        return jax.tree.map(lambda a: xs_spec(a.ndim, self.mesh), xs)
-
     def fence(self, tree):
         return jax.lax.with_sharding_constraint(tree, self.unsharded)
 
@@ -147,7 +143,7 @@ class PipelineAutodiff:
         with activation_rules(self.rules, None, manual=self.manual):
             return pipeline.run(first, stage, last, shared, layers, xs, tab, self.mesh, remat=self.remat,
                                 skip_bubbles=self.skip_bubbles, batch_axes=self.batch_axes,
-                                stacked_specs=self.stacked_specs, xs_specs=self.xs_specs(xs))
+                                stacked_specs=self.stacked_specs, xs_specs=xs_specs(xs, self.mesh))
 
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         def f(p):
@@ -181,6 +177,6 @@ class PipelineLoop(PipelineAutodiff):
             lsum, _, _, dshared, dlayers, stats = pipeline.run_loop(
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
                 remat=self.remat, reg_seed=reg_norm, batch_axes=self.batch_axes, stacked_specs=self.stacked_specs,
-                xs_specs=self.xs_specs(xs))
+                xs_specs=xs_specs(xs, self.mesh))
         grads = gpt.join_params(dshared, dlayers)
         return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), stats

@@ -49,6 +49,11 @@ def xs_spec(ndim: int, mesh) -> P:
     return P(None, entry(batch_axes(mesh)), seq) if seq else P(None, entry(batch_axes(mesh)))
 
 
+def xs_specs(xs, mesh):
+    """`xs_spec` of every leaf of a tree of microbatched inputs."""
+    return jax.tree.map(lambda a: xs_spec(a.ndim, mesh), xs)
+
+
 def entry(axes: tuple):
     """A `PartitionSpec` entry for mesh axes `axes`: None, one name, or a tuple of names."""
     return None if not axes else (axes[0] if len(axes) == 1 else tuple(axes))

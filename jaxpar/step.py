@@ -245,8 +245,8 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         """`train`, also returning the gradients it applied, in canonical layer order."""
         # optim.offload: on the device only inside the step (out_shardings send it back); offloaded params without a
         # pipeline go in as they are, each layer brought to the device where the layer scan uses it
-        params = state["params"] if layerwise_fetch(lo, cfg) else dev(state["params"], "params")
-        state = dev(state)
+        host_params, state = state["params"], dev(state)
+        params = host_params if layerwise_fetch(lo, cfg) else state["params"]
         with activation_rules(st.rules, mesh):
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
             loss, grads, stats = loss_and_grads(params, batch, rng if gpt.has_dropout(cfg) else None,

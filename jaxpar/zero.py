@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.logical import mesh_axes
 from jaxpar.shard_map_body import vary
-from jaxpar.sharding import replica_axes, xs_spec, zero_axes, zero_dim
+from jaxpar.sharding import replica_axes, xs_specs, zero_axes, zero_dim
 
 LAYERS = "layers"  # the logical axis of stacked per-layer params (scanned over, so absent inside a layer)
 
@@ -106,7 +106,7 @@ class DataParallel:
         """`fn(params, xs) -> sums` (no gradients: evaluation) on each shard, summed over the shards."""
         man = lambda spec: _manual_only(spec, self.manual)  # noqa: E731
         f = jax.shard_map(lambda p, x: self.psum(fn(p, x)), mesh=self.mesh, axis_names=set(self.manual),
-                          in_specs=(self._map(man, self.pspec), jax.tree.map(lambda a: xs_spec(a.ndim, self.mesh), xs)),
+                          in_specs=(self._map(man, self.pspec), xs_specs(xs, self.mesh)),
                           out_specs=P())
         return f(params, xs)
 
@@ -130,7 +130,7 @@ class DataParallel:
             return self.psum(sums), self.reduce_end(grads)
 
         f = jax.shard_map(local, mesh=self.mesh, axis_names=set(self.manual),
-                          in_specs=(pin, jax.tree.map(lambda a: xs_spec(a.ndim, self.mesh), xs),
+                          in_specs=(pin, xs_specs(xs, self.mesh),
                                     jax.tree.map(lambda a: P(), extras)),
                           out_specs=(P(), gout))
         return f(params, xs, extras)
