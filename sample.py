@@ -27,10 +27,10 @@ def main(argv):
     import jax.numpy as jnp
 
     from jaxpar.export import CONFIG_FILE, load_export
-    from jaxpar.generate import generate
-    from jaxpar.runs import load_params
+    from jaxpar.model.generate import generate
+    from jaxpar.interop.runs import load_params
 
-    from jaxpar import hf
+    from jaxpar.interop import hf
 
     where = hf.directory_of(_WORKDIR.value)
     if where is not None:

@@ -2,7 +2,7 @@
 
 Rerunning the same command resumes from the latest checkpoint in WORKDIR (default: runs/<config file name>).
 Several processes (hosts): under `srun` nothing to add; elsewhere --coordinator, --num_processes, --process_id (or
-JAXPAR_* variables, see jaxpar/distributed.py); on one machine: `python -m jaxpar.launch --num_processes N -- train.py`.
+JAXPAR_* variables, see jaxpar/cluster/distributed.py); on one machine: `python -m jaxpar.launch --num_processes N -- train.py`.
 
 Guides: docs/getting-started.md, docs/layouts.md (--dry_run), docs/multihost.md; every key: docs/config.md.
 """
@@ -25,7 +25,7 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    from jaxpar import distributed, runtime
+    from jaxpar.cluster import distributed, runtime
     from jaxpar.config import ConfigError
 
     config = _CONFIG.value
@@ -38,7 +38,7 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     from jaxpar import trainer
-    from jaxpar.checkpoint import CheckpointSaveError
+    from jaxpar.interop.checkpoint import CheckpointSaveError
     from jaxpar.data import DataError
 
     workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])

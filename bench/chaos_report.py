@@ -53,7 +53,7 @@ def start_step(log_path: str) -> int | None:
 
 def complete_steps(workdir: str) -> list[int]:
     """The steps a restart could restore (complete checkpoints), as the trainer lists them."""
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.interop.checkpoint import Checkpointer
 
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         return []
@@ -67,10 +67,10 @@ def read_state(workdir: str, step: int | None = None):
     import jax
 
     from jaxpar import data
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.optim import make_optimizer
-    from jaxpar.runs import read_config
-    from jaxpar.step import init_state, model_config
+    from jaxpar.interop.checkpoint import Checkpointer
+    from jaxpar.train.optim import make_optimizer
+    from jaxpar.interop.runs import read_config
+    from jaxpar.train.step import init_state, model_config
 
     config = read_config(workdir)
     tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))

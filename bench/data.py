@@ -128,7 +128,7 @@ def loader_rate(cache: str, files: list, steps: int = 10) -> dict:
     from jaxpar import data
     from jaxpar.config import base_config
     from jaxpar.model import flops_per_token
-    from jaxpar.step import model_config
+    from jaxpar.train.step import model_config
 
     c = base_config()
     c.data.update(sources="text:" + os.path.join(os.path.dirname(files[0]), "part*.txt"), doc_separator="\\n\\n",

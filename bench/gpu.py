@@ -28,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from jaxpar.runtime import GPU_FLAGS, known_flags, merged_flags  # noqa: E402  (no jax backend yet)
+from jaxpar.cluster.runtime import GPU_FLAGS, known_flags, merged_flags  # noqa: E402  (no jax backend yet)
 
 if "--smoke" not in sys.argv:
     os.environ["XLA_FLAGS"] = merged_flags(os.environ.get("XLA_FLAGS", ""), known_flags(GPU_FLAGS))
@@ -36,10 +36,11 @@ if "--smoke" not in sys.argv:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxpar import attention, config as jcfg  # noqa: E402
+from jaxpar import config as jcfg  # noqa: E402
+from jaxpar.kernels import attention
 from jaxpar.compiled import steps_for  # noqa: E402
 from jaxpar import model as gpt  # noqa: E402
-from jaxpar.report import memory_bytes  # noqa: E402
+from jaxpar.analysis.compile_report import memory_bytes  # noqa: E402
 
 # dense bf16 TFLOP/s (NVIDIA datasheets; H200 = H100 SXM's core), matched in this order against the device kind
 PEAK_TFLOPS = {"H100 PCIe": 756.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}

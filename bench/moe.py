@@ -8,7 +8,7 @@ experts of width F (expert parallel over `mesh.expert` = min(devices, E), the ba
 one has one SwiGLU MLP of width k x F: the same matmul FLOPs per token but the router's. On the devices present
 (8 fake CPU devices: XLA_FLAGS=--xla_force_host_platform_device_count=8; on a GPU server its GPUs).
 
-All-to-all bytes per step, per device, from the compiled HLO (`jaxpar.hlo`) against the formula: each MoE layer
+All-to-all bytes per step, per device, from the compiled HLO (`jaxpar.analysis.hlo`) against the formula: each MoE layer
 sends its dispatch buffer `[sequences per device, E, C, embed]` out and its outputs back (2 all-to-alls forward), the
 backward pass sends both cotangents (2 more), and full recompute repeats the forward's 2: per microbatch and MoE
 layer 4 (6 with recompute) x micro_batch x E x C x embed x bytes of the compute dtype, C the per-sequence capacity
@@ -21,7 +21,7 @@ import sys
 import jax
 from absl import app, flags, logging
 
-from jaxpar import moe
+from jaxpar.model import moe
 from jaxpar.compiled import report_for
 from jaxpar.config import base_config
 from jaxpar.layout import Layout

@@ -22,27 +22,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (file, text, replacement, test id, the bug in words)
 MUTANTS = {
     "accumulation_drops_last_microbatch": (
-        "jaxpar/gradients.py", "(grads, lsum), _ = jax.lax.scan(body, (jax.tree.map(zeros, shapes), zeros(jnp.zeros(()))), xs)",
+        "jaxpar/train/gradients.py", "(grads, lsum), _ = jax.lax.scan(body, (jax.tree.map(zeros, shapes), zeros(jnp.zeros(()))), xs)",
         "(grads, lsum), _ = jax.lax.scan(body, (jax.tree.map(zeros, shapes), zeros(jnp.zeros(()))), "
         "jax.tree.map(lambda a: a[:-1] if a.shape[0] > 1 else a, xs))",
         "tests/test_layouts.py::test_accumulation_equals_whole_batch_with_uneven_masks",
         "gradient accumulation skips its last microbatch (when there is more than one)"),
     "zero2_averages_instead_of_sums": (
-        "jaxpar/zero.py", "return jax.lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True)",
+        "jaxpar/parallel/zero.py", "return jax.lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True)",
         "return jax.lax.psum_scatter(g, AXIS, scatter_dimension=d, tiled=True) / self.size",
         "tests/test_zero.py::test_zero_stage_equals_one_device[(8, 1, 1)-2]",
         "ZeRO-2's reduce-scatter averages the data-parallel gradients where the others sum them"),
     "stage_major_layers_left_in_place": (
-        "jaxpar/step.py", "canonical = lambda tree: map_blocks(tree, lambda a: pipeline.from_stage_major(a, S, v))",
+        "jaxpar/train/step.py", "canonical = lambda tree: map_blocks(tree, lambda a: pipeline.from_stage_major(a, S, v))",
         "canonical = lambda tree: tree",
         "tests/test_pipeline.py::test_pipeline_equals_one_device[(1, 1, 4)-circular-2]",
         "the circular pipeline's layers are not put back in model order"),
     "interleaved_1f1b_grads_filed_under_the_forward_chunk": (
-        "jaxpar/pipeline/loop.py", "dchunks = _add_at(dchunks, br[s], dc)", "dchunks = _add_at(dchunks, fr[s], dc)",
+        "jaxpar/parallel/pipeline/loop.py", "dchunks = _add_at(dchunks, br[s], dc)", "dchunks = _add_at(dchunks, fr[s], dc)",
         "tests/test_1f1b.py::test_schedule_equals_one_device[(1, 1, 4)-1f1b-{'pipeline.virtual_stages': 2}]",
         "interleaved 1F1B adds a chunk's gradient to the chunk its forward lane runs"),
     "llama_interleaved_1f1b_same_bug": (
-        "jaxpar/pipeline/loop.py", "dchunks = _add_at(dchunks, br[s], dc)", "dchunks = _add_at(dchunks, fr[s], dc)",
+        "jaxpar/parallel/pipeline/loop.py", "dchunks = _add_at(dchunks, br[s], dc)", "dchunks = _add_at(dchunks, fr[s], dc)",
         "tests/test_llama.py::test_llama_layout_equals_one_device[(2, 2, 2)-1f1b-{'pipeline.virtual_stages': 2}]",
         "the same bug under the llama family at (2, 2, 2)"),
     "every_process_reads_the_first_rows": (
@@ -50,7 +50,7 @@ MUTANTS = {
         "tests/test_multihost.py::test_two_processes_train_like_one",
         "each process feeds the first rows of the global batch, not its own"),
     "export_keeps_stage_major_layers": (
-        "jaxpar/step.py", "canonical = lambda tree: map_blocks(tree, lambda a: pipeline.from_stage_major(a, S, v))",
+        "jaxpar/train/step.py", "canonical = lambda tree: map_blocks(tree, lambda a: pipeline.from_stage_major(a, S, v))",
         "canonical = lambda tree: tree",
         "tests/test_export.py::test_exports_are_layout_free",
         "a circular-pipeline run's checkpoint and export keep the stage-major layer order"),

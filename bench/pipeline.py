@@ -44,14 +44,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxpar import pipeline  # noqa: E402
+from jaxpar.parallel import pipeline  # noqa: E402
 from common import m_axis, write_results  # noqa: E402
 from jaxpar.config import ConfigError, base_config  # noqa: E402
 from jaxpar.compiled import steps_for  # noqa: E402
-from jaxpar.mesh import make_mesh  # noqa: E402
+from jaxpar.parallel.mesh import make_mesh  # noqa: E402
 from jaxpar.model import split_params  # noqa: E402
-from jaxpar.report import memory_bytes  # noqa: E402
-from jaxpar.step import build, map_blocks  # noqa: E402
+from jaxpar.analysis.compile_report import memory_bytes  # noqa: E402
+from jaxpar.train.step import build, map_blocks  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "small sweep: S in {1, 2, 4}, M in {S, 4S}, gpipe and 1f1b")
 _STAGES = flags.DEFINE_list("stages", ["1", "2", "4", "8"], "pipeline stages S")

@@ -27,7 +27,7 @@ from absl import app, flags, logging  # noqa: E402
 from common import m_axis, write_results  # noqa: E402
 from jaxpar.config import base_config  # noqa: E402
 from jaxpar.compiled import steps_for  # noqa: E402
-from jaxpar.report import memory_bytes  # noqa: E402
+from jaxpar.analysis.compile_report import memory_bytes  # noqa: E402
 
 _STAGES = flags.DEFINE_integer("stages", 4, "pipeline stages S")
 _MULT = flags.DEFINE_list("mult", ["1", "2", "4", "8"], "microbatches M as multiples of S")

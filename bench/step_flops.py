@@ -15,8 +15,8 @@ import sys
 
 
 def analyse(text: str, analytic: float, memory: dict) -> dict:
-    from jaxpar.hlo import hlo_collectives
-    from jaxpar.hlo_flops import hlo_flops
+    from jaxpar.analysis.hlo import hlo_collectives
+    from jaxpar.analysis.hlo_flops import hlo_flops
 
     f = hlo_flops(text)
     return {"hlo_matmul_flops": f["total"], "embed_flops": f["by_scope"]["embed"],
@@ -33,7 +33,7 @@ def compiled_step(argv):
 
     from jaxpar import model as gpt
     from jaxpar.compiled import abstract_batch, steps_for
-    from jaxpar.report import memory_bytes
+    from jaxpar.analysis.compile_report import memory_bytes
 
     cfg_flag = config_flags.DEFINE_config_file("config", None, "config file")
     flags.FLAGS(argv)

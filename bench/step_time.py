@@ -13,7 +13,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from jaxpar import throughput
+from jaxpar.analysis import throughput
 from jaxpar.model import flops_per_token
 from jaxpar.plan.measure import time_step
 

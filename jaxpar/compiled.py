@@ -10,12 +10,14 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import compile_report as report
-from jaxpar import data, distributed, hf
+from jaxpar.analysis import compile_report as report
+from jaxpar import data
+from jaxpar.cluster import distributed
+from jaxpar.interop import hf
 from jaxpar import model as gpt
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import make_mesh
-from jaxpar.step import Steps, build
+from jaxpar.parallel.mesh import make_mesh
+from jaxpar.train.step import Steps, build
 from jaxpar.validate import validate
 
 

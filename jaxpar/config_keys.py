@@ -277,7 +277,6 @@ KEYS = (
     K("dist.init_timeout_s", 300.0, float, "seconds for every process to join at start-up",
       lambda v: 0 < v < _INF, "a number of seconds > 0"),
 )
-BY_NAME = {k.name: k for k in KEYS}
 
 
 def get(config, key: str):

@@ -3,7 +3,7 @@
     python -m jaxpar.export --workdir DIR --out OUT [--step N] [--force] [--format jaxpar|hf] [--dtype D]
                             [--max_shard_size 5GB]
 
-`--format hf` writes a Hugging Face directory (`jaxpar.hf`: config.json, model.safetensors or shards with their
+`--format hf` writes a Hugging Face directory (`jaxpar.interop.hf`: config.json, model.safetensors or shards with their
 index, tokenizer.json) that transformers' `from_pretrained` loads with no custom code. The default, `jaxpar`, writes,
 from WORKDIR's latest (or given) checkpoint, whatever layout trained it:
 
@@ -33,10 +33,10 @@ import tempfile
 import jax
 import ml_collections
 
-from jaxpar import hf
+from jaxpar.interop import hf
 from jaxpar.config import DTYPES, base_config
 from jaxpar.data import load_tokenizer
-from jaxpar.runs import load_run
+from jaxpar.interop.runs import load_run
 from jaxpar.model import (SHAPE_FIELDS, ZERO_COUNTS, Forward, ModelConfig, flatten, init_params,  # noqa: F401
                           param_items, unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
 from jaxpar.validate import check_model
@@ -54,7 +54,7 @@ _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64":
 def export(workdir: str, out: str, step: int | None = None, force: bool = False, fmt: str = "jaxpar",
            dtype: str | None = None, max_shard_bytes: int = 5 * 10 ** 9) -> dict:
     """Write WORKDIR's latest (or `step`'s) checkpoint params as an export in OUT: jaxpar's layout above (`fmt`
-    "jaxpar"), or a Hugging Face directory for the run's family (`fmt` "hf": `jaxpar.hf.save`, weights in `dtype`,
+    "jaxpar"), or a Hugging Face directory for the run's family (`fmt` "hf": `jaxpar.interop.hf.save`, weights in `dtype`,
     default the param dtype, in shards of at most `max_shard_bytes`).
 
     The params are restored onto the host CPU (no accelerator memory is used). Either everything is written or

@@ -2,7 +2,7 @@
 
     python -m jaxpar.launch --num_processes 2 --devices_per_process 4 -- train.py --config configs/shakespeare.py
 
-Each process gets the coordinator address, the process count and its id (JAXPAR_* variables, `jaxpar.distributed`),
+Each process gets the coordinator address, the process count and its id (JAXPAR_* variables, `jaxpar.cluster.distributed`),
 `JAXPAR_NODE=local-<i>` (each process counts as its own node, so `data` spans processes as it spans nodes), and on
 CPU (`--platform cpu`, the default) `devices_per_process` fake CPU devices and gloo collectives; on `gpu` each
 process drives GPUs [i*K, (i+1)*K). Every output line is prefixed with `[rank i]` (gloo's per-device connection

@@ -13,14 +13,18 @@ import time
 import jax
 import numpy as np
 
-from jaxpar import compile_report as report
-from jaxpar import data, distributed, hf, loss_scale, monitor, throughput, watchdog
+from jaxpar.analysis import compile_report as report
+from jaxpar import data
+from jaxpar.analysis import throughput
+from jaxpar.cluster import distributed, watchdog
+from jaxpar.interop import hf
+from jaxpar.train import loss_scale, monitor
 from jaxpar import model as gpt
-from jaxpar.checkpoint import Checkpointer
+from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.compiled import report_for, steps_for
 from jaxpar.config import ConfigError
 from jaxpar.export import load_export, read_export_config
-from jaxpar.step import model_config
+from jaxpar.train.step import model_config
 from jaxpar.validate import validate
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "try again"; the SLURM template requeues on it

@@ -9,15 +9,15 @@ import numbers
 
 import jax
 
-from jaxpar import loss_scale
-from jaxpar.attention import IMPLEMENTATIONS, choose
+from jaxpar.train import loss_scale
+from jaxpar.kernels.attention import IMPLEMENTATIONS, choose
 from jaxpar.config import (DEFAULT_RULES, DTYPES, MESH_AXES, ConfigError, flat_keys, mlp_width, nearest_multiples,
                            unknown_keys)
 from jaxpar.config_keys import key_errors
-from jaxpar.cross_entropy import chunk_size
+from jaxpar.kernels.cross_entropy import chunk_size
 from jaxpar.layout import Layout
 from jaxpar.model import ARCHS, ROPE_SCALINGS
-from jaxpar.pipeline.registry import errors as schedule_errors
+from jaxpar.parallel.pipeline.registry import errors as schedule_errors
 
 
 def _check_loss_scale(config) -> list[str]:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from helpers import assert_equals_one_device, assert_trees_close, batch, place, steps_for
-from jaxpar import pipeline
-from jaxpar.mesh import make_mesh
+from jaxpar.parallel import pipeline
+from jaxpar.parallel.mesh import make_mesh
 from helpers import BATCHES, VOCAB, microbatches_for, pipe_config
 
 # ZeRO 1 only shards the optimizer state (nothing the pipeline sees); 2 and 3 change what enters and leaves the loop

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.checkpoint import Checkpointer, CheckpointSaveError
+from jaxpar.interop.checkpoint import Checkpointer, CheckpointSaveError
 from jaxpar.config import MESH_AXES, base_config
 
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")

@@ -11,8 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar import data, runs, trainer
-from jaxpar.checkpoint import Checkpointer
+from jaxpar import data, trainer
+from jaxpar.interop import runs
+from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.compiled import steps_for
 from jaxpar.model import identity_defaults
 

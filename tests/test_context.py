@@ -8,7 +8,8 @@ import pytest
 
 from helpers import (VOCAB, assert_equals_one_device, batch, float64_config, place, reference_config, steps_for,
                      tiny_config)
-from jaxpar import blockwise, context
+from jaxpar.kernels import blockwise
+from jaxpar.parallel import context
 from jaxpar.errors import ConfigError
 from jaxpar.validate import validate
 
@@ -73,7 +74,7 @@ def test_evaluation_at_context_4_is_the_one_device_loss():
 
 def test_a_context_4_checkpoint_resumes_at_context_1(tmp_path):
     """2 steps at (data 2, context 4), a checkpoint, the third step on one device: the uninterrupted run's loss."""
-    from jaxpar.checkpoint import Checkpointer
+    from jaxpar.interop.checkpoint import Checkpointer
     c4, c1 = config(2, ctx=4), config(1, ctx=1)
     steps3 = [batch(16, 16, VOCAB, seed=i) for i in range(3)]
     st4 = steps_for(c4, VOCAB)
@@ -115,7 +116,7 @@ def test_causal_work_is_balanced_across_context_devices(cp):
 def test_the_blockwise_kernel_equals_dense_attention_with_documents():
     """float64, GQA, segments, tiles smaller than the sequence: the values and the gradients of dense softmax
     attention (`attention._float64` over a repeated K/V and a causal, same-document mask)."""
-    from jaxpar import attention as kernels
+    from jaxpar.kernels import attention as kernels
     with jax.enable_x64(True):
         rng = np.random.default_rng(0)
         q, k, v, w = (jnp.asarray(rng.normal(size=s)) for s in ((2, 16, 4, 8), (2, 16, 2, 8), (2, 16, 2, 8),

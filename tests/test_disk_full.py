@@ -8,8 +8,9 @@ import subprocess
 
 import pytest
 
-from jaxpar import launch, runs
-from jaxpar.checkpoint import Checkpointer
+from jaxpar import launch
+from jaxpar.interop import runs
+from jaxpar.interop.checkpoint import Checkpointer
 from helpers import command
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)

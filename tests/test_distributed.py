@@ -13,9 +13,9 @@ import pytest
 
 from jaxpar import launch
 from jaxpar.config import ConfigError
-from jaxpar.distributed import DistributedError, ProcessPlan, first_host, resolve, wait_for_coordinator
-from jaxpar.mesh import node_order
-from jaxpar.watchdog import STALLED_EXIT_CODE
+from jaxpar.cluster.distributed import DistributedError, ProcessPlan, first_host, resolve, wait_for_coordinator
+from jaxpar.parallel.mesh import node_order
+from jaxpar.cluster.watchdog import STALLED_EXIT_CODE
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
 pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes")]

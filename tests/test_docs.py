@@ -26,8 +26,10 @@ def unknown_config_keys(text: str) -> list[str]:
 
 
 def missing_paths(text: str) -> list[str]:
-    """`configs/*.py` files and `python -m jaxpar.X` modules named in `text` that do not exist."""
+    """`configs/*.py` files, `jaxpar/...` files and folders, and `python -m jaxpar.X` modules named in `text` that
+    do not exist."""
     missing = [p for p in re.findall(r"\bconfigs/[\w.-]+\.py\b", text) if not (ROOT / p).exists()]
+    missing += [p for p in re.findall(r"(?<![\w/.-])jaxpar/[\w/]*\w(?:\.py)?", text) if not (ROOT / p).exists()]
     for mod in re.findall(r"python3? -m (jaxpar(?:\.\w+)*)", text):
         if importlib.util.find_spec(mod) is None:
             missing.append(mod)
@@ -65,6 +67,8 @@ def test_the_check_catches_a_stale_key():
     assert unknown_config_keys("python train.py --config.model.layers=2 --config.data.corpus=x") == ["data.corpus"]
     assert missing_paths("python train.py --config configs/llama4.py; python -m jaxpar.nothing") == [
         "configs/llama4.py", "jaxpar.nothing"]
+    assert missing_paths("see `jaxpar/model.py` and jaxpar/parallel/pipeline/, then jaxpar/parallel/zero.py") == [
+        "jaxpar/model.py"]
 
 
 def test_config_reference_is_the_key_table():

@@ -15,9 +15,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from helpers import assert_params_exact, run_config, steps_for
-from jaxpar import export, runs, trainer
+from jaxpar import export, trainer
+from jaxpar.interop import runs
 from jaxpar.data import ByteTokenizer
-from jaxpar.generate import generate
+from jaxpar.model.generate import generate
 from jaxpar.model import ModelConfig, init_params
 
 # one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)

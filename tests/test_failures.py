@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from helpers import batch, pipe_config, place, steps_for, tiny_config
-from jaxpar import launch, loss_scale, trainer
+from jaxpar import launch, trainer
+from jaxpar.train import loss_scale
 from jaxpar.config import ConfigError
 from jaxpar.validate import validate
-from jaxpar.distributed import DistributedError, resolve
-from jaxpar.watchdog import STALLED_EXIT_CODE
+from jaxpar.cluster.distributed import DistributedError, resolve
+from jaxpar.cluster.watchdog import STALLED_EXIT_CODE
 from helpers import command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

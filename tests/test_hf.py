@@ -20,13 +20,14 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import run_config, steps_for  # noqa: E402
 from hf_checks import close, hf_logits, hf_tensors, logits_of  # noqa: E402
-from jaxpar import hf, runs, trainer  # noqa: E402
+from jaxpar import trainer  # noqa: E402
+from jaxpar.interop import hf, runs
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import BPETokenizer, ByteTokenizer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402
-from jaxpar.logical import activation_rules  # noqa: E402
+from jaxpar.parallel.logical import activation_rules  # noqa: E402
 from jaxpar.model import ModelConfig, init_params  # noqa: E402
-from jaxpar.nn import rope_frequencies  # noqa: E402
+from jaxpar.model.layers import rope_frequencies  # noqa: E402
 
 # one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
 pytestmark = pytest.mark.xdist_group("test_hf")
@@ -163,7 +164,7 @@ def test_greedy_decoding_equals_transformers_generate_and_the_cli_samples(models
     import subprocess
     import sys
 
-    from jaxpar.generate import generate
+    from jaxpar.model.generate import generate
 
     model, single, _ = models["llama"]
     fwd, params, _ = hf.load(str(single))

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close, batch, place, steps_for, tiny_config
-from jaxpar import attention as kernels
+from jaxpar.kernels import attention as kernels
 from jaxpar import model as gpt
 from jaxpar.config import ConfigError
 from jaxpar.validate import validate
-from jaxpar.hlo_flops import hlo_flops
-from jaxpar.logical import activation_rules
-from jaxpar.step import split_batch
+from jaxpar.analysis.hlo_flops import hlo_flops
+from jaxpar.parallel.logical import activation_rules
+from jaxpar.train.step import split_batch
 from helpers import VOCAB, microbatches_for, pipe_config
 
 # one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)

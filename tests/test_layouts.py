@@ -10,7 +10,7 @@ import pytest
 
 from helpers import (F64_TOL, assert_equals_one_device, assert_params_exact, batch, float64_train, place,
                      reference_train, steps_for, tiny_config)
-from jaxpar.step import split_batch
+from jaxpar.train.step import split_batch
 
 VOCAB = 250
 
@@ -70,7 +70,7 @@ def test_padded_vocab_loss_equals_unpadded_reference():
     # independent reference: plain numpy-free jnp on one device, softmax over the 250 real symbols only
     x, y, _, _ = split_batch({k: jnp.asarray(v) for k, v in b.items()})
     h = s.fwd.layers(params["blocks"], s.fwd.embed(params, x))
-    from jaxpar.nn import LayerNorm
+    from jaxpar.model.layers import LayerNorm
     from flax import nnx
     h = nnx.merge(nnx.graphdef(LayerNorm(1, jnp.float32)), params["ln_f"])(h)
     logits = h @ params["wte"][:VOCAB].T  # never padded

@@ -14,7 +14,7 @@ from jaxpar import model as gpt
 from jaxpar import trainer
 from jaxpar.config import ConfigError
 from jaxpar.validate import validate
-from jaxpar.generate import generate
+from jaxpar.model.generate import generate
 from helpers import BATCHES, VOCAB, microbatches_for, pipe_config
 from helpers import losses
 

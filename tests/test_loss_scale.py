@@ -1,6 +1,6 @@
 """Dynamic loss scaling: DeepSpeed's hysteresis/window rule step by step, the floor, stopping, jit, skipped updates.
 
-Expected sequences are written out by hand from the rule in `jaxpar/loss_scale.py` (DeepSpeed's
+Expected sequences are written out by hand from the rule in `jaxpar/train/loss_scale.py` (DeepSpeed's
 `DynamicLossScaler.update_scale`, consecutive_hysteresis=False)."""
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from helpers import tiny_config
-from jaxpar import loss_scale as ls
+from jaxpar.train import loss_scale as ls
 
 CFG = ls.LossScaleConfig(initial=16.0, window=3, hysteresis=2, min_scale=1.0, factor=2.0)
 OK, OV = True, False  # grads finite / overflow

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import steps_for, tiny_config
-from jaxpar import attention as kernels
+from jaxpar.kernels import attention as kernels
 from jaxpar import launch
 from jaxpar.data.loader import batch_shapes
 

@@ -1,4 +1,4 @@
-"""Fast tests for jaxpar.throughput: FLOPs formula, peak table, MFU, JSONL/TensorBoard writer, console, profiler."""
+"""Fast tests for jaxpar.analysis.throughput: FLOPs formula, peak table, MFU, JSONL/TensorBoard writer, console, profiler."""
 import io
 import json
 import os
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar import throughput as m
-from jaxpar import monitor as mon
+from jaxpar.analysis import throughput as m
+from jaxpar.train import monitor as mon
 
 # GPT-2 small (124M): L=12, d=768, vocab 50257, T=1024, tied embedding counted once, no position embedding.
 # Per block: 2 LayerNorms (2*2*768) + qkv (768*2304 + 2304) + attn out (768*768 + 768)

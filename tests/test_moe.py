@@ -12,7 +12,8 @@ from flax import nnx
 from helpers import (BATCHES, LOSS_F64_RTOL, VOCAB, assert_equals_one_device, assert_params_exact, batch, float64_run,
                      losses, place, reference_run, run_config, steps_for, tiny_config)
 from jaxpar import model as gpt
-from jaxpar import moe, trainer
+from jaxpar import trainer
+from jaxpar.model import moe
 from jaxpar.config import ConfigError
 from jaxpar.validate import validate
 

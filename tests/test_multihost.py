@@ -16,7 +16,7 @@ import pytest
 
 from helpers import LOSS_F64_RTOL, assert_params_exact
 from jaxpar import launch
-from jaxpar.watchdog import PEER_LOST_EXIT_CODE, STALLED_EXIT_CODE
+from jaxpar.cluster.watchdog import PEER_LOST_EXIT_CODE, STALLED_EXIT_CODE
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
 pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]
@@ -55,10 +55,11 @@ def assert_losses_equal(a, b, steps):
 
 def saved_state(workdir, step):
     """The whole train state of checkpoint `step` (params, optimizer state, step, rng) on one device."""
-    from jaxpar import data, runs
-    from jaxpar.checkpoint import Checkpointer
-    from jaxpar.optim import make_optimizer
-    from jaxpar.step import init_state, model_config
+    from jaxpar import data
+    from jaxpar.interop import runs
+    from jaxpar.interop.checkpoint import Checkpointer
+    from jaxpar.train.optim import make_optimizer
+    from jaxpar.train.step import init_state, model_config
 
     config = runs.read_config(workdir)
     vocab = max(int(config.model.vocab_size), data.load_tokenizer(os.path.join(workdir, "tokenizer")).vocab_size)

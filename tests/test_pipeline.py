@@ -8,9 +8,9 @@ import pytest
 
 from helpers import (BATCHES, VOCAB, assert_equals_one_device, assert_trees_close, batch, microbatches_for,
                      pipe_config, place, steps_for)
-from jaxpar import pipeline
-from jaxpar.mesh import make_mesh
-from jaxpar.step import map_blocks, to_microbatches
+from jaxpar.parallel import pipeline
+from jaxpar.parallel.mesh import make_mesh
+from jaxpar.train.step import map_blocks, to_microbatches
 
 
 
@@ -126,7 +126,7 @@ def test_schedule_bubble_matches_theory(S, v, M):
 def test_data_parallel_reduction_once_per_step(schedule, v):
     """(data, stage) = (2, 4): the all-reduces of a step move each device's gradients once (its 1/4 of the layers plus
     the shared params) and a few scalars, not once per tick (the compiler's placement moved ~10x that)."""
-    from jaxpar import report
+    from jaxpar.analysis import compile_report as report
 
     c = pipe_config(2, 1, 4, schedule, v, M=4)
     st = steps_for(c, VOCAB)

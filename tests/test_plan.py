@@ -21,8 +21,8 @@ from jaxpar import model as gpt
 from jaxpar import trainer
 from jaxpar.plan import cost, hardware, memory
 from jaxpar.plan.space import Layout, Space, apply, candidates, set_layout
-from jaxpar.pipeline.registry import NAMES
-from jaxpar.step import model_config
+from jaxpar.parallel.pipeline.registry import NAMES
+from jaxpar.train.step import model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

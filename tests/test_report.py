@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import pytest
 
 from helpers import steps_for, tiny_config
-from jaxpar import hlo, report
+from jaxpar.analysis import compile_report as report
+from jaxpar.analysis import hlo
 
 # one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
 pytestmark = pytest.mark.xdist_group("test_report")

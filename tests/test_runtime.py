@@ -1,9 +1,9 @@
-"""Process set-up (jaxpar/runtime.py): XLA flags merged without overriding the user's, applied only with CUDA, and
+"""Process set-up (jaxpar/cluster/runtime.py): XLA flags merged without overriding the user's, applied only with CUDA, and
 unknown flags dropped before they can abort a start; the persistent compilation cache."""
 import jax
 
 from helpers import tiny_config
-from jaxpar import runtime
+from jaxpar.cluster import runtime
 
 
 def test_user_flags_win_and_gpu_flags_need_cuda(monkeypatch):

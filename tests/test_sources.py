@@ -13,6 +13,7 @@ from jaxpar import data
 from jaxpar.config import base_config
 from jaxpar.data import preprocess as prep
 from jaxpar.data.megatron import IndexedDataset
+from jaxpar.preprocess import main as preprocess_main
 
 
 def spec_writer(prefix: Path, docs: list[list[list[int]]], dtype, code: int, version: int = 1) -> None:
@@ -96,7 +97,7 @@ def test_megatron_written_from_the_spec_reads_back_token_exact(tmp_path, dtype, 
 def test_jaxpar_writer_round_trips_and_exports_any_text_source(tmp_path, texts):
     d, docs = texts
     out = tmp_path / "export" / "corpus_text_document"
-    assert prep.main(["--sources", str(d / "all.jsonl"), "--text_field", "body", "--out", str(out),
+    assert preprocess_main(["--sources", str(d / "all.jsonl"), "--text_field", "body", "--out", str(out),
                       "--cache_dir", str(tmp_path / "cache")]) == 0
     ds = IndexedDataset(out)
     assert ds.num_docs == 8
@@ -107,7 +108,7 @@ def test_jaxpar_writer_round_trips_and_exports_any_text_source(tmp_path, texts):
     text = data.prepare(config(tmp_path, str(d / "doc*.txt")))
     np.testing.assert_array_equal(stream_of(again), stream_of(text))
     np.testing.assert_array_equal(again.streams()[0].doc_bounds, text.streams()[0].doc_bounds)
-    assert prep.main(["--sources", str(d / "all.jsonl"), "--text_field", "body", "--out", str(out),
+    assert preprocess_main(["--sources", str(d / "all.jsonl"), "--text_field", "body", "--out", str(out),
                       "--cache_dir", str(tmp_path / "cache")]) == 2  # never overwrites
     assert IndexedDataset(out).num_docs == 8
 

@@ -1,4 +1,4 @@
-"""Loss-spike skipping (`train.skip_spikes`, `jaxpar/spikes.py`): the rule against hand-computed statistics, an
+"""Loss-spike skipping (`train.skip_spikes`, `jaxpar/train/spikes.py`): the rule against hand-computed statistics, an
 injected spike batch skipped so that the run equals the run without it, bitwise, and a run resumed inside the window
 deciding as the uninterrupted one; bad settings are one clear error each."""
 import jax
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from helpers import VOCAB, batch, place, steps_for, tiny_config
-from jaxpar import spikes
-from jaxpar.checkpoint import Checkpointer
+from jaxpar.train import spikes
+from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.errors import ConfigError
 from jaxpar.validate import validate
 

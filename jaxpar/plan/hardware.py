@@ -86,7 +86,7 @@ class Cluster:
 
     def group_bw(self, size: int, stride: int) -> tuple[float, float]:
         """(busbw bytes/s, latency s) of a collective over `size` ranks `stride` device ids apart (the mesh is
-        (data, stage, tensor), tensor fastest; `jaxpar.mesh`): NVLink/PCIe when the group lies within a node, else
+        (data, stage, tensor), tensor fastest; `jaxpar.parallel.mesh`): NVLink/PCIe when the group lies within a node, else
         the node's NICs shared by the groups that cross them at once (min(stride, gpus_per_node) of them)."""
         if size <= 1:
             return float("inf"), 0.0

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 
 from jaxpar.compiled import steps_for
-from jaxpar.compile_report import host_state_bytes, memory_bytes, placement
+from jaxpar.analysis.compile_report import host_state_bytes, memory_bytes, placement
 
 
 def time_step(config, vocab: int, steps: int = 5, devices=None) -> dict:

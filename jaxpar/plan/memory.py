@@ -15,7 +15,7 @@ from jaxpar.compiled import report_for, xla_cpu_aborts
 from jaxpar.config import MESH_AXES
 from jaxpar.plan.cost import Model, activation_bytes, data_collectives, recompute_passes
 from jaxpar.plan.space import Layout, apply
-from jaxpar.train_state import OFFLOADED
+from jaxpar.train.state import OFFLOADED
 
 
 def compile_flags(flags_: str, devices: int, fast: bool) -> str:

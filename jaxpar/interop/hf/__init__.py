@@ -1,0 +1,247 @@
+"""Hugging Face checkpoints in and out: a directory as transformers' `save_pretrained` writes it (`config.json`,
+`model.safetensors` or its shards with `model.safetensors.index.json`, `tokenizer.json`) for `GPT2LMHeadModel` and
+`LlamaForCausalLM`.
+
+In: `settings(dir)` -> the run config's `model.*` keys and tokenizer; `check(dir, cfg)` reads only the headers and
+refuses a missing, truncated or misshapen tensor; `load_params(dir, cfg, shardings, layer_order)` places every
+tensor straight onto the run's shardings, each process reading only the slices its devices hold, one layer at a
+time (host memory: about one HF tensor). `load(dir)` -> (Forward, params, tokenizer) on one device, for sampling.
+Out: `save(params, cfg, tokenizer, out, dtype, max_shard_bytes)` (`python -m jaxpar.export --format hf`).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar import data
+from jaxpar.config import base_config
+from jaxpar.data import BPETokenizer
+from jaxpar.interop.hf import files, keys
+from jaxpar.interop.hf.config import arch_of, hf_config, model_settings, moe_family, read_json
+from jaxpar.interop.hf.files import HFError
+from jaxpar.model import Forward, config_from, init_params, param_items, router_bias, unflatten
+from jaxpar.validate import validate
+
+PREFIX = "hf:"
+TOKENIZER = "tokenizer.json"
+
+
+def directory_of(init_from: str) -> str | None:
+    """`hf:DIR` -> DIR (`hf:` alone -> ""); anything else -> None."""
+    return init_from[len(PREFIX):] if isinstance(init_from, str) and init_from.startswith(PREFIX) else None
+
+
+def settings(directory: str) -> dict:
+    """{config key: value}: the `model.*` shape keys from config.json and `data.tokenizer` = DIR/tokenizer.json.
+
+    Raises:
+      HFError: no config.json or tokenizer.json, an unsupported architecture or feature, a tokenizer with more symbols
+        than the embedding has rows.
+    """
+    where = os.path.join(directory, "config.json")
+    out = {f"model.{k}": v for k, v in model_settings(read_json(directory), where).items()}
+    tok_path = os.path.join(directory, TOKENIZER)
+    if not os.path.isfile(tok_path):
+        raise HFError(f"{tok_path} not found; save the tokenizer with transformers (`AutoTokenizer.from_pretrained"
+                      f"(DIR).save_pretrained(DIR)` writes it) or copy it next to config.json.")
+    n = BPETokenizer.from_file(tok_path).vocab_size
+    if n > out["model.vocab_size"]:
+        raise HFError(f"{tok_path} has {n} symbols but the embedding has only vocab_size={out['model.vocab_size']} "
+                      f"rows ({where}); use the tokenizer the model was trained with.")
+    return {**out, "data.tokenizer": tok_path}
+
+
+def apply(config, say: bool = True):
+    """A copy of `config`, with `init_from = hf:DIR`, whose model shape and tokenizer are DIR's (model.seq_len stays);
+    `config` itself is never changed. `say`: print which keys it changed (process 0)."""
+    directory = directory_of(config.init_from)
+    if directory is None:
+        return config
+    config, changed = config.copy_and_resolve_references(), []
+    for key, v in settings(directory).items():
+        sect, name = key.split(".")
+        if config[sect][name] != v:
+            changed.append(f"{key}={v!r}")
+        config[sect][name] = v
+    if say and changed and jax.process_index() == 0:
+        print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
+    return config
+
+
+def maps(cfg, have: dict | None = None) -> list[keys.Map]:
+    """The tensor maps of `cfg`'s family; `have` (the directory's `files.tensors`) tells GPT-2's key prefix."""
+    if cfg.arch == "llama":
+        return keys.llama_maps(cfg.tie_embeddings, moe_family(cfg), cfg.qk_norm)
+    prefix = "" if have is not None and "wte.weight" in have else "transformer."  # hub files have no prefix
+    return keys.gpt2_maps(cfg.tie_embeddings, prefix)
+
+
+def _leaves(cfg, mapping) -> dict:
+    """{dotted param path: (its ShapeDtypeStruct, one layer's shape)} for the params `mapping` names."""
+    shapes = dict(param_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))))
+    return {m.ours: (shapes[m.ours], tuple(shapes[m.ours].shape[1 if m.per_layer else 0:])) for m in mapping}
+
+
+def layer_names(m: keys.Map, layers: int):
+    """The HF names of map `m`: one per layer for a per-layer map (a per-expert map's still hold `{e}`)."""
+    return [m.hf.format(i=i, e="{e}") for i in range(layers)] if m.per_layer else [m.hf]
+
+
+def expert_names(name: str, m: keys.Map, experts: int) -> list[str]:
+    """One layer's HF name -> the names of its tensors: one per expert for a per-expert map."""
+    return [name.format(e=e) for e in range(experts)] if m.per_expert else [name]
+
+
+def _expected(cfg, mapping) -> dict:
+    """{HF name: (Map, the jaxpar shape of one layer's, or one expert's, part)} for `cfg`."""
+    leaves = _leaves(cfg, mapping)
+    return {n: (m, leaves[m.ours][1][1 if m.per_expert else 0:]) for m in mapping
+            for name in layer_names(m, cfg.layers) for n in expert_names(name, m, cfg.experts)}
+
+
+def check(directory: str, cfg) -> dict:
+    """Every tensor `cfg` needs is in DIR with the shape config.json implies, and DIR holds no other parameter.
+    Reads headers only. Returns {HF name: `files.StoredTensor`}.
+
+    Raises:
+      HFError: naming the first missing, misshapen or unexpected tensor, or the missing or truncated file.
+    """
+    have = files.tensors(directory)
+    want = _expected(cfg, maps(cfg, have))
+    for name, (m, one) in want.items():
+        shape = keys.hf_shape(m, one, cfg.vocab_real)
+        if name not in have:
+            raise HFError(f"{directory}: tensor {name!r} {list(shape)} is missing; the checkpoint is incomplete or "
+                          f"not a {arch_of(read_json(directory), directory)} of this shape.")
+        if have[name].dtype not in files.DTYPES.values():
+            raise HFError(f"{have[name].path}: tensor {name!r} has dtype {have[name].dtype}; jaxpar reads "
+                          f"{sorted(files.DTYPES)}.")
+        if have[name].shape != shape:
+            raise HFError(f"{have[name].path}: tensor {name!r} is {list(have[name].shape)}, but config.json implies "
+                          f"{list(shape)}; the weights and config.json disagree.")
+    tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    extra = sorted(k for k in have if k not in want and k not in tied_head and not k.endswith(keys.IGNORED_SUFFIXES))
+    if extra:
+        raise HFError(f"{have[extra[0]].path}: unexpected tensor {extra[0]!r}: the model config.json describes has no "
+                      f"such parameter.")
+    return have
+
+
+_set_layer = jax.jit(lambda buf, x, j: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0), donate_argnums=0)
+
+
+def _place(reader, m, one, shape, dtype, sharding, order, rows):
+    """One jaxpar leaf of `shape` (with the layers axis for per-layer leaves) as a jax.Array with `sharding`, from
+    the slices this process's devices hold; devices holding the same slice share one read."""
+    per_device = sharding.addressable_devices_indices_map(shape)
+    groups: dict = {}
+    for dev, idx in per_device.items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+        groups.setdefault(key, []).append(dev)
+    out = {}
+    for key, devs in groups.items():
+        idx = tuple(slice(a, b) for a, b in key)
+        if not m.per_layer:
+            block = keys.block_of(m, one, idx, lambda box: reader.read(m.hf, box), rows).astype(dtype, copy=False)
+            out.update({d: jax.device_put(block, d) for d in devs})
+            continue
+        bufs = {d: jnp.zeros(tuple(b - a for a, b in key), dtype, device=d) for d in devs}
+        for j, pos in enumerate(range(*key[0])):
+            part = _layer_part(reader, m, one, idx[1:], order[pos], rows).astype(dtype, copy=False)
+            bufs = {d: _set_layer(b, jax.device_put(part[None], d), j) for d, b in bufs.items()}
+        out.update(bufs)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [out[d] for d in per_device])
+
+
+def _layer_part(reader, m, one, idx, layer: int, rows):
+    """The part `idx` of layer `layer`'s leaf (shape `one`): one HF tensor's block, or, per expert, the blocks of the
+    experts `idx[0]` spans, stacked."""
+    name = m.hf.format(i=layer, e="{e}")
+    if not m.per_expert:
+        return keys.block_of(m, one, idx, lambda box: reader.read(name, box), rows)
+    return np.stack([keys.block_of(m, one[1:], idx[1:], lambda box, e=e: reader.read(name.format(e=e), box), rows)
+                     for e in range(*idx[0].indices(one[0])[:2])])
+
+
+def _trim() -> None:
+    """Hand the heap's freed pages back to the OS (glibc's `malloc_trim`; elsewhere nothing): the reads of one leaf,
+    freed, would otherwise stay in the process's resident memory while the next leaf is read."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
+    """DIR's weights as jaxpar's params tree (param dtype of `cfg`), each leaf placed with its `shardings` leaf and
+    the layer axis in `layer_order` (position -> canonical layer; default canonical). Checks first (`check`)."""
+    have = check(directory, cfg)
+    order = list(range(cfg.layers)) if layer_order is None else list(layer_order)
+    mapping = maps(cfg, have)
+    sh, leaves = dict(param_items(shardings)), _leaves(cfg, mapping)
+    reader, flat = files.Reader(have), {}
+    try:
+        for m in mapping:
+            s, one = leaves[m.ours]
+            flat[m.ours] = _place(reader, m, one, s.shape, s.dtype, sh[m.ours], order, cfg.vocab_real)
+            _trim()
+    finally:
+        reader.close()
+    for path, s in param_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))):
+        if path not in flat:  # no HF tensor: the expert choice bias (Mixtral and Qwen3-MoE have none), zeros
+            flat[path] = jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sh[path])()
+    return unflatten(flat)
+
+
+def load(directory: str, device=None, param_dtype: str = "float32"):
+    """-> (Forward, params on one device, tokenizer) of DIR, for sampling (float32 params and compute)."""
+    config = base_config()
+    config.init_from = PREFIX + directory
+    config.mesh.update(data=1, tensor=1, stage=1)
+    config.train.update(param_dtype=param_dtype, compute_dtype=param_dtype)
+    config = apply(config, say=False)
+    config.model.seq_len = config.model.max_positions
+    validate(config, 1)  # the model's own rules (heads, kv_heads, RoPE, ...), as for a run
+    cfg = config_from(config, config.model.vocab_size, 1)
+    single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    shard = jax.tree.map(lambda _: single, jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
+    return Forward(cfg), load_params(directory, cfg, shard), data.load_tokenizer(config.data.tokenizer)
+
+
+def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> list[str]:
+    """Write host params (canonical layer order) of `cfg` as an HF directory in `out` (which exists): config.json,
+    the weights in `dtype`, tokenizer.json and tokenizer_config.json. Returns the names written."""
+    flat = dict(param_items(params))
+    np_dtype = jnp.dtype(dtype)
+    if cfg.experts and np.any(np.asarray(router_bias(params))):
+        raise HFError("the model's expert choice bias (model.router_bias_rate) is not zero: Mixtral and Qwen3-MoE "
+                      "checkpoints have none, so transformers would route differently; export with --format jaxpar.")
+
+    def tensors():
+        for m in maps(cfg):
+            a = np.asarray(flat[m.ours])
+            for i, name in enumerate(layer_names(m, cfg.layers)):
+                part = a[i] if m.per_layer else a
+                for e, n in enumerate(expert_names(name, m, cfg.experts)):
+                    yield n, keys.to_hf(m, part[e] if m.per_expert else part, cfg.vocab_real).astype(np_dtype)
+
+    names = files.write(out, tensors(), max_shard_bytes)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf_config(cfg, dtype, tokenizer), f, indent=2)
+    hf_tok = tokenizer.to_hf()
+    hf_tok.save(os.path.join(out, TOKENIZER))
+    # the end-of-text token by name, as config.json's bos/eos ids say (AutoTokenizer then knows it; generate stops)
+    eot = {} if tokenizer.eot_id is None else dict.fromkeys(("bos_token", "eos_token"),
+                                                              hf_tok.id_to_token(tokenizer.eot_id))
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_positions, **eot}, f)
+    return names + ["config.json", TOKENIZER, "tokenizer_config.json"]
+
+
+__all__ = ["HFError", "PREFIX", "apply", "check", "directory_of", "load", "load_params", "save", "settings"]

@@ -1,0 +1,98 @@
+"""Reading a finished or running WORKDIR back: its config, tokenizer and latest parameters, on any devices."""
+from __future__ import annotations
+
+import json
+import os
+from typing import NamedTuple
+
+import jax
+import ml_collections
+
+from jaxpar import data
+from jaxpar.interop.checkpoint import Checkpointer
+from jaxpar.config import base_config
+from jaxpar.model import Forward
+from jaxpar.train.optim import make_optimizer
+from jaxpar.train.step import init_state, model_config
+
+
+def read_config(workdir: str) -> ml_collections.ConfigDict:
+    """The resolved config train.py wrote to WORKDIR/config.json; keys added since it was written take their
+    defaults.
+
+    Raises:
+      FileNotFoundError: WORKDIR has no config.json (not a jaxpar run directory).
+    """
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: --workdir must be a directory written by train.py.")
+    with open(path) as f:
+        raw = json.load(f)
+    old = raw.get("data", {})
+    if "corpus" in old:  # written before sources and documents: one corpus, val = its last tokens
+        old.update(sources=old.pop("corpus"), val_split="tokens")
+    config = ml_collections.ConfigDict(raw)
+    defaults = base_config()
+    _add_missing(config, defaults)
+    named = {r[0] for r in config.rules}
+    config.rules = tuple(tuple(r) for r in config.rules) + tuple(r for r in defaults.rules if r[0] not in named)
+    return config
+
+
+def _add_missing(config, defaults) -> None:
+    """Give `config` every key of `defaults` it lacks (a run written before the key existed ran with its default)."""
+    for k, v in defaults.items():
+        if k not in config:
+            config[k] = v
+        elif isinstance(v, ml_collections.ConfigDict) and isinstance(config[k], ml_collections.ConfigDict):
+            _add_missing(config[k], v)
+
+
+class Run(NamedTuple):
+    """A run directory's model read back: its config, the model, params, tokenizer and the step they come from."""
+    config: ml_collections.ConfigDict
+    fwd: Forward
+    params: dict  # the canonical (layout-free) params tree, each leaf a jax.Array on one device
+    tokenizer: data.Tokenizer
+    step: int
+
+
+def load_run(workdir: str, step: int | None = None, device=None) -> Run:
+    """WORKDIR's latest (or given) checkpoint, restored onto one device (`device`, default `jax.devices()[0]`).
+
+    The checkpoint may come from any layout: the params tree on disk is layout-free. Params keep their saved dtype
+    (`train.param_dtype`). Creates nothing in WORKDIR.
+
+    Raises:
+      FileNotFoundError: no config, tokenizer or complete checkpoint (or none for `step`) in WORKDIR.
+      ValueError: the checkpoint does not match the model that config.json describes; the tokenizer is unreadable.
+    """
+    config = read_config(workdir)
+    tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
+    cfg = model_config(config, max(int(config.model.vocab_size), tok.vocab_size), int(config.mesh.tensor))
+    optimizer = make_optimizer(config, cfg)
+    if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # the Checkpointer would create it
+        raise FileNotFoundError(f"no checkpoints in {workdir}: train.py has not saved one yet.")
+    ckpt = Checkpointer(workdir, 1, 1, async_save=False, read_only=True)
+    try:
+        step = ckpt.latest_step() if step is None else int(step)
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {ckpt.directory}.")
+        dev = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        shapes = jax.eval_shape(lambda: init_state(cfg, optimizer, 0))
+        target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), shapes)
+        state, _ = ckpt.restore(step, target)
+    finally:
+        ckpt.close()
+    return Run(config, Forward(cfg), state["params"], tok, step)
+
+
+def load_params(workdir: str, step: int | None = None, device=None):
+    """-> (Forward, params on one device, tokenizer) from WORKDIR's latest (or given) checkpoint; see `load_run`.
+
+    Raises:
+      FileNotFoundError: no config, tokenizer or complete checkpoint in WORKDIR.
+      ValueError: the checkpoint does not match config.json's model; the tokenizer is unreadable.
+    """
+    run = load_run(workdir, step, device)
+    return run.fwd, run.params, run.tokenizer

@@ -1,0 +1,122 @@
+"""The model's config, part of the model spec (`jaxpar/model/__init__.py`): `ModelConfig` from the run config
+(`config_from`), the fields that define a model (`IDENTITY_FIELDS`: what a resume or an export must match) and the
+identity of models saved before some fields existed (`identity_defaults`). Imports nothing of jaxpar but the
+config's small facts."""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.config import mlp_width, padded_vocab
+
+ROPE_SCALINGS = ("none", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One decoder of either family (`arch`); fields a family does not use keep their defaults."""
+    vocab_size: int  # padded: a multiple of 128 and of the tensor size
+    vocab_real: int  # symbols the tokenizer has; logits at ids >= vocab_real never count
+    seq_len: int
+    layers: int
+    embed: int
+    heads: int
+    mlp: int
+    dropout_embed: float = 0.0
+    dropout_resid: float = 0.0
+    tie_embeddings: bool = True
+    remat: str = "none"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    arch: str = "gpt2"  # gpt2 | llama
+    kv_heads: int = 0  # llama's grouped-query KV heads (0: = heads); gpt2 has heads
+    head_dim: int = 0  # each head's size (0: embed / heads; Qwen3 sets it apart, e.g. 128 with embed 2048, 32 heads)
+    qk_norm: bool = False  # llama: RMSNorm over each head of q and k before RoPE (Qwen3)
+    max_positions: int = 0  # gpt2: rows of the position table; llama: longest context (0: = seq_len)
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # llama
+    rope_scaling: str = "none"  # llama: none | llama3 (Llama 3.1's frequency scaling, the four fields below)
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    attention: str = "auto"  # auto | xla | cudnn | pallas (`jaxpar/kernels/attention.py`)
+    loss_chunk: int = 1024  # positions per chunk of the LM head + cross-entropy (`jaxpar/kernels/cross_entropy.py`)
+    # mixture of experts (`jaxpar/model/moe.py`; config keys model.*, docs/moe.md); experts = 0: dense
+    experts: int = 0
+    experts_per_token: int = 2
+    expert_mlp: int = 0  # 0: = mlp
+    shared_experts: int = 0
+    router: str = "softmax"  # softmax | sigmoid
+    router_norm_topk: bool = True
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss: float = 0.0
+    router_z_loss: float = 0.0
+    router_bias_rate: float = 0.0
+    first_dense_layers: int = 0
+    moe_every: int = 1
+
+    def __post_init__(self):
+        if self.kv_heads == 0 or self.arch == "gpt2":
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.max_positions == 0:
+            object.__setattr__(self, "max_positions", self.seq_len)
+        if self.expert_mlp == 0:
+            object.__setattr__(self, "expert_mlp", self.mlp)
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.embed // self.heads)
+
+    @property
+    def rope_scaling_dict(self) -> dict | None:
+        if self.rope_scaling != "llama3":
+            return None
+        return {"factor": self.rope_factor, "low_freq_factor": self.rope_low_freq_factor,
+                "high_freq_factor": self.rope_high_freq_factor, "original_max_len": self.rope_original_max_len}
+
+
+# What defines a model: a resume must find these equal in the checkpoint, an export in its model_config.json (with
+# `vocab_size`, the padded table, there); the rest of `ModelConfig` (dropout, remat, dtypes) may change between runs.
+IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "embed", "heads", "kv_heads", "head_dim",
+                   "qk_norm", "mlp",
+                   "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                   "rope_high_freq_factor", "rope_original_max_len", "experts", "experts_per_token", "expert_mlp",
+                   "shared_experts", "router", "router_norm_topk", "first_dense_layers", "moe_every")
+MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "router", "router_norm_topk",
+              "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every")
+SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
+ZERO_COUNTS = ("experts", "shared_experts", "first_dense_layers")  # counts of the spec that may be 0 (a dense model)
+
+
+
+
+def identity(cfg: ModelConfig) -> dict:
+    return {f: getattr(cfg, f) for f in IDENTITY_FIELDS}
+
+
+def identity_defaults(saved: dict) -> dict:
+    """The identity fields a model saved before they existed had, given its saved `seq_len`, `heads` and `mlp` (a
+    model saved without `arch` was a gpt2 with the defaults; one without `experts` was dense)."""
+    d = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in IDENTITY_FIELDS
+         and f.default is not dataclasses.MISSING}
+    heads, embed = saved.get("heads"), saved.get("embed")
+    return {**d, "kv_heads": heads, "max_positions": saved.get("seq_len"), "expert_mlp": saved.get("mlp"),
+            "head_dim": embed // heads if heads and embed else None}
+
+
+def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
+    """The model of a run config (`config.model`, the dtypes of `config.train`); the vocabulary padded to a multiple
+    of 128 and of the tensor size (`config.padded_vocab`)."""
+    m = config.model
+    rope = {k: m[k] for k in ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                              "rope_high_freq_factor", "rope_original_max_len")}
+    return ModelConfig(
+        vocab_size=padded_vocab(vocab_real, tensor), vocab_real=vocab_real, seq_len=m.seq_len, layers=m.layers,
+        embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
+        dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
+        param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch=m.arch,
+        kv_heads=m.kv_heads, head_dim=m.head_dim, qk_norm=m.qk_norm, max_positions=m.max_positions,
+        norm_eps=m.norm_eps, attention=m.attention,
+        loss_chunk=m.loss_chunk, **rope, **{k: m[k] for k in MOE_FIELDS})
+
+
+def has_dropout(cfg: ModelConfig) -> bool:
+    return cfg.dropout_embed > 0 or cfg.dropout_resid > 0

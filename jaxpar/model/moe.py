@@ -1,0 +1,206 @@
+"""A mixture-of-experts feed-forward layer (Flax NNX, mesh-free): router, top-k choice, per-sequence capacity,
+dispatch to fixed-size expert buffers, SwiGLU experts as one batched matmul, combine; optional shared experts.
+
+Routing (float32): scores = softmax or sigmoid of the router logits `[batch, seq, experts]`; each token takes the k
+experts with the highest score + `router_bias` (DeepSeek-V3's aux-loss-free balancing: the bias only chooses, it never
+weighs); its weights are those k scores, renormalised to sum to 1 with `router_norm_topk` (Mixtral, Qwen3).
+
+Capacity is per sequence, so it does not depend on the layout: every expert holds C slots per sequence, C = seq_len
+when dropless (`capacity_factor = 0`: a token never picks an expert twice) else ceil(factor x seq_len x k /
+experts). Slots fill in priority order, all first choices of the sequence before the second choices (GShard), each
+choice in token order; a choice that finds its expert full is dropped: it adds nothing (the token keeps its
+residual and its other choices).
+
+Expert parallelism: the buffers `[batch, experts, C, embed]` go to the devices that hold their experts and come back
+through `logical.exchange_experts` (an all-to-all over the `expert` mesh axis inside the step's `shard_map`, the
+identity elsewhere); the local experts run as one batched matmul.
+
+Per layer it reports (sums over the batch rows it saw, float32): `load` `[experts]` (choices per expert, before
+capacity), `dropped` (choices dropped), `aux` (the load-balancing loss summed over sequences: per sequence
+E x sum_e f_e P_e, f_e its fraction of the sequence's choices, P_e its mean probability, Switch/GShard/DeepSeek's
+sequence-wise form) and `z` (the router z-loss summed over sequences: per sequence the mean over tokens of
+logsumexp(logits)^2, ST-MoE). The step weighs `aux` and `z` by `model.aux_loss` / `model.router_z_loss` and divides by
+the global batch (`jaxpar/train/step.py`), so they too equal the one-device run on every layout.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.dtypes import at_least_f32
+from jaxpar.parallel import context
+from jaxpar.parallel.logical import constrain, context_rank, context_split, exchange_experts, gather_context
+from jaxpar.model.base import param, swiglu
+from jaxpar.parallel.shard_map_body import vary_like
+
+STATS = ("load", "dropped", "aux", "z")  # what a MoE layer reports (see the module docstring)
+
+
+def capacity(cfg, seq: int) -> int:
+    """Slots per expert per sequence: seq (dropless) or ceil(capacity_factor x seq x k / experts), at least 1."""
+    if cfg.capacity_factor == 0:
+        return seq
+    return max(1, min(seq, math.ceil(cfg.capacity_factor * seq * cfg.experts_per_token / cfg.experts)))
+
+
+def is_moe_layer(cfg, layer):
+    """Whether layer `layer` (int or traced int32) is a MoE layer: after `first_dense_layers`, every `moe_every`-th."""
+    if cfg.experts == 0:
+        return False
+    return (layer >= cfg.first_dense_layers) & ((layer + 1) % cfg.moe_every == 0)
+
+
+def mixed(cfg) -> bool:
+    """Whether the model has both dense and MoE layers (each layer then holds both feed-forward kinds)."""
+    return cfg.experts > 0 and (cfg.first_dense_layers > 0 or cfg.moe_every > 1)
+
+
+def has_dense(cfg) -> bool:
+    """Whether a block holds the family's dense MLP: a dense model, or one of dense and MoE layers."""
+    return cfg.experts == 0 or mixed(cfg)
+
+
+def route(logits, bias, cfg):
+    """logits `[b, t, E]` float32, bias `[E]` -> (scores `[b, t, E]`, chosen experts `[b, t, k]` int32, their
+    weights `[b, t, k]`)."""
+    scores = jax.nn.softmax(logits, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
+    _, idx = jax.lax.top_k(scores + jax.lax.stop_gradient(bias).astype(scores.dtype), cfg.experts_per_token)
+    w = jnp.take_along_axis(scores, idx, -1)
+    if cfg.router_norm_topk:
+        w = w / jnp.sum(w, -1, keepdims=True)
+    return scores, idx, w
+
+
+def slots(idx, experts: int, cap: int):
+    """Chosen experts `[b, t, k]` -> (each choice's buffer slot `[b, t, k]` in [0, E x C], E x C meaning dropped;
+    each slot's token `[b, E x C]`, t for an empty slot; choices per expert `[b, E]`)."""
+    b, t, k = idx.shape
+    order = idx.transpose(0, 2, 1).reshape(b, k * t)  # priority: all first choices, then all second, ...
+    onehot = (order[..., None] == jnp.arange(experts)).astype(jnp.int32)  # [b, kt, E]
+    pos = jnp.sum((jnp.cumsum(onehot, 1) - 1) * onehot, -1)  # each choice's place in its expert's queue
+    dest = jnp.where(pos < cap, order * cap + pos, experts * cap)
+    rows = jnp.arange(b)[:, None]
+    token = jnp.full((b, experts * cap + 1), t, jnp.int32).at[rows, dest].set(jnp.arange(k * t, dtype=jnp.int32) % t)
+    return dest.reshape(b, k, t).transpose(0, 2, 1), token[:, :-1], onehot.sum(1)
+
+
+def _gather_rows(x, index):
+    """x `[b, n, d]`, index `[b, m]` in [0, n] (n: a zero row) -> `[b, m, d]`."""
+    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    return jnp.take_along_axis(padded, index[..., None], axis=1)
+
+
+def balance_stats(logits, scores, onehot_counts, cfg):
+    """The per-sequence auxiliary losses, summed over the rows: (aux, z) scalars in the logits' dtype."""
+    E, k, t = cfg.experts, cfg.experts_per_token, logits.shape[1]
+    probs = scores if cfg.router == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
+    f = onehot_counts.astype(logits.dtype) / (k * t)  # [b, E]
+    aux = E * jnp.sum(f * jnp.mean(probs, 1))
+    z = jnp.sum(jnp.mean(jnp.square(jax.nn.logsumexp(logits, -1)), 1))
+    return aux, z
+
+
+class SwiGLU(nnx.Module):
+    """A SwiGLU MLP `embed -> f -> embed`; with `experts`, one per expert, weights `[experts, ...]`."""
+
+    def __init__(self, rngs, d: int, f: int, layers: int, dtype, experts: int = 0):
+        lead, names = ((experts,), ("experts",)) if experts else ((), ())
+        role = "expert" if experts else "weight"
+        self.w_gate = param(rngs.params(), lead + (d, f), 0.02, names + ("embed", "mlp"), dtype, role)
+        self.w_up = param(rngs.params(), lead + (d, f), 0.02, names + ("embed", "mlp"), dtype, role)
+        self.w_down = param(rngs.params(), lead + (f, d), 0.02 / math.sqrt(2 * layers), names + ("mlp", "embed"),
+                            dtype, role)
+
+    def __call__(self, h, spec_in: str = "btd,df->btf", spec_out: str = "btf,fd->btd"):
+        return swiglu(h, self.w_gate, self.w_up, self.w_down, spec_in, spec_out)
+
+
+class MoE(nnx.Module):
+    """Router `[embed, experts]`, its choice bias `[experts]` (trained by the step's balancing rule, not the
+    optimizer), routed SwiGLU experts, and `shared_experts` always-on ones (one MLP of their summed width)."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.param_dtype)
+        self.router = param(rngs.params(), (cfg.embed, cfg.experts), 0.02, ("embed", "router"), dt, "router")
+        self.router_bias = param(None, (cfg.experts,), 0, ("router",), at_least_f32(dt), "router_bias")
+        self.experts = SwiGLU(rngs, cfg.embed, cfg.expert_mlp, cfg.layers, dt, cfg.experts)
+        if cfg.shared_experts:
+            self.shared = SwiGLU(rngs, cfg.embed, cfg.shared_experts * cfg.expert_mlp, cfg.layers, dt)
+
+    def __call__(self, h, cfg):
+        """h `[b, t, d]` (normed) -> (out `[b, t, d]` in h's dtype, stats {name: float32}: `STATS`).
+
+        Under context parallelism (h: this device's piece of each sequence, in the balanced order of
+        `jaxpar/parallel/context.py`) the layer runs on the whole sequences, gathered over `context`, so that capacity and
+        the sequence-wise statistics see every token: exact, at context x the layer's work; each device keeps its
+        own tokens' outputs and 1 / context of the statistics (every device computed the same sums)."""
+        cp = context_split()
+        if cp == 1:
+            return self._whole(h, cfg)
+        t = h.shape[1]
+        order = context.permutation(t * cp, cp)
+        full = gather_context(h)[:, jnp.asarray(np.argsort(order))]  # the sequences in token order
+        out, stats = self._whole(full, cfg)
+        mine = jax.lax.dynamic_slice_in_dim(out[:, jnp.asarray(order)], context_rank() * t, t, axis=1)
+        return mine, jax.tree.map(lambda a: a / cp, stats)
+
+    def _whole(self, h, cfg):
+        b, t, _ = h.shape
+        E, cap = cfg.experts, capacity(cfg, t)
+        h = constrain(h, ("batch", "seq", "embed"))
+        f32 = at_least_f32(h.dtype)
+        logits = jnp.einsum("btd,de->bte", h.astype(f32), self.router[...].astype(f32))
+        scores, idx, w = route(logits, self.router_bias[...], cfg)
+        dest, token, counts = slots(idx, E, cap)
+        buf = _gather_rows(h, token).reshape(b, E, cap, -1)
+        buf = checkpoint_name(exchange_experts(buf, split_axis=1, concat_axis=0), "moe_dispatch")
+        y = self.experts(buf, "becd,edf->becf", "becf,efd->becd")
+        y = exchange_experts(y, split_axis=0, concat_axis=1).reshape(b, E * cap, -1)
+        picked = _gather_rows(y, dest.reshape(b, -1)).reshape(b, t, cfg.experts_per_token, -1)
+        out = jnp.einsum("btkd,btk->btd", picked, w.astype(h.dtype))
+        if cfg.shared_experts:
+            out = out + self.shared(h)
+        aux, z = balance_stats(logits, scores, counts, cfg)
+        stats = {"load": counts.sum(0).astype(f32), "dropped": jnp.sum(dest == E * cap).astype(f32), "aux": aux,
+                 "z": z}
+        return checkpoint_name(out, "moe_out"), stats
+
+
+def no_stats(cfg, h) -> dict:
+    """A dense layer's stats in a model with MoE layers, for input h: zeros of the MoE layer's shapes and types."""
+    f = at_least_f32(h.dtype)
+    zeros = {"load": jnp.zeros((cfg.experts,), f), **{k: jnp.zeros((), f) for k in STATS[1:]}}
+    return jax.tree.map(lambda a: vary_like(a, h), zeros)
+
+
+def regulariser(stats, cfg):
+    """The MoE layers' auxiliary objective, summed over the rows seen: aux_loss x aux + router_z_loss x z summed over
+    the layers (0 for a dense model). The step divides it by the global batch (a mean over sequences)."""
+    if stats is None:
+        return 0.0
+    return cfg.aux_loss * jnp.sum(stats["aux"]) + cfg.router_z_loss * jnp.sum(stats["z"])
+
+
+def update_bias(bias, load, rate: float):
+    """DeepSeek-V3's aux-loss-free balancing (Wang et al. 2024): each expert's choice bias `[..., E]` moves by
+    `rate` toward even load: down when it took more than the mean of the layer's `load` `[..., E]` (the choices of
+    the whole global batch, so every layout moves it alike), up when fewer."""
+    return bias + rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load).astype(bias.dtype)
+
+
+def metrics(stats, bias, cfg, rows: int, seq: int) -> dict:
+    """What the log shows of the MoE layers (float32), from the step's summed stats (`rows` sequences of `seq`
+    tokens): per layer the fraction of choices each expert took (`moe_load` `[L, E]`) and its max / mean, the
+    fraction of choices dropped, the mean aux and z losses per sequence, the choice bias's range."""
+    load = stats["load"]
+    total = jnp.maximum(jnp.sum(load, -1), 1.0)
+    frac = load / total[:, None]
+    return {"moe_load": frac, "moe_load_max_mean": jnp.max(frac, -1) * cfg.experts,
+            "moe_dropped": stats["dropped"] / (rows * seq * cfg.experts_per_token),
+            "moe_aux": stats["aux"] / rows, "moe_z": stats["z"] / rows,
+            "moe_bias_range": jnp.max(bias, -1) - jnp.min(bias, -1)}

@@ -1,0 +1,294 @@
+"""The jitted train and eval steps for one layout: the choices read off the config once, then jit.
+
+A batch is `{"tokens": int32 [global_batch, seq + 1]}` (inputs are tokens[:, :-1], targets tokens[:, 1:]) with an
+optional `"mask": float32 [global_batch, seq]` of loss weights and optional `"segments": int32 [global_batch, seq + 1]`
+(packed documents: attention stays within a segment, positions restart at each, and a segment's last token predicts
+nothing), sharded on `data`. The loss is the mean next-token
+cross-entropy (nats/token, float32) over all masked-in tokens of the whole global batch, so `train.microbatches`
+accumulated microbatches give exactly the step on the whole batch, also when they hold different numbers of tokens.
+
+The train state (`jaxpar/train/state.py`) is donated to the step and comes back with the same shardings. The step
+compiles once per run. The gradient strategy (accumulation, pipeline by autodiff, pipeline loop) is
+`jaxpar/train/gradients.py`; the update with loss scaling and the non-finite policy is `apply_update` here.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from jaxpar.train import gradients, loss_scale
+from jaxpar import model as gpt
+from jaxpar.model import moe
+from jaxpar.train import spikes
+from jaxpar.parallel import pipeline
+from jaxpar.config import step_rules
+from jaxpar.parallel.context import permutation as balanced_order
+from jaxpar.dtypes import at_least_f32
+from jaxpar.parallel.logical import activation_rules
+from jaxpar.train.optim import OptimSettings, applied_updates, make_optimizer, schedule
+from jaxpar.layout import Layout
+from jaxpar.train.state import Shardings, init_state, on_device, shardings
+from jaxpar.parallel.zero import DataParallel
+
+__all__ = ["build", "Steps", "StepSettings", "init_state", "model_config", "split_batch", "to_microbatches",
+           "map_blocks", "apply_update"]
+
+
+def model_config(config, vocab_real: int, tensor: int) -> gpt.ModelConfig:
+    """The model of a run config (`model.config_from`)."""
+    return gpt.config_from(config, vocab_real, tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """The config keys the step reads, resolved once (validated in `validate.validate`): the layout, and how the
+    update treats loss scaling and non-finite values."""
+    layout: Layout
+    rules: tuple
+    float16: bool  # compute in float16: dynamic loss scaling
+    stop_on_nonfinite: bool  # train.nonfinite == "stop"
+    skip_bubbles: bool
+    skip_steps: tuple  # train.skip_steps: steps (1 = the first) whose update is skipped
+    skip_spikes: bool  # train.skip_spikes
+    spike_window: int
+    spike_threshold: float
+    loss_scale: loss_scale.LossScaleConfig
+    optim: OptimSettings
+
+    @classmethod
+    def from_config(cls, config, num_devices: int) -> "StepSettings":
+        tr = config.train
+        return cls(layout=Layout.from_config(config, num_devices), rules=step_rules(config),
+                   float16=tr.compute_dtype == "float16", stop_on_nonfinite=tr.nonfinite == "stop",
+                   skip_bubbles=bool(config.pipeline.skip_bubbles),
+                   skip_steps=tuple(int(s) for s in tr.skip_steps), skip_spikes=bool(tr.skip_spikes),
+                   spike_window=int(tr.spike_window), spike_threshold=float(tr.spike_threshold),
+                   loss_scale=loss_scale.from_config(config),
+                   optim=OptimSettings.from_config(config))
+
+
+def split_batch(batch):
+    """-> inputs, targets `[batch, seq]` int32, mask `[batch, seq]` float32, the inputs' segments `[batch, seq]`
+    int32 (None without packing)."""
+    tokens = batch["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    mask = batch.get("mask")
+    mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    seg = batch.get("segments")
+    if seg is not None:  # a document's last token never predicts the next document's first
+        mask, seg = mask * (seg[:, 1:] == seg[:, :-1]), seg[:, :-1]
+    return inputs, targets, mask, seg
+
+
+def to_microbatches(x, m: int):
+    """`[batch, ...]` -> `[m, batch / m, ...]`; microbatch j takes rows j, j + m, ... so each keeps its data shard."""
+    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def microbatched(batch, m: int, context: int = 1):
+    """-> mask `[batch, seq]`, and {x, y, w, ids (, seg)} with leaves `[m, batch / m, ...]`. With context
+    parallelism (`context` > 1) every sequence is laid out in the balanced order (`jaxpar/parallel/context.py`) and the
+    tokens' true positions come along (`pos`)."""
+    inputs, targets, mask, seg = split_batch(batch)
+    ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
+    xs = {"x": inputs, "y": targets, "w": mask} | ({} if seg is None else {"seg": seg})
+    if context > 1:
+        pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape) if seg is None \
+            else gpt.segment_positions(seg)
+        order = jnp.asarray(balanced_order(inputs.shape[1], context))
+        xs = jax.tree.map(lambda a: a[:, order], {**xs, "pos": pos})
+    return mask, jax.tree.map(lambda a: to_microbatches(a, m), {**xs, "ids": ids})
+
+
+def map_blocks(state, fn):
+    """Apply `fn` to every leaf of the per-layer params (and the optimizer state that mirrors them)."""
+    return gpt.map_layers(state, fn)
+
+
+@dataclasses.dataclass
+class Steps:
+    """Everything compiled for one layout: shardings, and the jitted `init`, `train` and `evaluate`."""
+    layout: Layout
+    cfg: gpt.ModelConfig
+    fwd: gpt.Forward
+    optimizer: optax.GradientTransformation
+    mesh: jax.sharding.Mesh
+    state_shardings: dict
+    grad_shardings: dict  # where the float32 gradient (accumulation) buffer lives: sharded over data at ZeRO >= 2
+    batch_sharding: NamedSharding
+    init: callable  # (seed: int) -> state
+    train: callable  # (state, batch) -> (state, metrics)
+    train_with_grads: callable  # (state, batch) -> (state, metrics, grads applied, canonical order): tests
+    evaluate: callable  # (params, batch) -> (loss_sum, token_count)
+    grads: callable  # (params, batch) -> (loss, grads in canonical order); no update
+    to_canonical: callable  # state in this layout's layer order -> canonical order (what checkpoints hold)
+    from_canonical: callable  # the inverse
+    layer_order: tuple  # position p of the layer axis in this layout holds canonical layer layer_order[p]
+    init_with: callable  # (params in this layout's order, seed) -> a fresh state holding them (donates them)
+
+    def abstract_state(self):
+        """The state as `jax.ShapeDtypeStruct`s carrying this layout's shardings (an Orbax restore target)."""
+        shapes = jax.eval_shape(lambda: self.init(0))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
+
+def layerwise_fetch(lo: Layout, cfg: gpt.ModelConfig) -> bool:
+    """Whether offloaded params (`optim.offload=params`) reach the device layer by layer inside the layer scan: without
+    a pipeline (a pipeline fetches each device's stage whole) and for a dense model (a MoE layer's choice bias, read
+    without a gradient, would get a device-typed zero cotangent for its host-typed param)."""
+    return lo.offload == "params" and lo.stage == 1 and cfg.experts == 0
+
+
+def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
+    """The gradient strategy for this layout (`jaxpar/train/gradients.py`)."""
+    lo = st.layout
+    S = lo.stage
+    if S == 1:
+        dp = DataParallel(mesh, sh.base_specs, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names)
+        return gradients.Accumulate(fwd, dp, st.rules, mesh, fetch=layerwise_fetch(lo, fwd.cfg))
+    M, v = lo.microbatches, lo.virtual_stages
+    common = (pipeline.forward_table(lo.schedule, S, M, v), mesh, st.rules, sh.unsharded, lo.pipeline_remat,
+              st.skip_bubbles)
+    if pipeline.SCHEDULES[lo.schedule].engine == "loop":
+        return gradients.PipelineLoop(fwd, pipeline.table(lo.schedule, S, M, v), *common)
+    return gradients.PipelineAutodiff(fwd, *common)
+
+
+def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
+    """The optax update, kept or skipped: under float16 an overflow skips it and lowers the loss scale (DeepSpeed's
+    rule); otherwise a non-finite loss or gradient skips it and is counted, and with `stop` every later update is
+    skipped too; a step `train.skip_steps` names is skipped (`skipped_named`), and with `train.skip_spikes` a loss
+    or gradient-norm spike (`skipped_spike`, `jaxpar/train/spikes.py`). -> (new state, metrics)."""
+    ls = state["loss_scale"]
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    # the state keeps its dtypes (AdamW's first moment would come back in the float32 gradients' dtype): the step
+    # compiles once, and its outputs reuse the donated buffers
+    params, opt_state = jax.tree.map(lambda p, q: p.astype(q.dtype), (params, opt_state),
+                                     (state["params"], state["opt_state"]))
+    finite = loss_scale.all_finite(grads) & jnp.isfinite(loss)
+    if st.float16:
+        ls, apply = loss_scale.update(ls, finite, st.loss_scale)
+        bad = jnp.zeros((), bool)
+    else:
+        bad = ~finite
+        apply = finite & ((state["nonfinite"] == 0) if st.stop_on_nonfinite else True)
+    step = state["step"]
+    named = jnp.isin(step + 1, jnp.asarray(st.skip_steps, jnp.int32)) if st.skip_steps else jnp.zeros((), bool)
+    values = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+    spike = spikes.is_spike(state["spikes"], values, st.spike_threshold) if st.skip_spikes else jnp.zeros((), bool)
+    apply = apply & ~named & ~spike
+    params, opt_state = loss_scale.select_tree(apply, (params, opt_state), (state["params"], state["opt_state"]))
+    # the lr this step applied (or, skipped, would have): the schedule counts applied updates, not steps
+    flag = lambda b: b.astype(jnp.int32)  # noqa: E731
+    metrics = {**values, "lr": lr_at(applied_updates(state["opt_state"])), "loss_scale": ls.scale,
+               "skipped": flag(~apply), "skipped_named": flag(named), "skipped_spike": flag(spike)}
+    new = {"params": params, "opt_state": opt_state, "step": step + 1, "rng": state["rng"], "loss_scale": ls,
+           "nonfinite": state["nonfinite"] + flag(bad),
+           "first_nonfinite": jnp.where(bad & (state["first_nonfinite"] < 0), step + 1, state["first_nonfinite"]),
+           "spikes": spikes.record(state["spikes"], values, apply, spike, step + 1)}
+    return new, metrics
+
+
+def balance_experts(state, metrics, stats, cfg: gpt.ModelConfig, rows: int):
+    """After an applied update: the MoE choice biases move toward even load (`model.router_bias_rate`, outside the
+    optimizer); the MoE layers' load and losses join the metrics (`moe.metrics`)."""
+    params = state["params"]
+    if cfg.router_bias_rate > 0:
+        bias = gpt.router_bias(params)
+        moved = moe.update_bias(bias, stats["load"], cfg.router_bias_rate)
+        params = gpt.with_router_bias(params, jnp.where(metrics["skipped"] == 0, moved, bias))
+    out = moe.metrics(stats, gpt.router_bias(params), cfg, rows, cfg.seq_len)
+    return {**state, "params": params}, {**metrics, **out}
+
+
+def build(config, mesh, vocab_real: int) -> Steps:
+    """Shardings and jitted steps for `config` on `mesh` (call `validate.validate` first, or use
+    `jaxpar.compiled.steps_for`, which does both)."""
+    st = StepSettings.from_config(config, mesh.size)
+    if st.layout.mesh_shape != {a: mesh.shape[a] for a in st.layout.mesh_shape}:
+        raise ValueError(f"the config's mesh {st.layout.mesh_shape} is not the mesh given {dict(mesh.shape)}")
+    return build_steps(st, model_config(config, vocab_real, mesh.shape["tensor"]), mesh)
+
+
+def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
+    fwd = gpt.Forward(cfg)
+    optimizer = make_optimizer(st.optim, cfg)
+    lr_at = schedule(st.optim)
+    lo = st.layout
+    sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage, lo.offload)
+    dev = lambda tree, group=None: on_device(tree, sh, lo.offload, group)  # host-resident state to the device
+    grad_fn = strategy(st, fwd, sh, mesh)
+    S = lo.stage
+    v = pipeline.virtual_stages(lo.schedule, S, lo.virtual_stages)
+    canonical = lambda tree: map_blocks(tree, lambda a: pipeline.from_stage_major(a, S, v))
+    stage_major = lambda tree: map_blocks(tree, lambda a: pipeline.to_stage_major(a, S, v))
+
+    def loss_and_grads(params, batch, rng, scale=1.0):
+        """Mean loss (nats/token) over the global batch, its grads (float32, sharded as `sh.grads`) and the MoE
+        layers' stats summed over the batch (None for a dense model).
+
+        The objective is the loss plus the MoE regularisers' mean over the batch's sequences (`moe.regulariser`);
+        the backward pass runs on it times `scale` (fp16 loss scaling); the grads returned are unscaled."""
+        mask, xs = microbatched(batch, lo.microbatches, lo.context)
+        total = jnp.maximum(mask.sum(dtype=at_least_f32(cfg.compute_dtype)), 1.0)  # float64 in float64 runs
+        lsum, grads, stats = grad_fn.loss_and_grads(params, xs, scale / total, rng, scale / mask.shape[0])
+        grads = jax.lax.with_sharding_constraint(grads, sh.grads)
+        return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats
+
+    def train_with_grads(state, batch):
+        """`train`, also returning the gradients it applied, in canonical layer order."""
+        # optim.offload: on the device only inside the step (out_shardings send it back); offloaded params without a
+        # pipeline go in as they are, each layer brought to the device where the layer scan uses it
+        host_params, state = state["params"], dev(state)
+        params = host_params if layerwise_fetch(lo, cfg) else state["params"]
+        with activation_rules(st.rules, mesh):
+            rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+            loss, grads, stats = loss_and_grads(params, batch, rng if gpt.has_dropout(cfg) else None,
+                                                state["loss_scale"].scale if st.float16 else 1.0)
+            new, metrics = apply_update(state, loss, grads, optimizer, st, lr_at)
+            if stats is not None:
+                new, metrics = balance_experts(new, metrics, stats, cfg, batch["tokens"].shape[0])
+            return new, metrics, canonical(grads)
+
+    def train(state, batch):
+        return train_with_grads(state, batch)[:2]  # (the gradients are dropped before jit: no output, no transfer)
+
+    def evaluate(params, batch):
+        """(loss_sum, token_count) over a batch, microbatched like training."""
+        with activation_rules(st.rules, mesh):
+            return grad_fn.loss(dev(params, "params"), microbatched(batch, lo.microbatches, lo.context)[1])
+
+    def grads(params, batch):
+        """(mean loss, grads in canonical layer order): for tests and tools, no update."""
+        with activation_rules(st.rules, mesh):
+            loss, g, _ = loss_and_grads(dev(params, "params"), batch, None)
+        return loss, canonical(g)
+
+    state_sh, repl = sh.state, sh.replicated
+    jit_state = lambda f: jax.jit(lambda s: f(dev(s)), in_shardings=(state_sh,), out_shardings=state_sh) \
+        if v > 1 else (lambda s: s)
+    return Steps(
+        layout=lo, cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh,
+        grad_shardings=sh.grads,
+        batch_sharding=sh.batch,
+        init=jax.jit(lambda seed: stage_major(init_state(cfg, optimizer, seed, st.loss_scale,
+                                                         spike_window=st.spike_window)), static_argnums=0,
+                     out_shardings=state_sh),
+        train=jax.jit(train, in_shardings=(state_sh, sh.batch), out_shardings=(state_sh, repl), donate_argnums=0),
+        train_with_grads=jax.jit(train_with_grads, in_shardings=(state_sh, sh.batch),
+                                 out_shardings=(state_sh, repl, sh.grads), donate_argnums=0),
+        evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], sh.batch), out_shardings=(repl, repl)),
+        grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
+        to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
+        layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
+        init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=dev(p, "params"),
+                                                    spike_window=st.spike_window),
+                          static_argnums=1, out_shardings=state_sh, donate_argnums=0),
+    )
