@@ -29,17 +29,27 @@ def main(argv):
     from jaxpar.config import ConfigError
 
     config = _CONFIG.value
-    runtime.configure(config)  # compile cache, GPU flags: before the backend starts
     try:  # before anything touches a device
-        distributed.initialize(distributed.resolve(os.environ, _COORDINATOR.value, _NUM_PROCESSES.value,
-                                                   _PROCESS_ID.value),
-                               config.dist.heartbeat_timeout_s, config.dist.init_timeout_s)
+        plan = distributed.resolve(os.environ, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        distributed.initialize(plan, config.dist.heartbeat_timeout_s, config.dist.init_timeout_s)
     except distributed.DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    try:  # compile cache, GPU flags: before the backend starts; an error ends every process at once
+        said = runtime.describe(runtime.configure(config))
+    except ConfigError as e:
+        distributed.stop_all(2, f"error: {e}")
+    if said and plan.process_id == 0:
+        print(f"jaxpar: {said}", file=sys.stderr)
+    train(config)
+
+
+def train(config):
     from jaxpar import trainer
-    from jaxpar.interop.checkpoint import CheckpointSaveError
+    from jaxpar.cluster import distributed
+    from jaxpar.config import ConfigError
     from jaxpar.data import DataError
+    from jaxpar.interop.checkpoint import CheckpointSaveError
 
     workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
     try:

@@ -74,7 +74,7 @@ def read_state(workdir: str, step: int | None = None):
 
     config = read_config(workdir)
     tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
-    cfg = model_config(config, max(int(config.model.vocab_size), tok.vocab_size), int(config.mesh.tensor))
+    cfg = model_config(config, data.model_vocab(config, tok.vocab_size), int(config.mesh.tensor))
     shapes = jax.eval_shape(lambda: init_state(cfg, make_optimizer(config), 0))
     dev = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), shapes)

@@ -48,11 +48,10 @@ def abstract_batch(config, steps: Steps) -> dict:
 def report_for(config, vocab: int = 0, devices=None) -> dict:
     """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
     allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
-    layout, and the optimized HLO under `hlo_text`. vocab 0: the config's, else the data's."""
+    layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
     config = hf.apply(config)
     validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
-    vocab = vocab or max(int(config.model.vocab_size), 0) or distributed.process_0_first(
-        lambda: data.prepare(config), "jaxpar/prepare").vocab_size
+    vocab = vocab or distributed.process_0_first(lambda: data.model_vocab(config), "jaxpar/prepare")
     steps = steps_for(config, vocab, devices)
     abstract = steps.abstract_state()
     t0 = time.perf_counter()

@@ -44,8 +44,9 @@ def cpu_env(base: dict, devices: int) -> dict:
 def process_env(base: dict, rank: int, num_processes: int, devices_per_process: int, port: int,
                 platform: str = "cpu") -> dict:
     """The environment of local process `rank`."""
-    env = dict(base, JAXPAR_COORDINATOR=f"127.0.0.1:{port}", JAXPAR_NUM_PROCESSES=str(num_processes),
-               JAXPAR_PROCESS_ID=str(rank), JAXPAR_NODE=f"local-{rank}", PYTHONUNBUFFERED="1")
+    env = dict(base, JAXPAR_NUM_PROCESSES=str(num_processes), JAXPAR_NODE=f"local-{rank}", PYTHONUNBUFFERED="1")
+    if num_processes > 1:  # one process takes no coordinator or id (the start refuses the mix)
+        env.update(JAXPAR_COORDINATOR=f"127.0.0.1:{port}", JAXPAR_PROCESS_ID=str(rank))
     if platform == "cpu":
         env = dict(cpu_env(env, devices_per_process), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     else:

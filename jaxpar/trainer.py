@@ -201,7 +201,7 @@ def run(config, workdir: str, devices=None) -> dict:
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
-    vocab = max(int(config.model.vocab_size), info.vocab_size)
+    vocab = data.model_vocab(config, info.vocab_size)
     train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab, packing=config.data.packing)
     val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab, packing=config.data.packing)
     steps = steps_for(config, vocab, devices)

@@ -15,8 +15,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpar import data
-from jaxpar.config import base_config
+from jaxpar.compiled import report_for
+from jaxpar.config import ConfigError, base_config
 from jaxpar.data.loader import _contiguous_rows
+from jaxpar.plan import vocab_of
 
 OFFLINE = os.environ.get("JAXPAR_OFFLINE") == "1"
 WRONG_SHA = "0" * 64
@@ -309,11 +311,21 @@ def test_token_id_beyond_vocab(tmp_path, byte_info):
     assert snapshot(tmp_path) == before
 
 
-def test_model_vocab_smaller_than_tokenizer(tmp_path):
+def test_model_vocab_smaller_than_tokenizer_is_refused_by_training_dry_run_and_planner(tmp_path):
+    """One vocabulary rule (`data.model_vocab`): the data preparation (training), `--dry_run` and the planner refuse
+    a model vocabulary below the tokenizer's in one line, before compiling or writing; 0 takes the tokenizer's."""
     config = make_config(tmp_path)
     config.model.vocab_size = 100
-    with pytest.raises(data.DataError, match=r"model.vocab_size=100 < the tokenizer's 256"):
-        data.prepare(config)
+    before = snapshot(tmp_path)
+    for attempt in (data.prepare, report_for, vocab_of):
+        with pytest.raises(ConfigError, match=r"model.vocab_size=100 is below the tokenizer's 256 symbols .*"
+                                              r"--config.model.vocab_size=256"):
+            attempt(config)
+    assert snapshot(tmp_path) == before
+    config.model.vocab_size = 0
+    assert vocab_of(config) == data.model_vocab(config) == 256
+    config.model.vocab_size = 300
+    assert data.model_vocab(config) == 300
 
 
 def test_too_short_for_one_sequence(tmp_path):

@@ -93,6 +93,12 @@ def test_explicit_flags_and_environment():
     with pytest.raises(DistributedError, match="expected host:port"):
         resolve({}, "h", 2, 0)
     assert resolve({}, num_processes=1).num_processes == 1
+    for coordinator, pid, said in (("h:1", None, "--coordinator=h:1"), (None, 0, "--process_id=0"),
+                                   ("h:1", 3, "--coordinator=h:1 and --process_id=3")):
+        with pytest.raises(DistributedError, match=f"num_processes=1 with {said} \\(flags\\): one process needs no"):
+            resolve({}, coordinator, 1, pid)
+    with pytest.raises(DistributedError, match=r"num_processes=1 with --coordinator=h:2 \(env\)"):
+        resolve({"JAXPAR_COORDINATOR": "h:2", "JAXPAR_NUM_PROCESSES": "1"})
 
 
 def test_unreachable_coordinator_is_a_clear_error():
@@ -171,3 +177,5 @@ def test_launcher_environment():
                                                                                                    "2", "1")
     assert env["JAX_PLATFORMS"] == "cpu" and env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
     assert launch.process_env({}, 1, 2, 4, 999, "gpu")["JAXPAR_LOCAL_DEVICE_IDS"] == "4,5,6,7"
+    one = launch.process_env({}, 0, 1, 8, 999)
+    assert "JAXPAR_COORDINATOR" not in one and resolve(one).num_processes == 1

@@ -109,6 +109,11 @@ def resolve(env, coordinator: str | None = None, num_processes: int | None = Non
         source = "flags" if (coordinator or num_processes is not None or process_id is not None) else "env"
         n = _int("num_processes", explicit["num_processes"], 1) if explicit["num_processes"] not in (None, "") else None
         if n == 1:
+            given = [f"--{k}={v}" for k, v in explicit.items() if k != "num_processes" and v not in (None, "")]
+            if given:
+                raise DistributedError(f"num_processes=1 with {' and '.join(given)} ({source}): one process needs "
+                                       f"no coordinator or process id; drop them, or set num_processes to the "
+                                       f"number of processes.")
             return ProcessPlan(local_device_ids=ids, node=env.get(ENV_NODE) or socket.gethostname(), source=source)
         missing = [f"--{k} (or {e})" for (k, v), e in zip(explicit.items(), (ENV_COORDINATOR, ENV_NUM_PROCESSES,
                                                                             ENV_PROCESS_ID)) if v in (None, "")]

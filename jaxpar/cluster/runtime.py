@@ -19,6 +19,7 @@ import importlib.util
 import os
 
 from jaxpar.data.preprocess import cache_root
+from jaxpar.errors import ConfigError
 
 GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
              "--xla_gpu_enable_pipelined_all_gather=true",
@@ -46,9 +47,9 @@ def gpu_flags(setting: str) -> tuple:
     return GPU_FLAGS if setting == "default" else tuple(setting.split())
 
 
-def _parses(flags) -> bool:
+def _parses(flags, timeout_s: float = 120) -> bool | None:
     """Whether this jaxlib's XLA knows every flag (an unknown one aborts the process at backend start): checked in
-    a CPU-only child process, which parses XLA_FLAGS as the GPU backend would."""
+    a CPU-only child process, which parses XLA_FLAGS as the GPU backend would. None: the probe timed out (unknown)."""
     import subprocess
     import sys
 
@@ -56,14 +57,16 @@ def _parses(flags) -> bool:
     probe = "import jax; jax.numpy.zeros(1).block_until_ready()"
     try:
         return subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                              timeout=120).returncode == 0
+                              timeout=timeout_s).returncode == 0
     except subprocess.TimeoutExpired:
-        return False
+        return None
 
 
-def known_flags(flags, cache_dir: str | None = None) -> tuple:
-    """The flags this jaxlib's XLA accepts (all of them, or each checked alone); cached per jaxlib version (written
-    atomically: several processes may start at once). If the probe cannot run at all (no flags fails too), none."""
+def known_flags(flags, cache_dir: str | None = None, parses=_parses) -> tuple[tuple, tuple]:
+    """(the flags this jaxlib's XLA accepts, the flags left out): all of them or each checked alone, the answers
+    cached per jaxlib version (written atomically: several processes may start at once). A probe that timed out
+    decides nothing and is never cached: its flags are left out this time and probed again at the next start. If
+    the probe cannot run at all (no flags fails too), every flag is left out and nothing is cached."""
     import json
 
     import jaxlib
@@ -77,16 +80,17 @@ def known_flags(flags, cache_dir: str | None = None) -> tuple:
         pass
     todo = [f for f in flags if f not in known]
     if todo:
-        ok = _parses(todo)
-        if not ok and not _parses([]):
-            return ()
-        known.update({f: ok or _parses([f]) for f in todo})
+        ok = parses(todo)
+        if ok is not True and parses([]) is not True:
+            return (), tuple(flags)
+        found = {f: True if ok else parses([f]) for f in todo}
+        known.update({f: v for f, v in found.items() if v is not None})
         if path:
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 json.dump(known, f)
             os.replace(tmp, path)
-    return tuple(f for f in flags if known[f])
+    return tuple(f for f in flags if known.get(f)), tuple(f for f in flags if not known.get(f))
 
 
 def compile_cache_dir(config) -> str:
@@ -94,20 +98,49 @@ def compile_cache_dir(config) -> str:
 
 
 def configure(config, environ=os.environ) -> dict:
-    """Apply `config.xla` to this process (see the module docstring) -> what was set."""
+    """Apply `config.xla` to this process (see the module docstring) -> what was set: `compile_cache` (the path or
+    None), `gpu_flags` (added to XLA_FLAGS) and `gpu_flags_skipped` (unknown to this jaxlib, or not probed in time).
+
+    Raises:
+      ConfigError: a cache directory that cannot be created or written (the message names it and the fix).
+    """
     import jax
 
-    out = {"compile_cache": None, "gpu_flags": ()}
+    out = {"compile_cache": None, "gpu_flags": (), "gpu_flags_skipped": ()}
     if config.xla.compile_cache:  # JAX's own variables, when set, win
         path = environ.get("JAX_COMPILATION_CACHE_DIR") or compile_cache_dir(config)
-        os.makedirs(path, exist_ok=True)
+        _writable(path, "the compile cache (xla.compile_cache_dir, or JAX_COMPILATION_CACHE_DIR)",
+                  "--config.xla.compile_cache=False")
         jax.config.update("jax_compilation_cache_dir", path)
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in environ:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         out["compile_cache"] = path
     if cuda_present(environ) and config.xla.gpu_flags:
-        os.makedirs(cache_root(config), exist_ok=True)
-        extra = known_flags(gpu_flags(config.xla.gpu_flags), str(cache_root(config)))
+        root = str(cache_root(config))
+        _writable(root, "jaxpar's cache (data.cache_dir, or JAXPAR_CACHE)", "--config.xla.gpu_flags=''")
+        extra, skipped = known_flags(gpu_flags(config.xla.gpu_flags), root)
         environ["XLA_FLAGS"] = merged_flags(environ.get("XLA_FLAGS", ""), extra)
-        out["gpu_flags"] = extra
+        out.update(gpu_flags=extra, gpu_flags_skipped=skipped)
     return out
+
+
+def _writable(path: str, what: str, off: str) -> None:
+    """Create `path` (a directory) if needed and check that this process can write there."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission for {path}")
+    except OSError as e:
+        raise ConfigError(f"{what} at {path} cannot be written ({e.strerror or e}): give a writable directory, or "
+                          f"turn it off with {off}.") from None
+
+
+def describe(said: dict) -> str | None:
+    """One line for the log on what `configure` set: the GPU flags set and skipped (None when it set none)."""
+    if not said["gpu_flags"] and not said["gpu_flags_skipped"]:
+        return None
+    line = f"XLA GPU flags set: {' '.join(said['gpu_flags']) or '(none)'}"
+    if said["gpu_flags_skipped"]:
+        line += (f"; skipped (unknown to this jaxlib, or its probe timed out and is retried at the next start): "
+                 f"{' '.join(said['gpu_flags_skipped'])}")
+    return line

