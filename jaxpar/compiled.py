@@ -27,11 +27,12 @@ def xla_cpu_aborts(platform: str, param_dtype: str, zero_stage: int) -> bool:
     return platform == "cpu" and param_dtype == "bfloat16" and zero_stage == 3
 
 
-def steps_for(config, vocab: int, devices=None) -> Steps:
-    """`config`'s steps on `devices` (default: all): validated (a `ConfigError` before anything compiles), the mesh
-    laid out, the steps built (jitted; each compiles at its first call)."""
+def steps_for(config, vocab: int, devices=None, layout=None) -> Steps:
+    """`config`'s steps on `devices` (default: all): validated (a `ConfigError` before anything compiles; `layout`:
+    what `validate` returned already), the mesh laid out, the steps built (jitted; each compiles at its first
+    call)."""
     devices = list(jax.devices() if devices is None else devices)
-    layout = validate(config, len(devices))
+    layout = layout or validate(config, len(devices))
     if xla_cpu_aborts(devices[0].platform, config.train.param_dtype, layout.zero_stage):
         raise ConfigError("train.param_dtype='bfloat16' with optim.zero_stage=3 on CPU devices: XLA:CPU aborts "
                           "compiling this step (docs/limits.md); use optim.zero_stage=2 here, or float32 weights.")
@@ -50,9 +51,9 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
     layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
     config = hf.apply(config)
-    validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
+    layout = validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
     vocab = vocab or distributed.process_0_first(lambda: data.model_vocab(config), "jaxpar/prepare")
-    steps = steps_for(config, vocab, devices)
+    steps = steps_for(config, vocab, devices, layout)
     abstract = steps.abstract_state()
     t0 = time.perf_counter()
     compiled = steps.train.lower(abstract, abstract_batch(config, steps)).compile()

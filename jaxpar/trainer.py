@@ -5,6 +5,8 @@ before the first compile, and before anything is written to WORKDIR.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import shutil
@@ -41,28 +43,44 @@ class Preempted(Exception):
 
 class PreemptionWatch:
     """Notes SIGTERM (what SLURM sends before it kills a job, `#SBATCH --signal`) and, at each step boundary, says
-    whether to stop there. With several processes every one stops at the same step: the flag is all-gathered, so a
-    signal seen by any process stops all of them at the next boundary."""
+    whether to stop there. With several processes every one stops at the same step, and no boundary waits for the
+    step just queued: each boundary queues an all-reduce of the processes' flags (`any_process`, a tiny program
+    that runs behind the step) and reads the one queued at the boundary before, which the devices finished long
+    ago. A signal seen by any process stops all of them one boundary later than a single process stops."""
 
-    def __init__(self):
+    def __init__(self, agree=None):
         import signal
 
         self.requested = False
         self._signal = signal
         self._previous = signal.signal(signal.SIGTERM, self._note)
+        self._agree = agree if agree is not None else any_process if jax.process_count() > 1 else None
+        self._pending = None
 
     def _note(self, signum, frame):
         self.requested = True
 
     def reached(self) -> bool:
-        if jax.process_count() == 1:
+        if self._agree is None:
             return self.requested
-        from jax.experimental import multihost_utils
-
-        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.requested))))
+        previous, self._pending = self._pending, self._agree(self.requested)  # queued, not read
+        return previous is not None and bool(previous)
 
     def close(self):
         self._signal.signal(self._signal.SIGTERM, self._previous)
+
+
+def any_process(flag: bool) -> jax.Array:
+    """Whether any process's `flag` is set: an all-reduce over every device, returned unread (asynchronous)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("processes",))
+    local = np.full((jax.local_device_count(),), bool(flag))
+    flags = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, jax.P("processes")), local)
+    return _any(flags, jax.NamedSharding(mesh, jax.P()))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _any(flags, replicated):
+    return jax.lax.with_sharding_constraint(flags.any(), replicated)
 
 
 # What a resume must keep identical (else: refuse before touching anything): the model's identity
@@ -204,11 +222,13 @@ def run(config, workdir: str, devices=None) -> dict:
     vocab = data.model_vocab(config, info.vocab_size)
     train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab, packing=config.data.packing)
     val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab, packing=config.data.packing)
-    steps = steps_for(config, vocab, devices)
+    steps = steps_for(config, vocab, devices, layout)
     fp = fingerprint(config, info, steps)
-    check_before_writing(config, workdir, fp, steps)
+    latest = check_before_writing(config, workdir, fp, steps)
+    if latest is not None and latest >= int(config.train.steps):
+        return nothing_to_run(config, workdir, latest)
     if jax.process_index() == 0:
-        write_run_files(config, workdir, info)
+        write_run_files(config, workdir, info, latest or 0)
     ckpt = Checkpointer.from_config(workdir, config)
     try:
         abstract = steps.abstract_state()
@@ -219,15 +239,24 @@ def run(config, workdir: str, devices=None) -> dict:
         ckpt.close()
 
 
-def check_before_writing(config, workdir: str, fp: dict, steps) -> None:
+def check_before_writing(config, workdir: str, fp: dict, steps) -> int | None:
     """Refuse a mismatched resume (or a fine-tuning start from an export of another model) before anything is
-    created or written."""
+    created or written. -> the latest checkpoint's step (None: a fresh run)."""
     latest, meta = latest_checkpoint(workdir)
     if latest is not None:
         check_resume(meta.get("fingerprint", {}), fp, bool(config.train.allow_batch_change))
     if config.init_from and latest is None and hf.directory_of(config.init_from) is None:
         check_export(config.init_from, steps.cfg)  # (hf:DIR: `check_hf_weights`, before the data)
     distributed.barrier("jaxpar/resume_check")  # every process looked (isdir) before process 0 creates the folder
+    return latest
+
+
+def nothing_to_run(config, workdir: str, latest: int) -> dict:
+    """A resume of a finished run: say so (nothing is written) and return no metrics."""
+    if jax.process_index() == 0:
+        print(f"jaxpar: nothing to run: {workdir} holds the checkpoint of step {latest} and train.steps="
+              f"{int(config.train.steps)} is reached; raise --config.train.steps to train further.", flush=True)
+    return {}
 
 
 def check_hf_weights(config, workdir: str, tensor: int) -> None:
@@ -248,11 +277,15 @@ def latest_checkpoint(workdir: str) -> tuple[int | None, dict | None]:
         return latest, (None if latest is None else probe.read_meta(latest))
 
 
-def write_run_files(config, workdir: str, info) -> None:
-    """WORKDIR/config.json (the resolved config) and WORKDIR/tokenizer (kept from the first run)."""
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+def write_run_files(config, workdir: str, info, start: int) -> None:
+    """WORKDIR/config.json (this start's resolved config: what `runs` reads), WORKDIR/starts/NNN-step-S.json (every
+    start's, kept: the first run's layout is never lost) and WORKDIR/tokenizer (kept from the first run)."""
+    os.makedirs(os.path.join(workdir, "starts"), exist_ok=True)
+    text = config.to_json_best_effort(indent=2)
+    n = len([f for f in os.listdir(os.path.join(workdir, "starts")) if f.endswith(".json")])
+    for path in (os.path.join(workdir, "starts", f"{n:03d}-step-{start}.json"), os.path.join(workdir, "config.json")):
+        with open(path, "w") as f:
+            f.write(text)
     tok_dir = os.path.join(workdir, "tokenizer")
     if not os.path.isdir(tok_dir):
         shutil.copytree(info.tokenizer_dir, tok_dir)
@@ -277,6 +310,35 @@ def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, in
     if config.init_from:  # fine-tuning: params from an export, fresh optimizer state, step 0
         state = init_from_export(config.init_from, steps, state)
     return state, 0
+
+
+class Interval:
+    """What the throughput of a log interval counts: the steps since the last log and the real (non-padding) tokens
+    they processed, over the seconds they took less what is not training: the first step of a start (it compiles)
+    is left out, and so are checkpoint saves (`paused`). `clock` is injectable for tests."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.restart()
+
+    def restart(self) -> None:
+        self.steps, self.tokens, self.paused, self.t0 = 0, 0, 0.0, self.clock()
+
+    def add(self, tokens: int) -> None:
+        self.steps, self.tokens = self.steps + 1, self.tokens + int(tokens)
+
+    @contextlib.contextmanager
+    def pause(self):
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.paused += self.clock() - t
+
+    def rates(self) -> dict:
+        """{tokens_per_s, step_time_s}, or {} when no step was timed (the first step of a start alone)."""
+        dt = self.clock() - self.t0 - self.paused
+        return {} if self.steps == 0 or dt <= 0 else {"tokens_per_s": self.tokens / dt, "step_time_s": dt / self.steps}
 
 
 class Loop:
@@ -309,15 +371,26 @@ class Loop:
         self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch), self.total)
 
     def batch_at(self, source, i):
-        rows = source(i, *self.rows)
+        return self.to_global(source(i, *self.rows))
+
+    def to_global(self, rows: dict) -> dict:
         return {k: data.to_global(v, self.steps.batch_sharding, self.B) for k, v in rows.items()}
 
     def evaluate(self, params) -> float:
+        """The mean loss over the weighted tokens of the `eval.batches` validation batches.
+
+        Raises:
+          DataError: those batches hold no weighted token (a mean over nothing is no loss).
+        """
         tot, n = 0.0, 0.0
         for i in range(int(self.config.eval.batches)):
             s, c = self.eval_step(params, self.batch_at(self.val_data.val_batch, i))
             tot, n = tot + float(s), n + float(c)
-        return tot / max(n, 1.0)
+        if n <= 0:
+            raise data.DataError(f"the {int(self.config.eval.batches)} validation batches (eval.batches) hold no "
+                                 f"token the loss counts: give more validation data (data.val_fraction) or more "
+                                 f"batches, or check the data's loss masks.")
+        return tot / n
 
     def run(self, state, start: int) -> dict:
         self.spikes_said = int(jax.device_get(state["spikes"]["skipped"]))
@@ -337,12 +410,16 @@ class Loop:
             self.writer.close()
 
     def _steps(self, state, start, preemption) -> dict:
-        c, last, t0, since = self.config, {}, time.perf_counter(), 0
+        c, last, clock = self.config, {}, Interval()
         for step in range(start, self.total):
             self.profiler.maybe_start(step)
-            state, m = self.steps.train(state, self.batch_at(self.next_rows, step))
+            rows = self.next_rows(step, *self.rows)
+            state, m = self.steps.train(state, self.to_global(rows))
             self.profiler.maybe_stop(step, block_on=m["loss"])
-            since += 1
+            clock.add(data.real_tokens(rows) * self.B // len(rows["tokens"]))
+            if step == start:  # the first step compiles: its time is no training time
+                jax.block_until_ready(m["loss"])
+                clock.restart()
             done = step + 1
             if done in c.train.skip_steps:
                 self.console.print(f"step {done}: update skipped (train.skip_steps); its batch was read")
@@ -354,15 +431,16 @@ class Loop:
                 health = check_health(c, state, done)
                 self._say_spikes(state, health["spike_steps"])
             if log_now or eval_now:
-                last = self._log(state, done, m, health, since, time.perf_counter() - t0, eval_now)
-                t0, since = time.perf_counter(), 0
+                last = self._log(state, done, m, health, clock, eval_now)
+                clock.restart()
             else:
                 self.console.update(done)
             if save_now:
                 watchdog.phase("checkpoint save")
-                self.ckpt.save(done, self.steps.to_canonical(state), {
-                    "fingerprint": self.fp, "step": done, "samples": self.train_data.samples_before(done)},
-                    force=True)
+                with clock.pause():
+                    self.ckpt.save(done, self.steps.to_canonical(state), {
+                        "fingerprint": self.fp, "step": done, "samples": self.train_data.samples_before(done)},
+                        force=True)
             if stop_now:
                 watchdog.phase("checkpoint save")
                 self.ckpt.wait()
@@ -378,14 +456,17 @@ class Loop:
                                f"{skipped - self.spikes_said} since the last log, {skipped} in all")
         self.spikes_said = skipped
 
-    def _log(self, state, done, m, health, since, dt, eval_now) -> dict:
+    def _log(self, state, done, m, health, clock, eval_now) -> dict:
         m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in jax.device_get(m).items()} | health
-        tps = since * self.B * self.T / dt
-        m.update(self.train_data.tokens_by_source(done), data_wait_s=self.next_rows.waited_s / since)
+        if self.config.train.compute_dtype != "float16":  # loss scaling is fp16's alone
+            m.pop("loss_scale", None)
+        m.update(self.train_data.tokens_by_source(done), data_wait_s=self.next_rows.waited_s / max(clock.steps, 1))
         self.next_rows.waited_s = 0.0
-        m.update(tokens_per_s=tps, step_time_s=dt / since,
-                 tflops_per_device=throughput.tflops_per_device(tps, self.flops_tok, self.ndev),
-                 mfu=throughput.mfu(tps, self.flops_tok, self.ndev, self.peak))
+        rates = clock.rates()
+        if rates:
+            tps = rates["tokens_per_s"]
+            m.update(rates, tflops_per_device=throughput.tflops_per_device(tps, self.flops_tok, self.ndev),
+                     mfu=throughput.mfu(tps, self.flops_tok, self.ndev, self.peak))
         m.update(throughput.device_memory_bytes() or {})
         if eval_now:
             watchdog.phase("evaluation")

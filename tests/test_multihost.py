@@ -17,6 +17,7 @@ import pytest
 from helpers import LOSS_F64_RTOL, assert_params_exact
 from jaxpar import launch
 from jaxpar.cluster.watchdog import PEER_LOST_EXIT_CODE, STALLED_EXIT_CODE
+from jaxpar.trainer import PREEMPTED_EXIT_CODE
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
 pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]
@@ -155,6 +156,19 @@ def test_dead_process_is_reported_at_once_naming_the_step(corpus, tmp_path):
                      r"and its liveness port refuses connections) \(after step \d+\)", out), out[-3000:]
     # 3 heartbeats (1 s each) + 0.5 s of certainty, + the 2.5 s process 0 keeps the coordinator up
     assert elapsed < 15, elapsed
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(corpus, tmp_path):
+    """SIGTERM to process 1 alone: the flag, agreed on one step boundary late (no per-step host sync), stops both
+    processes at the same step with one complete checkpoint, exit code 75 each."""
+    procs = start_two(corpus, tmp_path)
+    procs[1].send_signal(signal.SIGTERM)
+    codes = [p.wait(timeout=180) for p in procs]
+    outs = [(tmp_path / f"rank{i}.log").read_text() for i in range(2)]
+    assert codes == [PREEMPTED_EXIT_CODE] * 2, outs[0][-2000:] + outs[1][-2000:]
+    saved = [int(d) for d in os.listdir(tmp_path / "run" / "checkpoints") if d.isdigit()]
+    stops = [int(re.search(r"checkpoint of step (\d+) saved", o).group(1)) for o in outs]
+    assert stops[0] == stops[1] and stops[0] in saved, (stops, saved)
 
 
 def test_frozen_process_stops_the_others_after_the_heartbeat_timeout(corpus, tmp_path):

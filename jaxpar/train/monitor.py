@@ -153,8 +153,8 @@ def format_metrics(step: int, total_steps: int, metrics: Mapping[str, Any]) -> s
     if x is not None:
         parts.append(f"{x:,.0f} tok/s")
     x = _num(metrics.get("tflops_per_device"))
-    if x is not None:
-        parts.append(f"{x:.1f} TFLOP/s/dev")
+    if x is not None:  # below 1 TFLOP/s (a CPU) in GFLOP/s, so the figure never reads 0.0
+        parts.append(f"{x:.1f} TFLOP/s/dev" if x >= 1 else f"{1e3 * x:.3g} GFLOP/s/dev")
     x = _num(metrics.get("mfu"))
     parts.append("MFU n/a" if x is None else f"MFU {100 * x:.1f}%")
     used, peak, limit = (_num(metrics.get(k)) for k in _MEMORY_KEYS)
