@@ -239,9 +239,18 @@ KEYS = (
     K("data.val_split", "documents", str, "`documents` or `tokens` (the last fraction of the tokens, as older runs "
       "split)",
       choices=('documents', 'tokens')),
-    K("data.packing", "concat", str, "`concat` (windows over the documents back to back) or `documents` (attention "
-      "within each document)",
-      choices=('concat', 'documents')),
+    K("data.packing", "concat", str, "`concat` (windows over the documents back to back), `documents` (the same "
+      "windows, attention within each document) or `bfd` (whole sequences packed best-fit decreasing, padded: "
+      "conversations) ([fine-tuning](finetune.md))",
+      choices=('concat', 'documents', 'bfd')),
+    K("data.truncate", "right", str, "with `bfd`: a sequence longer than `model.seq_len` + 1 is cut (`right`) or "
+      "left out (`skip`), counted in the log",
+      choices=('right', 'skip')),
+    K("data.loss_on", "auto", str, "the tokens the loss counts: `auto` (the assistant turns of `messages`, the "
+      "completion of `prompt`/`completion`, all of `text`), `assistant`, `completion` or `all`",
+      choices=('auto', 'assistant', 'completion', 'all')),
+    K("data.chat_template", "", str, "a Jinja chat template file for conversations; `\"\"`: the tokenizer's "
+      "(`chat_template.jinja` or `tokenizer_config.json` beside its tokenizer.json)"),
     K("data.workers", 1, int, "tokenizer processes", lambda v: v >= 1, "an integer >= 1 (tokenizer processes)"),
     K("data.unit_mb", 64, int, "MB of one big file per worker task",
       lambda v: v >= 1, "an integer >= 1 (MB of one file per worker task)"),

@@ -95,6 +95,8 @@ def fingerprint(config, info, steps) -> dict:
                "data": info.identity})
     if config.data.packing != "concat":  # absent from fingerprints written before packing existed
         fp["data.packing"] = config.data.packing
+    if config.data.packing == "bfd":
+        fp["data.truncate"] = config.data.truncate
     return fp
 
 
@@ -220,8 +222,9 @@ def run(config, workdir: str, devices=None) -> dict:
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
     vocab = data.model_vocab(config, info.vocab_size)
-    train_data = data.Batches(info, "train", T, B, seed, vocab_size=vocab, packing=config.data.packing)
-    val_data = data.Batches(info, "val", T, B, seed, vocab_size=vocab, packing=config.data.packing)
+    train_data, val_data = (data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=config.data.packing,
+                                         truncate=config.data.truncate) for split in ("train", "val"))
+    say_packing(train_data, val_data)
     steps = steps_for(config, vocab, devices, layout)
     fp = fingerprint(config, info, steps)
     latest = check_before_writing(config, workdir, fp, steps)
@@ -237,6 +240,17 @@ def run(config, workdir: str, devices=None) -> dict:
         return loop.run(state, start)
     finally:
         ckpt.close()
+
+
+def say_packing(train_data, val_data) -> None:
+    """With `data.packing = "bfd"`: how the sequences went into rows, and how many were cut or left out."""
+    if not train_data.packed or jax.process_index() != 0:
+        return
+    for split, d in (("train", train_data), ("val", val_data)):
+        c = d.packing_counts()
+        print(f"jaxpar: {split}: {c['sequences']:,} sequences packed into {c['rows']:,} rows of {d.seq_len + 1} "
+              f"tokens; {c['truncated']:,} cut to fit (data.truncate='right'), {c['skipped']:,} left out "
+              f"(data.truncate='skip')", flush=True)
 
 
 def check_before_writing(config, workdir: str, fp: dict, steps) -> int | None:

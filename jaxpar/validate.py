@@ -169,7 +169,7 @@ def _check_kernels(config, t: int) -> list[str]:
         backend = "gpu" if m.attention == "pallas" else jax.default_backend()  # pallas: interpret mode off GPU
         try:
             choose(m.attention, config.train.compute_dtype, m.seq_len, m.head_dim or m.embed // m.heads,
-                   config.data.packing == "documents", backend=backend)
+                   config.data.packing != "concat", backend=backend)
         except ValueError as e:
             errs.append(str(e) + ".")
     if m.seq_len > m.loss_chunk >= 4:

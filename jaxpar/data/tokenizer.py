@@ -75,22 +75,23 @@ class BPETokenizer:
     EOT = "<|endoftext|>"  # the end-of-text token a tokenizer trained here gets (GPT-2's spelling)
     EOT_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>")  # GPT-2, Llama 3, Llama 2 / Mistral, Gemma
 
-    def __init__(self, tokenizer):
-        self.hf = tokenizer
+    def __init__(self, tokenizer, directory: str | None = None):
+        self.hf, self.directory = tokenizer, directory  # directory: where its tokenizer.json was read (chat files)
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         self.eot_id = next((vocab[t] for t in self.EOT_NAMES if t in vocab), None)
 
     @classmethod
-    def train(cls, texts: Sequence[str], vocab_size: int) -> "BPETokenizer":
+    def train(cls, texts: Sequence[str], vocab_size: int, special: Sequence[str] = ()) -> "BPETokenizer":
         """Train byte-level BPE on `texts` (deterministic; the vocab may come out smaller on a tiny corpus); id 0 is
-        the end-of-text token `EOT`."""
+        the end-of-text token `EOT`, the `special` tokens (a chat template's markers) follow it."""
         from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), show_progress=False, special_tokens=[cls.EOT],
+        trainer = trainers.BpeTrainer(vocab_size=int(vocab_size), show_progress=False,
+                                      special_tokens=[cls.EOT, *special],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(texts, trainer=trainer)
         return cls(tok)
@@ -103,7 +104,7 @@ class BPETokenizer:
         if not Path(path).is_file():
             raise DataError(f"tokenizer file {path} does not exist; give a path to a tokenizer.json, or 'byte'/'bpe'.")
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            return cls(HFTokenizer.from_file(str(path)), str(Path(path).parent))
         except Exception as e:  # the Rust side raises a plain Exception
             raise DataError(f"cannot read tokenizer file {path} ({e}); it must be a HuggingFace tokenizer.json.") from e
 

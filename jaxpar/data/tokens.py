@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import numpy as np
 
@@ -11,15 +12,19 @@ from jaxpar.data.common import DataError, check_split
 from jaxpar.data.megatron import IndexedDataset
 
 _MAX_CHUNK = 1 << 24  # elements per step of the chunked max over a token file
+MASK = "-mask"  # PREFIX-mask.bin/.idx beside a shard: one uint8 loss-mask value per token, the same documents
 
 
 class TokenStream:
     """The documents of `prefixes` back to back. `doc_bounds` int64 `[documents + 1]`: token offsets of each
-    document's start in the stream (the last = the stream's length)."""
+    document's start in the stream (the last = the stream's length). `masks`: each shard's loss mask (records of
+    conversations), or None."""
 
     def __init__(self, prefixes, name: str):
         self.name, self.prefixes = name, [str(p) for p in prefixes]
         self.parts = [IndexedDataset(p) for p in self.prefixes]
+        has = [os.path.isfile(p + MASK + ".idx") for p in self.prefixes]
+        self.masks = [IndexedDataset(p + MASK) for p in self.prefixes] if all(has) and has else None
         sizes = np.asarray([p.num_tokens for p in self.parts], np.int64)
         self.part_start = np.concatenate([[0], np.cumsum(sizes)])
         self.part_docs = np.concatenate([[0], np.cumsum([p.num_docs for p in self.parts])])
@@ -40,14 +45,18 @@ class TokenStream:
         i = int(np.searchsorted(self.part_docs, d, "right")) - 1
         return int(self.part_start[i]) + self.parts[i].doc_start(d - int(self.part_docs[i]))
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the stream (across shards): int32 `[stop - start]`."""
+    def read(self, start: int, stop: int, masks: bool = False) -> np.ndarray:
+        """Tokens [start, stop) of the stream (across shards): int32 `[stop - start]` (`masks`: their loss mask;
+        ones when the stream has none)."""
+        if masks and self.masks is None:
+            return np.ones(stop - start, np.int32)
+        parts = self.masks if masks else self.parts
         i = int(np.searchsorted(self.part_start, start, "right")) - 1
         out = []
         while start < stop:
             a = start - self.part_start[i]
             b = min(stop, self.part_start[i + 1]) - self.part_start[i]
-            out.append(np.asarray(self.parts[i].tokens[a:b], np.int32))
+            out.append(np.asarray(parts[i].tokens[a:b], np.int32))
             start, i = self.part_start[i] + b, i + 1
         return out[0] if len(out) == 1 else np.concatenate(out)
 

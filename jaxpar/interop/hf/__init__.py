@@ -20,6 +20,7 @@ import numpy as np
 from jaxpar import data
 from jaxpar.config import base_config
 from jaxpar.data import BPETokenizer
+from jaxpar.data.chat import chat_files
 from jaxpar.interop.hf import files, keys
 from jaxpar.interop.hf.config import arch_of, hf_config, model_settings, moe_family, read_json
 from jaxpar.interop.hf.files import HFError
@@ -232,15 +233,22 @@ def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> 
                     yield n, keys.to_hf(m, part[e] if m.per_expert else part, cfg.vocab_real).astype(np_dtype)
 
     names = files.write(out, tensors(), max_shard_bytes)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(hf_config(cfg, dtype, tokenizer), f, indent=2)
     hf_tok = tokenizer.to_hf()
     hf_tok.save(os.path.join(out, TOKENIZER))
-    # the end-of-text token by name, as config.json's bos/eos ids say (AutoTokenizer then knows it; generate stops)
+    # the end-of-text token by name, as config.json's bos/eos ids say (AutoTokenizer then knows it; generate stops);
+    # a chat tokenizer's template and special tokens as its checkpoint had them, its eos_token the end of a turn
     eot = {} if tokenizer.eot_id is None else dict.fromkeys(("bos_token", "eos_token"),
                                                               hf_tok.id_to_token(tokenizer.eot_id))
+    tok_config = {**eot, **chat_files(getattr(tokenizer, "directory", None))}
+    model_config = hf_config(cfg, dtype, tokenizer)
+    for key in ("bos_token", "eos_token"):
+        if tok_config.get(key) is not None and hf_tok.token_to_id(tok_config[key]) is not None:
+            model_config[f"{key}_id"] = hf_tok.token_to_id(tok_config[key])
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(model_config, f, indent=2)
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_positions, **eot}, f)
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_positions,
+                   **tok_config}, f)
     return names + ["config.json", TOKENIZER, "tokenizer_config.json"]
 
 

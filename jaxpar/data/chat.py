@@ -1,0 +1,296 @@
+"""Records -> token ids and a loss mask: conversations rendered with the checkpoint's own chat template, token for
+token as `transformers`' `apply_chat_template` renders and tokenizes them.
+
+A record is recognised by its fields, as TRL recognises them:
+- `messages`: a list of `{"role", "content"}` (roles `system`, `user`, `assistant`), rendered with the template;
+- `prompt` + `completion`: strings (`prompt + completion`, tokenized with the tokenizer's own special tokens, then
+  the end-of-sequence token) or lists of messages (`prompt + completion` rendered with the template);
+- `text` (`data.text_field`): the document as it is, then the end-of-text token: today's pretraining meaning.
+
+The template runs in Jinja's sandbox with the settings transformers uses (`trim_blocks`, `lstrip_blocks`, loop
+controls, its `tojson`, `raise_exception`, `strftime_now`), given the messages, `add_generation_prompt` and the
+tokenizer's special tokens (`bos_token`, `eos_token`, ...); the rendered text is tokenized without adding special
+tokens (the template writes them), so special tokens are single ids and BOS is never doubled.
+
+The loss mask (`data.loss_on`): `assistant` marks what `apply_chat_template(..., return_assistant_tokens_mask=True)`
+marks: every token overlapping an assistant span. A template with `{% generation %}` markers gives the spans. A
+template without them (Llama 3's, Qwen3's) gets them by rendering: the span of assistant message i starts where the
+conversation up to message i, rendered with the generation prompt, ends (what the model is asked to write from), and
+ends with the first end-of-turn token after it (found by rendering a probe conversation: the first special token the
+template writes after an assistant's content). `completion` marks the completion's assistant spans (messages) or the
+completion's characters and the end-of-sequence token (strings); `all` every token; `auto` is `assistant` for
+`messages`, `completion` for `prompt`/`completion` and `all` for `text`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from jaxpar.data.common import DataError
+
+ROLES = ("system", "user", "assistant")
+LOSS_ON = ("auto", "assistant", "completion", "all")
+TEMPLATE_FILE = "chat_template.jinja"  # beside tokenizer.json in a Hugging Face directory (transformers >= 4.43)
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around each `{% generation %}` block while rendering
+
+
+def _environment():
+    """Jinja's sandbox as transformers sets it up for chat templates, with `{% generation %}` marking its output."""
+    import jinja2
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return _OPEN + caller() + _CLOSE
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, or an AddedToken dict with `content`."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def find_template(tokenizer_dir: str | os.PathLike, given: str = "") -> tuple[str, str] | None:
+    """(the chat template's text, where it came from): `given` (data.chat_template, a file), else the tokenizer's
+    directory's chat_template.jinja, else its tokenizer_config.json's `chat_template`; None when there is none."""
+    if given:
+        path = Path(os.path.expanduser(given))
+        if not path.is_file():
+            raise DataError(f"data.chat_template={given}: no such file; give a Jinja chat template file.")
+        return path.read_text(), str(path)
+    d = Path(tokenizer_dir)
+    if (d / TEMPLATE_FILE).is_file():
+        return (d / TEMPLATE_FILE).read_text(), str(d / TEMPLATE_FILE)
+    config = _read_config(d)
+    template = config.get("chat_template")
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return (template, str(d / CONFIG_FILE)) if isinstance(template, str) else None
+
+
+def _read_config(d: Path) -> dict:
+    path = d / CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise DataError(f"{path} is not JSON ({e}).") from None
+
+
+def chat_files(tokenizer_dir) -> dict:
+    """What an export carries of a chat tokenizer's directory: `chat_template` and the special tokens (bos_token,
+    eos_token, ...) of its tokenizer_config.json; {} when it has no chat template."""
+    if tokenizer_dir is None or find_template(tokenizer_dir) is None:
+        return {}
+    config = _read_config(Path(tokenizer_dir))
+    special = {k: t for k in SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+    return {"chat_template": find_template(tokenizer_dir)[0], **special}
+
+
+class ChatFormat:
+    """A Hugging Face tokenizer with its chat template and special tokens: conversations -> (ids, loss mask)."""
+
+    def __init__(self, tokenizer, template: str, where: str, special: dict):
+        import jinja2
+
+        self.hf, self.source, self.where, self.special = tokenizer, template, where, special
+        self.markers = "generation" in template and "endgeneration" in template
+        try:
+            self.template = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise DataError(f"{where}: the chat template does not parse (line {e.lineno}: {e.message}); fix it or "
+                            f"give another with data.chat_template.") from None
+        added = tokenizer.get_added_tokens_decoder()
+        self.special_ids = {i for i, t in added.items() if t.special}
+        eos = special.get("eos_token")
+        self.eos_id = tokenizer.token_to_id(eos) if eos else None
+        self.end_of_turn = self._end_of_turn()
+        self.stop_ids = {i for i in (self.eos_id, tokenizer.token_to_id(self.end_of_turn or "")) if i is not None}
+
+    @classmethod
+    def from_dir(cls, tokenizer_dir: str | os.PathLike, given: str = "") -> "ChatFormat":
+        """The tokenizer.json of `tokenizer_dir` with its template (see `find_template`) and special tokens."""
+        from tokenizers import Tokenizer
+
+        d = Path(tokenizer_dir)
+        found = find_template(d, given)
+        if found is None:
+            raise DataError(f"conversations need a chat template, and {d} has none ({TEMPLATE_FILE} or "
+                            f"`chat_template` in {CONFIG_FILE}); give one with --config.data.chat_template=FILE.")
+        if not (d / "tokenizer.json").is_file():
+            raise DataError(f"conversations need a Hugging Face tokenizer.json; {d} has none: give one with "
+                            f"data.tokenizer (or init_from=hf:DIR).")
+        config = _read_config(d)
+        special = {k: t for k in SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+        return cls(Tokenizer.from_file(str(d / "tokenizer.json")), *found, special)
+
+    def render(self, messages: list, add_generation_prompt: bool = False) -> tuple[str, list]:
+        """(the rendered text, the `{% generation %}` spans `[(start, end)]` in it)."""
+        import jinja2
+
+        try:
+            raw = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       **self.special)
+        except jinja2.TemplateError as e:
+            raise TemplateFailure(f"the chat template ({self.where}) fails to render it: {e}") from None
+        text, spans, n = [], [], 0
+        for i, piece in enumerate(raw.replace(_CLOSE, _OPEN).split(_OPEN)):
+            if i % 2:
+                spans.append((n, n + len(piece)))
+            text.append(piece)
+            n += len(piece)
+        return "".join(text), spans
+
+    def _end_of_turn(self) -> str | None:
+        """The end-of-turn token: the first special token the template writes after an assistant's content."""
+        probe = "\ue002"
+        try:
+            text, _ = self.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": probe}])
+        except TemplateFailure:
+            return None
+        after = text[text.rfind(probe) + len(probe):]
+        enc = self.hf.encode(after, add_special_tokens=False)
+        return next((after[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i in self.special_ids), None)
+
+    def assistant_spans(self, messages: list, text: str, spans: list, first: int = 0) -> list:
+        """The character spans of the assistant messages from index `first` on, in `text` (`messages` rendered)."""
+        if self.markers:
+            owned = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            if len(spans) != len(owned):
+                raise TemplateFailure(f"the chat template ({self.where}) marks {len(spans)} generation blocks for "
+                                      f"{len(owned)} assistant messages")
+            return [s for s, i in zip(spans, owned) if i >= first]
+        out = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant" or i < first:
+                continue
+            prompt, _ = self.render(messages[:i], add_generation_prompt=True)
+            if not text.startswith(prompt):
+                raise TemplateFailure(f"the chat template ({self.where}) renders the conversation before assistant "
+                                      f"message {i} differently from the whole conversation, so its tokens cannot be "
+                                      f"told apart; give a template with {{% generation %}} markers "
+                                      f"(data.chat_template)")
+            end = text.find(self.end_of_turn, len(prompt)) if self.end_of_turn else -1
+            stop = end + len(self.end_of_turn) if end >= 0 else len(text.rstrip())
+            out.append((len(prompt), stop))
+        return out
+
+    def encode(self, text: str, spans: list, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(ids int32, mask uint8): `text` tokenized; a token is 1 when it overlaps one of `spans`."""
+        enc = self.hf.encode(text, add_special_tokens=add_special_tokens)
+        ids = np.asarray(enc.ids, np.int32)
+        mask = np.zeros(len(ids), np.uint8)
+        for k, (a, b) in enumerate(enc.offsets):
+            mask[k] = any(b > s and a < e for s, e in spans) and b > a
+        return ids, mask
+
+    def conversation(self, messages: list, loss_on: str, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """A conversation's (ids, mask): the assistant messages from index `first` on (`assistant`, `completion`),
+        or every token (`all`)."""
+        text, spans = self.render(messages)
+        ids, mask = self.encode(text, [] if loss_on == "all" else self.assistant_spans(messages, text, spans, first))
+        return ids, (np.ones_like(mask) if loss_on == "all" else mask)
+
+    def prompt(self, messages: list) -> np.ndarray:
+        """The ids that ask for the next assistant message (the conversation with the generation prompt)."""
+        text, _ = self.render(messages, add_generation_prompt=True)
+        return self.encode(text, [])[0]
+
+    def plain(self, prompt: str, completion: str, loss_on: str) -> tuple[np.ndarray, np.ndarray]:
+        """A string prompt and completion: `prompt + completion` with the tokenizer's special tokens, then the
+        end-of-sequence token; the completion's tokens (and that token) in the mask (`all`: every token)."""
+        ids, mask = self.encode(prompt + completion, [(len(prompt), len(prompt) + len(completion))], True)
+        if self.eos_id is not None:
+            ids, mask = np.append(ids, np.int32(self.eos_id)), np.append(mask, np.uint8(1))
+        return ids, (np.ones_like(mask) if loss_on == "all" else mask)
+
+
+class TemplateFailure(Exception):
+    """A conversation the template cannot render or split (the record's place is added by the caller)."""
+
+
+def record_kind(obj) -> str | None:
+    """`messages`, `prompt` (prompt + completion) or None (text, or nothing) for a record."""
+    if isinstance(obj, dict) and "messages" in obj:
+        return "messages"
+    if isinstance(obj, dict) and "prompt" in obj:
+        return "prompt"
+    return None
+
+
+def check_messages(messages, field: str, where: str) -> list:
+    """The messages as plain dicts (None values dropped, as transformers does), or a DataError naming `where`."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: `{field}` must be a non-empty list of {{\"role\", \"content\"}} messages.")
+    out = []
+    for k, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: {field}[{k}] is not a message with a `role`; give {{\"role\", \"content\"}}.")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: {field}[{k}] has the unknown role {m['role']!r}; use one of "
+                            f"{', '.join(ROLES)}.")
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: {field}[{k}] ({m['role']}) has no string `content`; every message needs one.")
+        out.append({k2: v for k2, v in m.items() if v is not None})
+    return out
+
+
+def example(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[np.ndarray, np.ndarray]:
+    """A `messages` or `prompt`/`completion` record -> (ids int32, loss mask uint8).
+
+    Raises:
+      DataError: a malformed record, a loss_on its kind has no tokens for, a template that fails (naming `where`).
+    """
+    kind = record_kind(obj)
+    loss_on = {"messages": "assistant", "prompt": "completion"}[kind] if loss_on == "auto" else loss_on
+    if chat is None:
+        raise DataError(f"{where}: a {kind} record needs a chat tokenizer; give data.tokenizer a Hugging Face "
+                        f"tokenizer.json (or init_from=hf:DIR).")
+    try:
+        if kind == "messages":
+            if loss_on == "completion":
+                raise DataError(f"{where}: data.loss_on='completion' needs prompt/completion records; this one has "
+                                f"`messages` (use assistant, all or auto).")
+            return chat.conversation(check_messages(obj["messages"], "messages", where), loss_on)
+        if "completion" not in obj:
+            raise DataError(f"{where}: a `prompt` record needs a `completion` too.")
+        prompt, completion = obj["prompt"], obj["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            if loss_on == "assistant":
+                raise DataError(f"{where}: data.loss_on='assistant' needs messages; this record's prompt and "
+                                f"completion are strings (use completion, all or auto).")
+            return chat.plain(prompt, completion, loss_on)
+        if isinstance(prompt, list) and isinstance(completion, list):
+            p, c = check_messages(prompt, "prompt", where), check_messages(completion, "completion", where)
+            return chat.conversation(p + c, loss_on, first=0 if loss_on == "assistant" else len(p))
+        raise DataError(f"{where}: `prompt` and `completion` must both be strings or both lists of messages.")
+    except TemplateFailure as e:
+        raise DataError(f"{where}: {e}; fix the record or the template (data.chat_template).") from None

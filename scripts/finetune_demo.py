@@ -1,0 +1,116 @@
+"""The fine-tuning quickstart's material, made here (nothing downloaded), and its scorer (docs/finetune.md).
+
+    python scripts/finetune_demo.py make --out data/finetune_demo
+        DIR/base/   a tiny Llama "checkpoint" as Hugging Face writes one: random weights, a byte-level BPE
+                    tokenizer.json with ChatML's special tokens, tokenizer_config.json with a ChatML chat template
+        DIR/train.jsonl, DIR/val.jsonl   instructions with checkable answers, as `messages`: "Reverse the word:
+                    lamp" -> "pmal" (a system message in some), 3 to 6 random letters; held-out words in val.jsonl
+    python scripts/finetune_demo.py score --model hf:DIR/base --data DIR/val.jsonl
+    python scripts/finetune_demo.py score --model runs/finetune_demo --data DIR/val.jsonl
+        the exact-match accuracy of the greedy replies (the chat template, the KV cache, the reply up to the
+        end-of-turn token), printed as JSON
+"""
+import argparse
+import json
+import os
+import random
+import string
+import sys
+
+SPECIAL = ["<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def words(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    out = set()
+    while len(out) < n:
+        out.add("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6))))
+    return sorted(out)
+
+
+def conversation(word: str, system: bool) -> dict:
+    messages = [{"role": "system", "content": "Answer with the word only."}] if system else []
+    return {"messages": messages + [{"role": "user", "content": f"Reverse the word: {word}"},
+                                    {"role": "assistant", "content": word[::-1]}]}
+
+
+def make(out: str, n_train: int, n_val: int) -> None:
+    import torch
+    import transformers
+
+    from jaxpar.data import BPETokenizer
+
+    pool = words(n_train + n_val, seed=0)
+    random.Random(1).shuffle(pool)
+    os.makedirs(out, exist_ok=True)
+    for name, ws in (("train", pool[:n_train]), ("val", pool[n_train:])):
+        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
+            for k, w in enumerate(ws):
+                f.write(json.dumps(conversation(w, system=k % 4 == 0)) + "\n")
+    base = os.path.join(out, "base")
+    tok = BPETokenizer.train(["Reverse the word"], 257 + len(SPECIAL), SPECIAL)  # bytes and the specials, no merge
+    tok.save(base)
+    with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML,
+                   "eos_token": "<|im_end|>", "bos_token": BPETokenizer.EOT}, f)
+    eos = tok.hf.token_to_id("<|im_end|>")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=tok.vocab_size, max_position_embeddings=128,
+                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=eos)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(base)
+    print(json.dumps({"out": out, "train": n_train, "val": n_val, "vocab": tok.vocab_size}))
+
+
+def score(model: str, data: str, limit: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.data.chat import ChatFormat
+    from jaxpar.interop import hf
+    from jaxpar.interop.runs import load_params
+    from jaxpar.model.generate import generate
+
+    where = hf.directory_of(model)
+    fwd, params, tok = hf.load(where) if where else load_params(model)
+    chat = ChatFormat.from_dir(tok.directory)
+    with open(data) as f:
+        records = [json.loads(line) for line in f][:limit]
+    run = jax.jit(generate, static_argnums=(0, 3, 5, 6))
+    right, shown = 0, []
+    for r in records:
+        prompt, answer = r["messages"][:-1], r["messages"][-1]["content"]
+        ids = chat.prompt(prompt).tolist()
+        out = jax.device_get(run(fwd, params, jnp.asarray([ids], jnp.int32), 10, jax.random.key(0), 0.0, 0))[0]
+        reply = out[len(ids):].tolist()
+        reply = tok.decode(reply[:next((k for k, t in enumerate(reply) if t in chat.stop_ids), len(reply))])
+        right += reply == answer
+        if len(shown) < 3:
+            shown.append({"prompt": prompt[-1]["content"], "reply": reply, "answer": answer})
+    return {"model": model, "accuracy": right / len(records), "examples": len(records), "first": shown}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--out", default="data/finetune_demo")
+    m.add_argument("--train", type=int, default=4000)
+    m.add_argument("--val", type=int, default=200)
+    s = sub.add_parser("score")
+    s.add_argument("--model", required=True, help="a run directory, an export, or hf:DIR")
+    s.add_argument("--data", required=True)
+    s.add_argument("--limit", type=int, default=200)
+    a = p.parse_args(argv)
+    if a.cmd == "make":
+        make(a.out, a.train, a.val)
+    else:
+        print(json.dumps(score(a.model, a.data, a.limit)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
