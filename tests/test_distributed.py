@@ -141,7 +141,7 @@ def test_mesh_keeps_tensor_within_a_node():
 
 
 def test_step_watchdog_names_the_step():
-    code = ("import time; from jaxpar import watchdog; watchdog.arm_steps(0.5); watchdog.beat(6); "
+    code = ("import time; from jaxpar.cluster import watchdog; watchdog.arm_steps(0.5); watchdog.beat(6); "
             "time.sleep(20)")
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)

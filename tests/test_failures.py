@@ -224,7 +224,7 @@ def test_an_unknown_config_key_is_refused_naming_the_key_it_meant(corpus, tmp_pa
 
 def test_a_stall_right_after_the_compiling_step_says_no_step_was_timed():
     """The first step compiles and is not timed: a stall in the second says so, not 'the slowest step 0.00 s'."""
-    code = ("import time; from jaxpar import watchdog; watchdog.arm_steps(-1, min_s=0.5, factor=20); "
+    code = ("import time; from jaxpar.cluster import watchdog; watchdog.arm_steps(-1, min_s=0.5, factor=20); "
             "watchdog.beat(1); time.sleep(20)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert res.returncode == STALLED_EXIT_CODE, res.stderr
