@@ -13,10 +13,10 @@ def get_config():
     c.init_from = "hf:data/finetune_demo/base"
     c.model.update(seq_len=128)
     c.mesh.update(data=4, tensor=2)
-    c.train.update(steps=400, global_batch_size=16, microbatches=1, seed=0)
-    c.optim.update(lr=3e-3, min_lr_ratio=0.1, warmup_steps=40, decay_steps=400, weight_decay=0.0, clip_norm=1.0)
+    c.train.update(steps=500, global_batch_size=32, microbatches=1, seed=0)
+    c.optim.update(lr=2e-3, min_lr_ratio=0.1, warmup_steps=100, decay_steps=500, weight_decay=0.0, clip_norm=1.0)
     c.data.update(sources="data/finetune_demo/train.jsonl", packing="bfd", loss_on="auto", val_fraction=0.02)
-    c.checkpoint.update(every_steps=200, keep=2)
-    c.log.update(every_steps=25)
-    c.eval.update(every_steps=100, batches=2)
+    c.checkpoint.update(every_steps=250, keep=2)
+    c.log.update(every_steps=50)
+    c.eval.update(every_steps=250, batches=2)
     return c

@@ -5,6 +5,7 @@ before the first compile, and before anything is written to WORKDIR.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
@@ -326,6 +327,11 @@ def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, in
     return state, 0
 
 
+# Steps the host may queue ahead of the devices before it waits for the oldest: enough to keep them busy, and a
+# bound (XLA:CPU, whose runtime queues without limit, deadlocks in a collective with about a hundred steps queued)
+AHEAD = 2
+
+
 class Interval:
     """What the throughput of a log interval counts: the steps since the last log and the real (non-padding) tokens
     they processed, over the seconds they took less what is not training: the first step of a start (it compiles)
@@ -424,11 +430,14 @@ class Loop:
             self.writer.close()
 
     def _steps(self, state, start, preemption) -> dict:
-        c, last, clock = self.config, {}, Interval()
+        c, last, clock, self.ahead = self.config, {}, Interval(), collections.deque()
         for step in range(start, self.total):
             self.profiler.maybe_start(step)
             rows = self.next_rows(step, *self.rows)
             state, m = self.steps.train(state, self.to_global(rows))
+            self.ahead.append(m["loss"])
+            if len(self.ahead) > AHEAD:  # the host stays at most AHEAD steps ahead of the devices
+                jax.block_until_ready(self.ahead.popleft())
             self.profiler.maybe_stop(step, block_on=m["loss"])
             clock.add(data.real_tokens(rows) * self.B // len(rows["tokens"]))
             if step == start:  # the first step compiles: its time is no training time

@@ -56,7 +56,7 @@ def make(out: str, n_train: int, n_val: int) -> None:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML,
                    "eos_token": "<|im_end|>", "bos_token": BPETokenizer.EOT}, f)
     eos = tok.hf.token_to_id("<|im_end|>")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=tok.vocab_size, max_position_embeddings=128,
                                    tie_word_embeddings=False, bos_token_id=0, eos_token_id=eos)
     torch.manual_seed(0)
