@@ -69,8 +69,9 @@ def main(argv):
                  f"{fwd.cfg.max_positions}.")
     new = min(_NEW.value, room)
     prompt = jnp.asarray([ids] * _NUM.value, jnp.int32)
-    out = jax.jit(generate, static_argnums=(0, 3, 5, 6))(
-        fwd, params, prompt, new, jax.random.key(_SEED.value), _TEMP.value, _TOPK.value)
+    stop = tuple(sorted(chat.stop_ids)) if chat else ()
+    out = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7))(
+        fwd, params, prompt, new, jax.random.key(_SEED.value), _TEMP.value, _TOPK.value, stop)
     for row in jax.device_get(out):
         if chat is None:
             print(tok.decode(row.tolist()))

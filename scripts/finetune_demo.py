@@ -78,12 +78,13 @@ def score(model: str, data: str, limit: int) -> dict:
     chat = ChatFormat.from_dir(tok.directory)
     with open(data) as f:
         records = [json.loads(line) for line in f][:limit]
-    run = jax.jit(generate, static_argnums=(0, 3, 5, 6))
+    run = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7))
     right, shown = 0, []
     for r in records:
         prompt, answer = r["messages"][:-1], r["messages"][-1]["content"]
         ids = chat.prompt(prompt).tolist()
-        out = jax.device_get(run(fwd, params, jnp.asarray([ids], jnp.int32), 10, jax.random.key(0), 0.0, 0))[0]
+        out = jax.device_get(run(fwd, params, jnp.asarray([ids], jnp.int32), 10, jax.random.key(0), 0.0, 0,
+                                 tuple(sorted(chat.stop_ids))))[0]
         reply = out[len(ids):].tolist()
         reply = tok.decode(reply[:next((k for k, t in enumerate(reply) if t in chat.stop_ids), len(reply))])
         right += reply == answer

@@ -8,6 +8,8 @@ batch), on 1 device and on (2,2,2) 1F1B, (4,2,1) ZeRO 3 and (expert 4, data 2), 
 microbatches hold different numbers of unmasked tokens; each layout's gradients equal the 1-device run's (float64)."""
 import json
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -17,11 +19,13 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import assert_params_exact, chat_tokenizer, float64_config, place, steps_for, tiny_config  # noqa: E402
-from jaxpar import data  # noqa: E402
+from jaxpar import data, trainer  # noqa: E402
+from jaxpar.export import main as export_main  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("test_sft"), pytest.mark.slow]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "chat_templates"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMON = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=0,
               eos_token_id=0)
@@ -180,3 +184,32 @@ def test_the_masked_loss_equals_transformers_on_every_layout(checkpoints, kind):
         else:
             assert_params_exact(grads, ref_grads)
     assert ref_loss is not None
+
+
+def test_a_fine_tuned_run_exports_a_checkpoint_transformers_chats_with(checkpoints, tmp_path):
+    """Two SFT steps from `init_from=hf:DIR` (the Llama 3.1 template), then `--format hf`: the export keeps the chat
+    template and `eos_token` = the end-of-turn token, and `sample.py --chat --temperature 0` prints the reply that
+    transformers' `generate` gives on the export (stopping at the end of the turn)."""
+    root, models = checkpoints
+    _, d = models["llama"]
+    c = sft_config(root, d, **{"mesh.data": 8, "train.steps": 2})
+    c.checkpoint.update(every_steps=2, async_save=False)
+    c.log.update(every_steps=1, progress=False)
+    wd, out = tmp_path / "run", tmp_path / "export"
+    trainer.run(c, str(wd))
+    assert export_main(["--workdir", str(wd), "--out", str(out), "--format", "hf", "--dtype", "float32"]) == 0
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config["chat_template"] == (FIXTURES / "llama3_1.jinja").read_text() and config["eos_token"] == "<|eot_id|>"
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the answer"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        gen = model.generate(**ids, max_new_tokens=12, do_sample=False)[0, ids["input_ids"].shape[1]:].tolist()
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    want = tok.decode(gen[:gen.index(eot)] if eot in gen else gen)
+    res = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--workdir", str(wd), "--chat", messages[1]["content"],
+                          "--system", messages[0]["content"], "--temperature", "0", "--new_tokens", "12"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n" + "-" * 40)[0] == want

@@ -4,6 +4,7 @@ import os
 import signal
 import types
 
+import jax
 import numpy as np
 import pytest
 
@@ -162,3 +163,16 @@ def test_validation_without_weighted_tokens_is_an_error(tmp_path):
                                  batch_at=lambda source, i: None, val_data=types.SimpleNamespace(val_batch=None))
     with pytest.raises(DataError, match=r"validation batches \(eval.batches\) hold no token the loss counts"):
         trainer.Loop.evaluate(loop, params={})
+
+
+def test_the_host_stays_a_bounded_number_of_steps_ahead(corpus, tmp_path, monkeypatch):
+    """Between logs the host waits for the step AHEAD steps back (XLA:CPU deadlocked in a collective with about a
+    hundred steps queued): one wait per step past the first AHEAD, on a loss it already dispatched."""
+    waited = []
+    real = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or real(x))
+    c = run_config(corpus, tmp_path, **{"train.steps": 8, "mesh.data": 8})
+    c.log.update(every_steps=100)
+    trainer.run(c, str(tmp_path / "run"))
+    losses = [w for w in waited if getattr(w, "shape", None) == ()]
+    assert len(losses) >= 8 - trainer.AHEAD, len(losses)

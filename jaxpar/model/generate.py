@@ -23,8 +23,11 @@ def sample_logits(key, logits, temperature: float, top_k: int):
     return jax.random.categorical(key, logits, -1).astype(jnp.int32)
 
 
-def generate(fwd: Forward, params, prompt, new_tokens: int, key, temperature: float = 0.8, top_k: int = 40):
-    """Prefill the prompt, then sample `new_tokens` one at a time from the cache. Jit-compatible.
+def generate(fwd: Forward, params, prompt, new_tokens: int, key, temperature: float = 0.8, top_k: int = 40,
+             stop_ids: tuple = ()):
+    """Prefill the prompt, then sample up to `new_tokens` one at a time from the cache; with `stop_ids` (a chat's
+    end-of-turn and end-of-sequence ids) each sequence stops at the first of them and the loop ends once every
+    sequence has (the rest of a stopped row is filled with `stop_ids[0]`). Jit-compatible.
 
     Raises:
       ValueError: prompt_len + new_tokens > max_positions.
@@ -35,13 +38,18 @@ def generate(fwd: Forward, params, prompt, new_tokens: int, key, temperature: fl
         raise ValueError(f"prompt of {p} tokens + {new_tokens} new > the model's max_positions={cfg.max_positions}; "
                          f"shorten the prompt or ask for fewer tokens.")
     logits, caches = fwd.decode(params, prompt, fwd.init_cache(b, p + new_tokens))
+    keys = jax.random.split(key, new_tokens)
+    stop = jnp.asarray(stop_ids or (-1,), jnp.int32)
 
-    def step(carry, k):
-        logits, caches = carry
-        tok = sample_logits(k, logits, temperature, top_k)
+    def step(carry):
+        i, logits, caches, toks, done = carry
+        tok = jnp.where(done, stop[0], sample_logits(keys[i], logits, temperature, top_k))
         logits, caches = fwd.decode(params, tok[:, None], caches)
-        return (logits, caches), tok
+        return i + 1, logits, caches, toks.at[:, i].set(tok), done | jnp.isin(tok, stop)
 
-    _, toks = jax.lax.scan(step, (logits, caches), jax.random.split(key, new_tokens))
-    return jnp.concatenate([prompt, toks.T], axis=1)
+    def more(carry):
+        return (carry[0] < new_tokens) & ~jnp.all(carry[4])
 
+    start = (jnp.int32(0), logits, caches, jnp.full((b, new_tokens), stop[0], jnp.int32), jnp.zeros((b,), bool))
+    toks = jax.lax.while_loop(more, step, start)[3]
+    return jnp.concatenate([prompt, toks], axis=1)
