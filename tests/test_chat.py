@@ -6,6 +6,7 @@ templates are one-line errors naming the file and line, with nothing written to 
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -166,3 +167,24 @@ def test_no_template_left_empty_and_unpacked_conversations_are_refused(tmp_path)
     with pytest.raises(DataError, match=r"packed whole, never cut into windows; set --config.data.packing=bfd"):
         trainer.run(c, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_parquet_conversations_give_the_jsonl_tokens_and_masks(tmp_path):
+    """A Parquet source with a `messages` column (Hugging Face datasets' layout) is read record by record, as JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jaxpar import data
+
+    chat_tokenizer(tmp_path / "tok")
+    records = [GOOD, {"messages": CONVERSATION}, {"prompt": CONVERSATION[:2], "completion": CONVERSATION[2:3]}] * 3
+    write_jsonl(tmp_path / "d.jsonl", records)
+    pq.write_table(pa.Table.from_pylist([{"messages": r.get("messages"), "prompt": r.get("prompt"),
+                                          "completion": r.get("completion")} for r in records]), tmp_path / "d.parquet")
+    got = {}
+    for ext in ("jsonl", "parquet"):
+        info = data.prepare(sft_config(tmp_path, tmp_path / f"d.{ext}"))
+        stream = info.streams()[0]
+        got[ext] = (stream.read(0, stream.num_tokens), stream.read(0, stream.num_tokens, masks=True))
+        assert stream.num_docs == len(records)
+    assert all(np.array_equal(a, b) for a, b in zip(got["jsonl"], got["parquet"]))

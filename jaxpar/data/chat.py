@@ -238,10 +238,11 @@ class TemplateFailure(Exception):
 
 
 def record_kind(obj) -> str | None:
-    """`messages`, `prompt` (prompt + completion) or None (text, or nothing) for a record."""
-    if isinstance(obj, dict) and "messages" in obj:
+    """`messages`, `prompt` (prompt + completion) or None (text, or nothing) for a record (a field set to null, as a
+    Parquet row of another kind has it, is absent)."""
+    if isinstance(obj, dict) and obj.get("messages") is not None:
         return "messages"
-    if isinstance(obj, dict) and "prompt" in obj:
+    if isinstance(obj, dict) and obj.get("prompt") is not None:
         return "prompt"
     return None
 
@@ -280,7 +281,7 @@ def example(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[np.
                 raise DataError(f"{where}: data.loss_on='completion' needs prompt/completion records; this one has "
                                 f"`messages` (use assistant, all or auto).")
             return chat.conversation(check_messages(obj["messages"], "messages", where), loss_on)
-        if "completion" not in obj:
+        if obj.get("completion") is None:
             raise DataError(f"{where}: a `prompt` record needs a `completion` too.")
         prompt, completion = obj["prompt"], obj["completion"]
         if isinstance(prompt, str) and isinstance(completion, str):
