@@ -102,3 +102,11 @@ def test_every_command_line_names_its_guide(cmd):
     out = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     guides = re.findall(r"docs/[\w/-]+\.md", out.stdout + out.stderr)
     assert guides and all((ROOT / g).exists() for g in guides), (cmd, guides)
+
+
+def test_the_architecture_map_names_every_folder():
+    """docs/architecture.md's map has a line for each subpackage of jaxpar/ and names no folder that is gone."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    folders = sorted(p.parent.name for p in (ROOT / "jaxpar").glob("*/__init__.py"))
+    mapped = re.findall(r"^  (\w+)/ ", text.split("## The map", 1)[1].split("```")[1], re.M)
+    assert sorted(mapped) == folders, (mapped, folders)
