@@ -8,6 +8,7 @@ import itertools
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -177,3 +178,22 @@ def test_planner_counts_and_flops_are_the_trainers(name):
     assert model.params == sum(a.size for a in jax.tree.leaves(shapes))
     assert model.flops_per_token == gpt.flops_per_token(built)
     assert cost.model_flops_per_step(model) == gpt.flops_per_token(built) * model.global_batch * model.seq
+
+
+def test_why_it_loses_agrees_with_the_ranking():
+    """A faster row ranked below the best because its fit is unknown is explained by that rule (no `+-`); a slower
+    one by the term that costs it most, with a signed step difference."""
+    from jaxpar.plan import Candidate
+    from jaxpar.plan.table import why
+
+    terms = dict.fromkeys(("bubble_s", "tp_comm_s", "pp_comm_s", "ep_comm_s", "cp_comm_s", "dp_comm_s",
+                           "recompute_s", "optimizer_s", "offload_s"), 0.0)
+    time = lambda step, dp=0.0: {**terms, "dp_comm_s": dp, "compute_s": 1.0, "step_s": step}  # noqa: E731
+    plan = types.SimpleNamespace(capacity=80 * 2**30)
+    best = Candidate(None, time(3.0), (1, 1), {"peak": 70 * 2**30})
+    unknown = Candidate(None, time(1.28), (40 * 2**30, 20 * 2**30))
+    slower = Candidate(None, time(3.5, dp=0.5), (1, 1), {"peak": 60 * 2**30})
+    assert why(plan, best, best) == "best"
+    said = why(plan, unknown, best)
+    assert said.startswith("1.72 s faster, not compiled: its fit is unknown (estimate 60.0 GiB)") and "+-" not in said
+    assert why(plan, slower, best) == "data-parallel/ZeRO comm +0.5 s (step +0.5 s)"

@@ -213,3 +213,20 @@ def test_a_fine_tuned_run_exports_a_checkpoint_transformers_chats_with(checkpoin
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.split("\n" + "-" * 40)[0] == want
+
+
+def test_a_resumed_fine_tuning_run_continues_the_same_packed_rows(checkpoints, tmp_path):
+    """Stopped after 2 steps and rerun to 4, an SFT run logs the uninterrupted run's losses (same layout: bitwise);
+    the packed rows continue in order."""
+    root, models = checkpoints
+    _, d = models["qwen3"]
+    losses = {}
+    for name, stops in (("whole", (4,)), ("resumed", (2, 4))):
+        for steps in stops:
+            c = sft_config(root, d, **{"mesh.data": 4, "mesh.tensor": 2, "train.steps": steps})
+            c.checkpoint.update(every_steps=2, async_save=False)
+            c.log.update(every_steps=1, progress=False)
+            trainer.run(c, str(tmp_path / name))
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [r["loss"] for r in rows]
+    assert losses["resumed"] == losses["whole"] and len(losses["whole"]) == 4

@@ -18,14 +18,18 @@ def why(p: Plan, c, best) -> str:
         return f"does not fit ({c.peak() / GiB:.1f} > {p.capacity / GiB:.1f} GiB)"
     if c is best:
         return "best"
+    total = c.time["step_s"] - best.time["step_s"]
+    if c.fits(p.capacity) is None and best.fits(p.capacity) is True:  # placed by the rule, not by its time
+        faster = f"{-total:.3g} s faster, " if total < 0 else ""
+        return f"{faster}not compiled: its fit is unknown (estimate {c.peak() / GiB:.1f} GiB), so it ranks after " \
+               f"the layouts compiled and known to fit"
     deltas = [(c.time[k] - best.time[k], name) for k, name in _TERMS]
     other = (c.time["compute_s"] - c.time["recompute_s"]) - (best.time["compute_s"] - best.time["recompute_s"])
     deltas.append((other, "matmul and elementwise work"))
     d, name = max(deltas)
-    total = c.time["step_s"] - best.time["step_s"]
     if abs(total) <= 1e-9 * best.time["step_s"]:
         return "ties with the best"
-    return f"{name} +{d:.3g} s (step +{total:.3g} s)" if d > 0 else f"step +{total:.3g} s"
+    return f"{name} +{d:.3g} s (step {total:+.3g} s)" if d > 0 else f"step {total:+.3g} s"
 
 
 def rows(p: Plan, top: int) -> list[dict]:
