@@ -188,3 +188,13 @@ def test_parquet_conversations_give_the_jsonl_tokens_and_masks(tmp_path):
         got[ext] = (stream.read(0, stream.num_tokens), stream.read(0, stream.num_tokens, masks=True))
         assert stream.num_docs == len(records)
     assert all(np.array_equal(a, b) for a, b in zip(got["jsonl"], got["parquet"]))
+
+
+def test_a_template_without_an_end_of_turn_token_and_markers_is_refused(tmp_path):
+    """Where no special token follows a reply, where it ends is unknown: one line, naming the record and the fix."""
+    chat_tokenizer(tmp_path, "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    fmt = ChatFormat.from_dir(tmp_path)
+    assert fmt.end_of_turn is None
+    with pytest.raises(DataError, match=r"d.jsonl, line 1: the chat template .* writes no special token after an "
+                                         r"assistant's reply.*generation %\} markers"):
+        example(GOOD, "d.jsonl, line 1", fmt, "auto")

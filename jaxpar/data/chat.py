@@ -192,15 +192,18 @@ class ChatFormat:
         for i, m in enumerate(messages):
             if m["role"] != "assistant" or i < first:
                 continue
+            if not self.end_of_turn:
+                raise TemplateFailure(f"the chat template ({self.where}) writes no special token after an assistant's "
+                                      f"reply, so where a reply ends is unknown; give a template with "
+                                      f"{{% generation %}} markers (data.chat_template)")
             prompt, _ = self.render(messages[:i], add_generation_prompt=True)
             if not text.startswith(prompt):
                 raise TemplateFailure(f"the chat template ({self.where}) renders the conversation before assistant "
                                       f"message {i} differently from the whole conversation, so its tokens cannot be "
                                       f"told apart; give a template with {{% generation %}} markers "
                                       f"(data.chat_template)")
-            end = text.find(self.end_of_turn, len(prompt)) if self.end_of_turn else -1
-            stop = end + len(self.end_of_turn) if end >= 0 else len(text.rstrip())
-            out.append((len(prompt), stop))
+            end = text.find(self.end_of_turn, len(prompt))
+            out.append((len(prompt), end + len(self.end_of_turn) if end >= 0 else len(text.rstrip())))
         return out
 
     def encode(self, text: str, spans: list, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
