@@ -315,7 +315,8 @@ def _record(line: bytes, path: str, off: int, field: str) -> Iterator[tuple[str,
     if not isinstance(text, str):
         keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
         raise DataError(f"{path}, line {_line_number(path, off)}: no string field {field!r} (has {keys}); set "
-                        f"--config.data.text_field to the field holding the text.")
+                        f"--config.data.text_field to the field holding the text, or give conversations as "
+                        f"`messages` or `prompt`/`completion` records (docs/finetune.md).")
     if text:
         yield text, True
 
