@@ -49,6 +49,7 @@ def train(config):
     from jaxpar.cluster import distributed
     from jaxpar.config import ConfigError
     from jaxpar.data import DataError
+    from jaxpar.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted
     from jaxpar.interop.checkpoint import CheckpointSaveError
 
     workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
@@ -58,9 +59,9 @@ def train(config):
         distributed.stop_all(2, f"error: {e}")
     except CheckpointSaveError as e:  # a full disk, a lost mount: the message says what to do, no traceback
         distributed.stop_all(1, f"error: {e}")
-    except trainer.Preempted as e:
+    except Preempted as e:
         print(f"jaxpar: {e}", file=sys.stderr)
-        sys.exit(trainer.PREEMPTED_EXIT_CODE)
+        sys.exit(PREEMPTED_EXIT_CODE)
     except Exception as e:  # several processes: traceback, then the others exit with its message (never a hang)
         distributed.fail_all(e)
         raise

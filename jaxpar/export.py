@@ -35,6 +35,7 @@ import ml_collections
 
 from jaxpar.interop import hf
 from jaxpar.config import DTYPES, base_config
+from jaxpar.errors import ConfigError
 from jaxpar.data import load_tokenizer
 from jaxpar.interop.runs import load_run
 from jaxpar.model import (SHAPE_FIELDS, ZERO_COUNTS, Forward, ModelConfig, flatten, init_params,  # noqa: F401
@@ -263,6 +264,37 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).upper() not in units:
         raise ValueError(f"--max_shard_size {text!r}: give a size such as 5GB, 200MB or 1GiB.")
     return int(float(m.group(1)) * units[m.group(2).upper()])
+
+
+def check_export(directory: str, cfg) -> None:
+    """Check that the export in `directory` holds the model `cfg` (a `ModelConfig`) describes, reading only its
+    model_config.json; the trainer calls it before anything is written.
+
+    Raises:
+      ConfigError: the export is missing or unreadable, or its model differs from `cfg` (shape or vocabulary).
+    """
+    try:
+        got = read_export_config(directory)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"--config.init_from={directory}: {e}") from e
+    diffs = [f"{f}: export {getattr(got, f)!r} vs config {getattr(cfg, f)!r}"
+             for f in SHAPE_FIELDS if getattr(got, f) != getattr(cfg, f)]
+    if diffs:
+        raise ConfigError(f"--config.init_from={directory} holds another model:\n  " + "\n  ".join(diffs))
+
+
+def init_from_export(directory: str, steps, state) -> dict:
+    """`state` with its params replaced by those of an export (`python -m jaxpar.export`), placed in this layout.
+
+    Raises:
+      ConfigError: the export's model differs from this config's (shape or vocabulary).
+    """
+    check_export(directory, steps.cfg)
+    _, params, _ = load_export(directory)
+    canon = steps.to_canonical(state)
+    canon["params"] = jax.device_put(
+        jax.tree.map(lambda p, q: p.astype(q.dtype), params, canon["params"]), steps.state_shardings["params"])
+    return steps.from_canonical(canon)
 
 
 def main(argv: list[str] | None = None) -> int:

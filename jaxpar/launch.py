@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-PREEMPTED = 75  # trainer.PREEMPTED_EXIT_CODE (not imported: this module must not import JAX)
+PREEMPTED = 75  # cluster.preemption.PREEMPTED_EXIT_CODE (not imported: this module must not import JAX)
 _GLOO_CHATTER = re.compile(r"is connected to \d+ peer ranks")
 
 

@@ -6,12 +6,9 @@ before the first compile, and before anything is written to WORKDIR.
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import json
 import os
 import shutil
-import time
 
 import jax
 import numpy as np
@@ -20,69 +17,16 @@ from jaxpar.analysis import compile_report as report
 from jaxpar import data
 from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
+from jaxpar.cluster.preemption import Preempted, PreemptionWatch
 from jaxpar.interop import hf
 from jaxpar.train import loss_scale, monitor
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.compiled import report_for, steps_for
 from jaxpar.config import ConfigError
-from jaxpar.export import load_export, read_export_config
+from jaxpar.export import check_export, init_from_export
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (sysexits.h): "try again"; the SLURM template requeues on it
-
-
-class Preempted(Exception):
-    """Raised after SIGTERM once a complete checkpoint of step `step` is on disk; train.py exits with
-    PREEMPTED_EXIT_CODE."""
-
-    def __init__(self, step: int):
-        super().__init__(f"preempted (SIGTERM): checkpoint of step {step} saved; rerun the same command to resume.")
-        self.step = step
-
-
-class PreemptionWatch:
-    """Notes SIGTERM (what SLURM sends before it kills a job, `#SBATCH --signal`) and, at each step boundary, says
-    whether to stop there. With several processes every one stops at the same step, and no boundary waits for the
-    step just queued: each boundary queues an all-reduce of the processes' flags (`any_process`, a tiny program
-    that runs behind the step) and reads the one queued at the boundary before, which the devices finished long
-    ago. A signal seen by any process stops all of them one boundary later than a single process stops."""
-
-    def __init__(self, agree=None):
-        import signal
-
-        self.requested = False
-        self._signal = signal
-        self._previous = signal.signal(signal.SIGTERM, self._note)
-        self._agree = agree if agree is not None else any_process if jax.process_count() > 1 else None
-        self._pending = None
-
-    def _note(self, signum, frame):
-        self.requested = True
-
-    def reached(self) -> bool:
-        if self._agree is None:
-            return self.requested
-        previous, self._pending = self._pending, self._agree(self.requested)  # queued, not read
-        return previous is not None and bool(previous)
-
-    def close(self):
-        self._signal.signal(self._signal.SIGTERM, self._previous)
-
-
-def any_process(flag: bool) -> jax.Array:
-    """Whether any process's `flag` is set: an all-reduce over every device, returned unread (asynchronous)."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("processes",))
-    local = np.full((jax.local_device_count(),), bool(flag))
-    flags = jax.make_array_from_process_local_data(jax.NamedSharding(mesh, jax.P("processes")), local)
-    return _any(flags, jax.NamedSharding(mesh, jax.P()))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _any(flags, replicated):
-    return jax.lax.with_sharding_constraint(flags.any(), replicated)
-
 
 # What a resume must keep identical (else: refuse before touching anything): the model's identity
 # (`model.IDENTITY_FIELDS`), the tokenizer and data, and the global batch size (unless train.allow_batch_change).
@@ -157,37 +101,6 @@ def check_health(config, state, done: int) -> dict:
             f"float16 overflow in {int(ls.consecutive_min_overflows)} steps in a row at the minimum loss scale "
             f"{float(ls.scale)} (step {done}); try bfloat16 (--config.train.compute_dtype=bfloat16) or a lower lr.")
     return {"nonfinite_steps": int(bad), "overflow_steps": int(ls.overflows), "spike_steps": int(sp)}
-
-
-def check_export(directory: str, cfg) -> None:
-    """Check that the export in `directory` holds the model `cfg` (a `ModelConfig`) describes, reading only its
-    model_config.json; the trainer calls it before anything is written.
-
-    Raises:
-      ConfigError: the export is missing or unreadable, or its model differs from `cfg` (shape or vocabulary).
-    """
-    try:
-        got = read_export_config(directory)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"--config.init_from={directory}: {e}") from e
-    diffs = [f"{f}: export {getattr(got, f)!r} vs config {getattr(cfg, f)!r}"
-             for f in gpt.SHAPE_FIELDS if getattr(got, f) != getattr(cfg, f)]
-    if diffs:
-        raise ConfigError(f"--config.init_from={directory} holds another model:\n  " + "\n  ".join(diffs))
-
-
-def init_from_export(directory: str, steps, state) -> dict:
-    """`state` with its params replaced by those of an export (`python -m jaxpar.export`), placed in this layout.
-
-    Raises:
-      ConfigError: the export's model differs from this config's (shape or vocabulary).
-    """
-    check_export(directory, steps.cfg)
-    _, params, _ = load_export(directory)
-    canon = steps.to_canonical(state)
-    canon["params"] = jax.device_put(
-        jax.tree.map(lambda p, q: p.astype(q.dtype), params, canon["params"]), steps.state_shardings["params"])
-    return steps.from_canonical(canon)
 
 
 def dry_run(config, workdir: str) -> dict:
@@ -332,35 +245,6 @@ def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, in
 AHEAD = 2
 
 
-class Interval:
-    """What the throughput of a log interval counts: the steps since the last log and the real (non-padding) tokens
-    they processed, over the seconds they took less what is not training: the first step of a start (it compiles)
-    is left out, and so are checkpoint saves (`paused`). `clock` is injectable for tests."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.restart()
-
-    def restart(self) -> None:
-        self.steps, self.tokens, self.paused, self.t0 = 0, 0, 0.0, self.clock()
-
-    def add(self, tokens: int) -> None:
-        self.steps, self.tokens = self.steps + 1, self.tokens + int(tokens)
-
-    @contextlib.contextmanager
-    def pause(self):
-        t = self.clock()
-        try:
-            yield
-        finally:
-            self.paused += self.clock() - t
-
-    def rates(self) -> dict:
-        """{tokens_per_s, step_time_s}, or {} when no step was timed (the first step of a start alone)."""
-        dt = self.clock() - self.t0 - self.paused
-        return {} if self.steps == 0 or dt <= 0 else {"tokens_per_s": self.tokens / dt, "step_time_s": dt / self.steps}
-
-
 class Loop:
     """The train loop of one run: steps, and at their cadences logs, evaluation and checkpoints; SIGTERM stops it at
     a step boundary with a checkpoint; the step watchdog is armed while it runs."""
@@ -430,7 +314,7 @@ class Loop:
             self.writer.close()
 
     def _steps(self, state, start, preemption) -> dict:
-        c, last, clock, self.ahead = self.config, {}, Interval(), collections.deque()
+        c, last, clock, self.ahead = self.config, {}, throughput.Interval(), collections.deque()
         for step in range(start, self.total):
             self.profiler.maybe_start(step)
             rows = self.next_rows(step, *self.rows)

@@ -17,7 +17,7 @@ import pytest
 from helpers import LOSS_F64_RTOL, assert_params_exact
 from jaxpar import launch
 from jaxpar.cluster.watchdog import PEER_LOST_EXIT_CODE, STALLED_EXIT_CODE
-from jaxpar.trainer import PREEMPTED_EXIT_CODE
+from jaxpar.cluster.preemption import PREEMPTED_EXIT_CODE
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
 pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]

@@ -10,7 +10,7 @@ import pytest
 
 from helpers import command
 from jaxpar import launch
-from jaxpar.trainer import PREEMPTED_EXIT_CODE
+from jaxpar.cluster.preemption import PREEMPTED_EXIT_CODE
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)
 pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]

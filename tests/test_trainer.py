@@ -10,6 +10,8 @@ import pytest
 
 from helpers import run_config
 from jaxpar import compiled, data, trainer
+from jaxpar.analysis import throughput
+from jaxpar.cluster import preemption
 from jaxpar.train import step as step_mod
 from jaxpar.validate import validate
 from jaxpar.config import ConfigError
@@ -131,7 +133,7 @@ def test_the_preemption_check_reads_each_agreement_one_boundary_late():
             self.read = True
             return self.flag
 
-    watch = trainer.PreemptionWatch(agree=Agreement)
+    watch = preemption.PreemptionWatch(agree=Agreement)
     try:
         assert not watch.reached()
         os.kill(os.getpid(), signal.SIGTERM)
@@ -140,12 +142,12 @@ def test_the_preemption_check_reads_each_agreement_one_boundary_late():
         assert [a.read for a in queued] == [True, True, False]  # the newest is never read where it was queued
     finally:
         watch.close()
-    assert bool(trainer.any_process(True)) and not bool(trainer.any_process(False))  # the real one, on 8 devices
+    assert bool(preemption.any_process(True)) and not bool(preemption.any_process(False))  # the real one, on 8 devices
 
 
 def test_throughput_leaves_out_saves():
     now = [0.0]
-    clock = trainer.Interval(lambda: now[0])
+    clock = throughput.Interval(lambda: now[0])
     for _ in range(4):
         now[0] += 1.0
         clock.add(100)

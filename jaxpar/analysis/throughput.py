@@ -10,7 +10,9 @@ Units used throughout:
 """
 from __future__ import annotations
 
+import contextlib
 import re
+import time
 
 import jax
 
@@ -153,3 +155,32 @@ def device_memory_bytes(device: jax.Device | None = None) -> dict[str, int] | No
         return None
     out = {k: int(stats[k]) for k in _MEMORY_KEYS if k in stats}
     return out or None
+
+
+class Interval:
+    """What the throughput of a log interval counts: the steps since the last log and the real (non-padding) tokens
+    they processed, over the seconds they took less what is not training: the first step of a start (it compiles)
+    is left out, and so are checkpoint saves (`paused`). `clock` is injectable for tests."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.restart()
+
+    def restart(self) -> None:
+        self.steps, self.tokens, self.paused, self.t0 = 0, 0, 0.0, self.clock()
+
+    def add(self, tokens: int) -> None:
+        self.steps, self.tokens = self.steps + 1, self.tokens + int(tokens)
+
+    @contextlib.contextmanager
+    def pause(self):
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.paused += self.clock() - t
+
+    def rates(self) -> dict:
+        """{tokens_per_s, step_time_s}, or {} when no step was timed (the first step of a start alone)."""
+        dt = self.clock() - self.t0 - self.paused
+        return {} if self.steps == 0 or dt <= 0 else {"tokens_per_s": self.tokens / dt, "step_time_s": dt / self.steps}
