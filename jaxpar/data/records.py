@@ -1,0 +1,59 @@
+"""Records of conversations and prompt/completion pairs (`jaxpar/data/chat.py`) into the token store: each record
+one document of ids, with its loss mask beside it (`PREFIX-mask.bin/.idx`, one uint8 per token)."""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxpar.data import chat, megatron, sources as src
+from jaxpar.data.common import DataError
+from jaxpar.data.tokens import MASK
+
+
+def holds_records(source: src.Source, units) -> bool:
+    """Whether a JSONL or Parquet source holds conversations or prompt/completion records (judged by its first
+    record, as TRL judges a dataset): those are encoded as whole sequences with a loss mask."""
+    return source.kind in ("jsonl", "parquet") and bool(units) and \
+        chat.record_kind(src.first_record(units[0])) is not None
+
+
+def conversation_settings(d, tok_dir: str, any_records: bool) -> dict:
+    """What encoding records depends on (part of their cache entries' key): the chat template, the special tokens,
+    `data.loss_on`. Checked here, before anything is written: a template is there and parses."""
+    if d.loss_on not in ("auto", "all") and not any_records:
+        raise DataError(f"data.loss_on={d.loss_on!r} needs conversations or prompt/completion records; "
+                        f"data.sources={d.sources!r} holds text (use auto or all).")
+    if not any_records:
+        return {}
+    fmt = chat.ChatFormat.from_dir(tok_dir)
+    return {"chat": {"template": fmt.source, "where": fmt.where, "special": fmt.special}, "loss_on": d.loss_on}
+
+
+def encode_records(unit, prefix: str, tok, settings: dict) -> dict:
+    """One unit of records into the shard `prefix` and its loss mask `prefix-mask`: each record one document
+    (`chat.example`; a `text` record is its tokens and the end-of-text token, every token in the loss)."""
+    c = settings["chat"]
+    fmt = chat.ChatFormat(tok.hf, c["template"], c["where"], c["special"])
+    docs = tokens = no_loss = 0
+    with megatron.Writer(prefix, megatron.best_dtype(tok.vocab_size)) as w, \
+            megatron.Writer(prefix + MASK, np.uint8) as wm:
+        for obj, where in src.records(unit):
+            ids, mask = _record_tokens(obj, where, fmt, tok, settings)
+            w.write(ids)
+            wm.write(mask)
+            w.end_document()
+            wm.end_document()
+            docs, tokens, no_loss = docs + 1, tokens + ids.size, no_loss + (not mask.any())
+    return {"docs": docs, "tokens": tokens, "bytes": src.unit_bytes(unit), "no_loss": no_loss}
+
+
+def _record_tokens(obj, where: str, fmt, tok, settings: dict):
+    if chat.record_kind(obj) is not None:
+        return chat.example(obj, where, fmt, settings["loss_on"])
+    text = obj.get(settings["field"]) if isinstance(obj, dict) else None
+    if not isinstance(text, str):
+        keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
+        raise DataError(f"{where}: a record needs `messages`, `prompt` and `completion`, or the text field "
+                        f"{settings['field']!r} (data.text_field); it has {keys}.")
+    ids = np.asarray(tok.encode(text) + ([] if settings["eot"] is None else [settings["eot"]]), np.int32)
+    keep = settings["loss_on"] in ("auto", "all")  # a text record has no assistant or completion tokens
+    return ids, np.full(ids.size, keep, np.uint8)
