@@ -31,8 +31,9 @@ DEFAULT_RULES = (
     ("layers", "stage"),
     ("experts", "expert"),  # a MoE layer's routed experts (expert parallelism)
     ("router", None),  # the router's expert dimension (its weight is small: replicated)
+    ("lora_rank", None),  # a LoRA adapter's rank axis (replicated: each adapter is sharded like its base matmul)
 )
-NEW_RULES = ("experts", "router")  # added after configs with their own `rules` were written: defaulted if absent
+NEW_RULES = ("experts", "router", "lora_rank")  # added after configs with their own `rules` were written: defaulted if absent
 
 # order of the device grid: tensor last = neighbouring devices, then context (its K/V all-gathers) and expert (its
 # all-to-all) within a node where they fit
@@ -161,6 +162,22 @@ KEYS = (
       "(i + 1) % moe_every == 0 (Qwen's `decoder_sparse_step`)", lambda v: v >= 1, "an integer >= 1"),
     K("model.sequence_parallel", False, bool, "Megatron sequence parallelism: the residual stream split on the "
       "sequence over `tensor`"),
+    # lora
+    K("lora.rank", 0, int, "LoRA adapters' rank r; 0: off (full fine-tuning): [finetune](finetune.md#lora)",
+      lambda v: v >= 0, "an integer >= 0 (0: no adapters)"),
+    K("lora.alpha", 16.0, float, "LoRA's alpha: the adapters' output scaled by alpha / r (alpha / sqrt(r) with "
+      "`rslora`)", lambda v: 0 < v < _INF, "a finite number > 0"),
+    K("lora.dropout", 0.0, float, "dropout on the adapters' input (PEFT's `lora_dropout`)",
+      lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    K("lora.targets", "q_proj,k_proj,v_proj,o_proj", str, "the projections that get adapters, by their Hugging Face "
+      "names, comma-separated (`q_proj`, ..., `down_proj`; GPT-2's `c_attn`, `c_proj`, `c_fc`; Mixtral's experts "
+      "`w1`, `w2`, `w3`), or `all-linear`"),
+    K("lora.rslora", False, bool, "rank-stabilised LoRA: scale alpha / sqrt(r) (PEFT's `use_rslora`)"),
+    K("lora.adapter", "", str, "a PEFT adapter directory to start the adapters from (its `r`, `lora_alpha`, targets "
+      "and rslora replace the keys above)"),
+    K("lora.base_dtype", "", str, "the frozen base weights' dtype (`bfloat16` halves their memory); `\"\"`: "
+      "`train.param_dtype`. The adapters and their AdamW moments keep `train.param_dtype`",
+      choices=("",) + DTYPES),
     # train
     K("train.steps", 1000, int, "optimizer steps to run to", lambda v: v >= 1, "an integer >= 1"),
     K("train.global_batch_size", 32, int, "sequences per optimizer step (= micro batch × microbatches × data)",

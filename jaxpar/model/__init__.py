@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.model import moe
+from jaxpar.model import lora, moe
 from jaxpar.model.config import (IDENTITY_FIELDS, MOE_FIELDS, ROPE_SCALINGS, SHAPE_FIELDS,  # noqa: F401
                                  ZERO_COUNTS, ModelConfig, config_from, has_dropout, identity,
                                  identity_defaults)  # the spec's config, re-exported
@@ -42,7 +42,7 @@ class GPT(nnx.Module):
     `wte` by default)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        dt = jnp.dtype(cfg.param_dtype)
+        dt = jnp.dtype(cfg.weight_dtype)
         self.wte = param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt, "embedding")
         if cfg.arch == "gpt2":
             self.wpe = param(rngs.params(), (cfg.max_positions, cfg.embed), 0.02, ("seq", "embed"), dt, "position")
@@ -88,8 +88,22 @@ def param_roles(cfg: ModelConfig) -> dict:
 
 
 def decay_mask(cfg: ModelConfig) -> dict:
-    """True for each parameter AdamW decays: matmul weights; not biases, norms or embedding tables (GPT-2, Megatron)."""
-    return jax.tree.map(lambda r: r in ("weight", "expert", "router"), param_roles(cfg))
+    """True for each parameter AdamW decays: matmul weights and LoRA adapters; not biases, norms or embedding tables
+    (GPT-2, Megatron; PEFT's adapters under Hugging Face's Trainer)."""
+    return jax.tree.map(lambda r: r in ("weight", "expert", "router", "adapter"), param_roles(cfg))
+
+
+def split_trainable(tree: dict, cfg: ModelConfig) -> tuple[dict, dict]:
+    """A params-shaped tree -> (what trains, what is frozen): with LoRA the adapters and the base; else (tree, {})."""
+    return lora.split_trainable(tree, cfg.lora_rank > 0)
+
+
+def trainable(tree: dict, cfg: ModelConfig) -> dict:
+    """The part of a params-shaped tree that trains (`split_trainable`)."""
+    return split_trainable(tree, cfg)[0]
+
+
+merge_trainable = lora.merge  # the inverse of `split_trainable`
 
 
 def model_flops_per_token(n_params: int, layers: int, embed: int, seq_len: int) -> float:
@@ -285,9 +299,9 @@ class Forward:
         None)."""
         cfg = self.cfg
         drop = None
-        if rng is not None and cfg.dropout_resid > 0:
+        if rng is not None and has_dropout(cfg):
             lk = jax.random.fold_in(rng, 1 + layer)
-            drop = lambda y, site: dropout(y, cfg.dropout_resid, jax.random.fold_in(lk, site), seq_ids)
+            drop = lambda y, site, rate: dropout(y, rate, jax.random.fold_in(lk, site), seq_ids)
         positions = None if positions is None and segments is None else _positions(positions, segments)
         y, _, st = nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments, layer)
         return (y, st) if stats else y

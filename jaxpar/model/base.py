@@ -13,6 +13,7 @@ LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per 
 # the Param metadata key holding its role: weight | bias | norm | embedding | position (dense model), and in a
 # mixture of experts expert (a routed expert's weight) | router | router_bias (the choice bias, not trained by AdamW)
 ROLE = "role"
+LORA = "lora"  # the key a module's LoRA adapters sit under (`jaxpar/model/lora.py`)
 
 
 def param(key, shape, std, names, dtype, role="weight"):
@@ -23,11 +24,19 @@ def param(key, shape, std, names, dtype, role="weight"):
     return nnx.Param(init, **{LOGICAL: names, ROLE: role})
 
 
-def swiglu(h, gate, up, down, spec_in="btd,df->btf", spec_out="btf,fd->btd", act_names=None):
-    """down(silu(h gate) * (h up)) with the einsum specs given (Shazeer 2020); weights cast to h's dtype; the
-    pre-activations named "mlp_in", the product "mlp_act" (remat policies), constrained to `act_names` if given."""
-    w = lambda p: p[...].astype(h.dtype)  # noqa: E731
-    g, u = (checkpoint_name(jnp.einsum(spec_in, h, w(p)), "mlp_in") for p in (gate, up))
+def matmul(owner, name: str, spec: str, x, drop=None):
+    """`einsum(spec, x, W)` for `owner`'s weight `name` (cast to x's dtype), plus its LoRA adapter's term when the
+    owner has one for it (`jaxpar/model/lora.py`); `drop(x, name)`: the adapters' input dropout, or None."""
+    y = jnp.einsum(spec, x, getattr(owner, name)[...].astype(x.dtype))
+    adapter = getattr(getattr(owner, LORA, None), name, None)
+    return y if adapter is None else y + adapter(x, None if drop is None else (lambda v: drop(v, name)))
+
+
+def swiglu(owner, h, spec_in="btd,df->btf", spec_out="btf,fd->btd", act_names=None, drop=None):
+    """down(silu(h gate) * (h up)) over `owner`'s w_gate, w_up, w_down with the einsum specs given (Shazeer 2020);
+    weights cast to h's dtype; the pre-activations named "mlp_in", the product "mlp_act" (remat policies),
+    constrained to `act_names` if given; `drop`: as in `matmul`."""
+    g, u = (checkpoint_name(matmul(owner, n, spec_in, h, drop), "mlp_in") for n in ("w_gate", "w_up"))
     a = jax.nn.silu(g) * u
     a = checkpoint_name(a if act_names is None else constrain(a, act_names), "mlp_act")
-    return jnp.einsum(spec_out, a, w(down))
+    return matmul(owner, "w_down", spec_out, a, drop)

@@ -1,12 +1,13 @@
 """The model's config, part of the model spec (`jaxpar/model/__init__.py`): `ModelConfig` from the run config
 (`config_from`), the fields that define a model (`IDENTITY_FIELDS`: what a resume or an export must match) and the
 identity of models saved before some fields existed (`identity_defaults`). Imports nothing of jaxpar but the
-config's small facts."""
+config's small facts and the adapters' target names (`jaxpar/model/lora.py`)."""
 from __future__ import annotations
 
 import dataclasses
 
 from jaxpar.config import mlp_width, padded_vocab
+from jaxpar.model import lora
 
 ROPE_SCALINGS = ("none", "llama3")
 
@@ -54,6 +55,12 @@ class ModelConfig:
     router_bias_rate: float = 0.0
     first_dense_layers: int = 0
     moe_every: int = 1
+    # LoRA adapters (`jaxpar/model/lora.py`; config keys lora.*); lora_rank = 0: none
+    lora_rank: int = 0
+    lora_targets: tuple = ()  # the block paths of the adapted weights ("wq", "moe.experts.w_gate")
+    lora_scale: float = 1.0  # alpha / r (or alpha / sqrt(r))
+    lora_dropout: float = 0.0
+    base_dtype: str = ""  # the base weights' dtype under LoRA ("": param_dtype)
 
     def __post_init__(self):
         if self.kv_heads == 0 or self.arch == "gpt2":
@@ -64,6 +71,11 @@ class ModelConfig:
             object.__setattr__(self, "expert_mlp", self.mlp)
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.embed // self.heads)
+
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype of every parameter but the adapters (`base_dtype` under LoRA, else `param_dtype`)."""
+        return self.base_dtype if self.lora_rank and self.base_dtype else self.param_dtype
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -115,8 +127,19 @@ def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
         param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch=m.arch,
         kv_heads=m.kv_heads, head_dim=m.head_dim, qk_norm=m.qk_norm, max_positions=m.max_positions,
         norm_eps=m.norm_eps, attention=m.attention,
-        loss_chunk=m.loss_chunk, **rope, **{k: m[k] for k in MOE_FIELDS})
+        loss_chunk=m.loss_chunk, **rope, **{k: m[k] for k in MOE_FIELDS}, **lora_fields(config))
+
+
+def lora_fields(config) -> dict:
+    """The ModelConfig fields of `config.lora` (none when `lora.rank` is 0): the targets as every block path their
+    names may stand for (`lora.candidates`; the model gives adapters to those it has)."""
+    lo = config.lora
+    if lo.rank == 0:
+        return {}
+    return {"lora_rank": lo.rank, "lora_targets": lora.candidates(config.model.arch, lo.targets),
+            "lora_scale": lora.scale(lo.alpha, lo.rank, lo.rslora), "lora_dropout": lo.dropout,
+            "base_dtype": lo.base_dtype}
 
 
 def has_dropout(cfg: ModelConfig) -> bool:
-    return cfg.dropout_embed > 0 or cfg.dropout_resid > 0
+    return cfg.dropout_embed > 0 or cfg.dropout_resid > 0 or (cfg.lora_rank > 0 and cfg.lora_dropout > 0)

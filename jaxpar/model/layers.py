@@ -25,7 +25,8 @@ from jaxpar.kernels import attention as kernels
 from jaxpar.model import moe
 from jaxpar.dtypes import at_least_f32  # noqa: F401 (re-exported)
 from jaxpar.parallel.logical import constrain, context_split
-from jaxpar.model.base import LOGICAL, ROLE, param, swiglu  # noqa: F401 (re-exported)
+from jaxpar.model import lora
+from jaxpar.model.base import LOGICAL, ROLE, matmul, param, swiglu  # noqa: F401 (re-exported)
 
 def _ones(dim, dtype, names=("embed",)):
     return nnx.Param(jnp.ones((dim,), dtype), **{LOGICAL: names, ROLE: "norm"})
@@ -149,34 +150,33 @@ class _PreNormBlock(nnx.Module):
     `experts` the FFN is a mixture of experts (`jaxpar/model/moe.py`) in the layers `moe.is_moe_layer` names."""
 
     def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None, layer=0):
-        """x `[batch, seq, embed]` -> (same, cache, MoE stats or None). `drop(y, site)` applies residual dropout;
+        """x `[batch, seq, embed]` -> (same, cache, MoE stats or None). `drop(y, site, rate)` applies dropout keyed
+        by site (0, 1: the residual branches; the adapters' inputs: `lora.site`);
         `positions` `[seq]` or `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for
         decoding; `segments` `[batch, seq]` int32 keeps attention within each packed document; `layer` is the
         block's global index (int or traced int32: which FFN a model of dense and MoE layers runs)."""
         if positions is None:
             positions = (0 if cache is None else cache.pos) + jnp.arange(x.shape[1])
-        q, k, v = self.qkv(checkpoint_name(self.ln1(x), "norm"), positions)
+        ad = lora.input_dropout(drop, cfg)
+        q, k, v = self.qkv(checkpoint_name(self.ln1(x), "norm"), positions, ad)
         q, k, v = (checkpoint_name(a, "qkv") for a in (constrain(q, ("batch", "seq", "heads", "kv")), k, v))
         a, cache = self_attention(q, k, v, cache, segments, cfg.attention)
-        o = constrain(self.attn_out(a), _RESIDUAL)  # sequence parallel: a reduce-scatter, not an all-reduce
-        x = checkpoint_name(constrain(x + (drop(o, 0) if drop else o), _RESIDUAL), "residual")
-        o, stats = self.ffn(checkpoint_name(self.ln2(x), "norm"), cfg, layer)
+        o = constrain(self.attn_out(a, ad), _RESIDUAL)  # sequence parallel: a reduce-scatter, not an all-reduce
+        rd = (lambda y, site: drop(y, site, cfg.dropout_resid)) if drop and cfg.dropout_resid > 0 else None
+        x = checkpoint_name(constrain(x + (rd(o, 0) if rd else o), _RESIDUAL), "residual")
+        o, stats = self.ffn(checkpoint_name(self.ln2(x), "norm"), cfg, layer, ad)
         o = constrain(o, _RESIDUAL)
-        x = x + (drop(o, 1) if drop else o)
+        x = x + (rd(o, 1) if rd else o)
         return constrain(x, _RESIDUAL), cache, stats
 
-    def ffn(self, h, cfg, layer):
-        """-> (FFN output, MoE stats or None)."""
+    def ffn(self, h, cfg, layer, ad=None):
+        """-> (FFN output, MoE stats or None); `ad`: the adapters' input dropout (`lora.input_dropout`)."""
         if cfg.experts == 0:
-            return self.mlp(h), None
+            return self.mlp(h, ad), None
         if not moe.mixed(cfg):
             return self.moe(h, cfg)
         return jax.lax.cond(moe.is_moe_layer(cfg, layer), lambda h: self.moe(h, cfg),
-                            lambda h: (self.mlp(h), moe.no_stats(cfg, h)), h)
-
-
-def _mm(spec, x, w):
-    return jnp.einsum(spec, x, w[...].astype(x.dtype))
+                            lambda h: (self.mlp(h, ad), moe.no_stats(cfg, h)), h)
 
 
 class GPT2Block(_PreNormBlock):
@@ -185,7 +185,7 @@ class GPT2Block(_PreNormBlock):
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, h, hd, f = cfg.embed, cfg.heads, cfg.head_dim, cfg.mlp
-        dt = jnp.dtype(cfg.param_dtype)
+        dt = jnp.dtype(cfg.weight_dtype)
         resid_std = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2 (Radford et al. 2019, sec. 2.3)
         self.ln1 = LayerNorm(d, dt, cfg.norm_eps)
         self.wqkv = param(rngs.params(), (d, 3, h, hd), 0.02, ("embed", "qkv", "heads", "kv"), dt)
@@ -200,19 +200,23 @@ class GPT2Block(_PreNormBlock):
             self.b_out = param(None, (d,), 0, ("embed",), dt, "bias")
         if cfg.experts:
             self.moe = moe.MoE(cfg, rngs)
+        lora.attach(self, self.SPECS, cfg, rngs)
 
-    def qkv(self, h, positions):
-        qkv = _mm("btd,dkhe->btkhe", h, self.wqkv)
+    SPECS = {"wqkv": "btd,dkhe->btkhe", "wo": "bthe,hed->btd", "w_in": "btd,df->btf", "w_out": "btf,fd->btd"}
+
+    def qkv(self, h, positions, ad=None):
+        qkv = matmul(self, "wqkv", self.SPECS["wqkv"], h, ad)
         b = self.bqv[...].astype(h.dtype)
         return qkv[:, :, 0] + b[0], qkv[:, :, 1], qkv[:, :, 2] + b[1]
 
-    def attn_out(self, a):
-        return _mm("bthe,hed->btd", a, self.wo) + self.bo[...].astype(a.dtype)
+    def attn_out(self, a, ad=None):
+        return matmul(self, "wo", self.SPECS["wo"], a, ad) + self.bo[...].astype(a.dtype)
 
-    def mlp(self, h):
-        u = checkpoint_name(_mm("btd,df->btf", h, self.w_in) + self.b_in[...].astype(h.dtype), "mlp_in")
+    def mlp(self, h, ad=None):
+        u = checkpoint_name(matmul(self, "w_in", self.SPECS["w_in"], h, ad) + self.b_in[...].astype(h.dtype),
+                            "mlp_in")
         u = checkpoint_name(constrain(jax.nn.gelu(u, approximate=True), ("batch", "seq", "mlp")), "mlp_act")
-        return _mm("btf,fd->btd", u, self.w_out) + self.b_out[...].astype(h.dtype)
+        return matmul(self, "w_out", self.SPECS["w_out"], u, ad) + self.b_out[...].astype(h.dtype)
 
 
 class LlamaBlock(_PreNormBlock):
@@ -222,7 +226,7 @@ class LlamaBlock(_PreNormBlock):
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         d, h, kv, hd, f = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp
-        dt = jnp.dtype(cfg.param_dtype)
+        dt = jnp.dtype(cfg.weight_dtype)
         resid_std = 0.02 / math.sqrt(2 * cfg.layers)
         self.ln1 = RMSNorm(d, dt, cfg.norm_eps)
         self.wq = param(rngs.params(), (d, h, hd), 0.02, ("embed", "heads", "kv"), dt)
@@ -240,19 +244,23 @@ class LlamaBlock(_PreNormBlock):
         if cfg.experts:
             self.moe = moe.MoE(cfg, rngs)
         self.inv_freq = tuple(float(x) for x in rope_frequencies(hd, cfg.rope_theta, cfg.rope_scaling_dict))
+        lora.attach(self, self.SPECS, cfg, rngs)
 
-    def qkv(self, h, positions):
-        q, k, v = (_mm("btd,dhe->bthe", h, w) for w in (self.wq, self.wk, self.wv))
+    SPECS = {"wq": "btd,dhe->bthe", "wk": "btd,dhe->bthe", "wv": "btd,dhe->bthe", "wo": "bthe,hed->btd",
+             "w_gate": "btd,df->btf", "w_up": "btd,df->btf", "w_down": "btf,fd->btd"}
+
+    def qkv(self, h, positions, ad=None):
+        q, k, v = (matmul(self, n, self.SPECS[n], h, ad) for n in ("wq", "wk", "wv"))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         inv = np.asarray(self.inv_freq, np.float32)
         return apply_rope(q, positions, inv), apply_rope(k, positions, inv), v
 
-    def attn_out(self, a):
-        return _mm("bthe,hed->btd", a, self.wo)
+    def attn_out(self, a, ad=None):
+        return matmul(self, "wo", self.SPECS["wo"], a, ad)
 
-    def mlp(self, h):
-        return swiglu(h, self.w_gate, self.w_up, self.w_down, act_names=("batch", "seq", "mlp"))
+    def mlp(self, h, ad=None):
+        return swiglu(self, h, act_names=("batch", "seq", "mlp"), drop=ad)
 
 
 BLOCKS = {"gpt2": GPT2Block, "llama": LlamaBlock}

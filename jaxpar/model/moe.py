@@ -35,6 +35,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.dtypes import at_least_f32
 from jaxpar.parallel import context
 from jaxpar.parallel.logical import constrain, context_rank, context_split, exchange_experts, gather_context
+from jaxpar.model import lora
 from jaxpar.model.base import param, swiglu
 from jaxpar.parallel.shard_map_body import vary_like
 
@@ -108,16 +109,21 @@ def balance_stats(logits, scores, onehot_counts, cfg):
 class SwiGLU(nnx.Module):
     """A SwiGLU MLP `embed -> f -> embed`; with `experts`, one per expert, weights `[experts, ...]`."""
 
-    def __init__(self, rngs, d: int, f: int, layers: int, dtype, experts: int = 0):
+    def __init__(self, rngs, d: int, f: int, layers: int, dtype, experts: int = 0, cfg=None, prefix: str = ""):
+        """`cfg`, `prefix`: the model config and this MLP's block path (`moe.experts.`), for its LoRA adapters."""
         lead, names = ((experts,), ("experts",)) if experts else ((), ())
         role = "expert" if experts else "weight"
         self.w_gate = param(rngs.params(), lead + (d, f), 0.02, names + ("embed", "mlp"), dtype, role)
         self.w_up = param(rngs.params(), lead + (d, f), 0.02, names + ("embed", "mlp"), dtype, role)
         self.w_down = param(rngs.params(), lead + (f, d), 0.02 / math.sqrt(2 * layers), names + ("mlp", "embed"),
                             dtype, role)
+        self.specs = (spec_in, spec_out) = ("becd,edf->becf", "becf,efd->becd") if experts else \
+            ("btd,df->btf", "btf,fd->btd")
+        if cfg is not None:
+            lora.attach(self, {"w_gate": spec_in, "w_up": spec_in, "w_down": spec_out}, cfg, rngs, prefix)
 
-    def __call__(self, h, spec_in: str = "btd,df->btf", spec_out: str = "btf,fd->btd"):
-        return swiglu(h, self.w_gate, self.w_up, self.w_down, spec_in, spec_out)
+    def __call__(self, h):
+        return swiglu(self, h, *self.specs)
 
 
 class MoE(nnx.Module):
@@ -125,12 +131,13 @@ class MoE(nnx.Module):
     optimizer), routed SwiGLU experts, and `shared_experts` always-on ones (one MLP of their summed width)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
-        dt = jnp.dtype(cfg.param_dtype)
+        dt = jnp.dtype(cfg.weight_dtype)
         self.router = param(rngs.params(), (cfg.embed, cfg.experts), 0.02, ("embed", "router"), dt, "router")
         self.router_bias = param(None, (cfg.experts,), 0, ("router",), at_least_f32(dt), "router_bias")
-        self.experts = SwiGLU(rngs, cfg.embed, cfg.expert_mlp, cfg.layers, dt, cfg.experts)
+        self.experts = SwiGLU(rngs, cfg.embed, cfg.expert_mlp, cfg.layers, dt, cfg.experts, cfg, "moe.experts.")
         if cfg.shared_experts:
-            self.shared = SwiGLU(rngs, cfg.embed, cfg.shared_experts * cfg.expert_mlp, cfg.layers, dt)
+            self.shared = SwiGLU(rngs, cfg.embed, cfg.shared_experts * cfg.expert_mlp, cfg.layers, dt, 0, cfg,
+                                 "moe.shared.")
 
     def __call__(self, h, cfg):
         """h `[b, t, d]` (normed) -> (out `[b, t, d]` in h's dtype, stats {name: float32}: `STATS`).
@@ -159,7 +166,7 @@ class MoE(nnx.Module):
         dest, token, counts = slots(idx, E, cap)
         buf = _gather_rows(h, token).reshape(b, E, cap, -1)
         buf = checkpoint_name(exchange_experts(buf, split_axis=1, concat_axis=0), "moe_dispatch")
-        y = self.experts(buf, "becd,edf->becf", "becf,efd->becd")
+        y = self.experts(buf)
         y = exchange_experts(y, split_axis=0, concat_axis=1).reshape(b, E * cap, -1)
         picked = _gather_rows(y, dest.reshape(b, -1)).reshape(b, t, cfg.experts_per_token, -1)
         out = jnp.einsum("btkd,btk->btd", picked, w.astype(h.dtype))

@@ -48,20 +48,23 @@ class DataParallel:
         the float32 gradient buffer.
       zero_stage: 0-3 (`optim.zero_stage`).
       names: the params tree of logical axis names (tuples), for the ZeRO-3 gathers.
+      select: params-shaped tree -> the part that has gradients (`grad_specs`' structure; LoRA: the adapters).
     """
 
-    def __init__(self, mesh, base_specs, param_specs, grad_specs, zero_stage: int, names):
+    def __init__(self, mesh, base_specs, param_specs, grad_specs, zero_stage: int, names, select=lambda t: t):
         self.mesh, self.names = mesh, names
         self.manual = replica_axes(mesh)  # mesh axes that are manual inside `run` (none: no shard_map at all)
         is_p = lambda x: isinstance(x, P)  # noqa: E731
         self.axes = jax.tree.map(lambda b: zero_axes(b, mesh), base_specs, is_leaf=is_p)
         self.pspec, self.gspec = param_specs, grad_specs
         self.pdim = jax.tree.map(zero_dim, param_specs, self.axes, is_leaf=is_p)
-        self.gdim = jax.tree.map(lambda g, a: zero_dim(g, a) if zero_stage >= 2 else None, grad_specs, self.axes,
+        # the gradients' side: the trees below have `grad_specs`' structure
+        self.gaxes, self.gpspec = select(self.axes), select(param_specs)
+        self.gdim = jax.tree.map(lambda g, a: zero_dim(g, a) if zero_stage >= 2 else None, grad_specs, self.gaxes,
                                  is_leaf=is_p)
         # 'ad': gathered param, AD already reduce-scatters; 'scatter': reduce-scatter per microbatch; 'sum': psum
         self.mode = jax.tree.map(lambda p, g: "ad" if p is not None else ("scatter" if g is not None else "sum"),
-                                 self.pdim, self.gdim, is_leaf=lambda x: x is None or isinstance(x, int))
+                                 select(self.pdim), self.gdim, is_leaf=lambda x: x is None or isinstance(x, int))
 
     def _map(self, fn, *trees):
         return jax.tree.map(fn, *trees, is_leaf=lambda x: x is None or isinstance(x, P))
@@ -90,13 +93,13 @@ class DataParallel:
         """Inside the shard_map: reduce-scatter the 'scatter' leaves (ZeRO-2), leave the rest local."""
         def r(g, mode, d, ax):
             return jax.lax.psum_scatter(g, ax, scatter_dimension=d, tiled=True) if mode == "scatter" else g
-        return jax.tree.map(r, grads, self.mode, self.gdim, self.axes, is_leaf=lambda x: x is None)
+        return jax.tree.map(r, grads, self.mode, self.gdim, self.gaxes, is_leaf=lambda x: x is None)
 
     def reduce_end(self, grads):
         """Inside the shard_map: all-reduce the 'sum' leaves (accumulated locally over the microbatches) over their
         batch axes."""
         return jax.tree.map(lambda g, mode, ax: jax.lax.psum(g, ax) if mode == "sum" and ax else g,
-                            grads, self.mode, self.axes, is_leaf=lambda x: x is None)
+                            grads, self.mode, self.gaxes, is_leaf=lambda x: x is None)
 
     def psum(self, x):
         """Sum over every batch axis (loss sums, MoE load counts)."""
@@ -123,7 +126,7 @@ class DataParallel:
             return fn(params, xs, extras)
         man = lambda spec: _manual_only(spec, self.manual)  # noqa: E731
         pin = self._map(man, self.pspec)
-        gout = self._map(lambda g, p, mode: man(g if mode == "scatter" else p), self.gspec, self.pspec, self.mode)
+        gout = self._map(lambda g, p, mode: man(g if mode == "scatter" else p), self.gspec, self.gpspec, self.mode)
 
         def local(params, xs, extras):
             sums, grads = fn(vary(params), xs, extras)

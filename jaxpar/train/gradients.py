@@ -61,14 +61,17 @@ class Accumulate:
             rest, layers = gpt.split_params(p)
             return dp.gather_shared(gpt.join_params(self.fetch(rest), layers))
 
+        trained, frozen = gpt.split_trainable(params, fwd.cfg)
+
         def grad_mb(mb):
-            def f(p):
+            def f(t):  # differentiated with respect to what trains only (LoRA: no gradient of the base at all)
+                p = gpt.merge_trainable(t, frozen)
                 s, _, st = fwd.loss_and_stats(shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
                                               prepare=lambda lp: self.gather_layer(self.fetch(lp)),
                                               segments=mb.get("seg"), positions=mb.get("pos"))
                 return s * ex["norm"] + moe.regulariser(st, fwd.cfg) * ex["reg_norm"], {"loss": s, "moe": st}
 
-            g, sums = jax.grad(f, has_aux=True)(params)
+            g, sums = jax.grad(f, has_aux=True)(trained)
             return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), self.fetch(g))), sums
 
         def body(carry, mb):
@@ -120,6 +123,11 @@ class PipelineAutodiff:
     def fence(self, tree):
         return jax.lax.with_sharding_constraint(tree, self.unsharded)
 
+    def fence_grads(self, grads):
+        """The gradients (of what trains: `model.trainable`) where `fence` puts their params, at least float32."""
+        grads = jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)
+        return jax.lax.with_sharding_constraint(grads, gpt.trainable(self.unsharded, self.fwd.cfg))
+
     def _ends(self, params, rng):
         """(shared params, layer params, the pipeline's first and last functions over one microbatch)."""
         shared, layers = gpt.split_params(params)
@@ -146,12 +154,14 @@ class PipelineAutodiff:
                                 stacked_specs=self.stacked_specs, xs_specs=xs_specs(xs, self.mesh))
 
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
-        def f(p):
-            lsum, _, _, reg, stats = self._forward(self.fence(p), xs, rng)
+        trained, frozen = gpt.split_trainable(params, self.fwd.cfg)
+
+        def f(t):
+            lsum, _, _, reg, stats = self._forward(self.fence(gpt.merge_trainable(t, frozen)), xs, rng)
             return lsum * norm + reg * reg_norm, (lsum, stats)
 
-        grads, (lsum, stats) = jax.grad(f, has_aux=True)(params)
-        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), stats
+        grads, (lsum, stats) = jax.grad(f, has_aux=True)(trained)
+        return lsum, self.fence_grads(grads), stats
 
     def loss(self, params, xs):
         return self._forward(self.fence(params), xs, None)[:2]
@@ -167,6 +177,8 @@ class PipelineLoop(PipelineAutodiff):
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         shared, layers, first, last = self._ends(self.fence(params), rng)
         cfg = self.fwd.cfg
+        (shared, fshared), (layers, flayers) = (gpt.split_trainable(t, cfg) for t in (shared, layers))
+        specs, fspecs = gpt.split_trainable(self.stacked_specs, cfg)
 
         def layer(p, a, index, mb):
             y, st = self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"), stats=True,
@@ -176,7 +188,6 @@ class PipelineLoop(PipelineAutodiff):
         with activation_rules(self.rules, None, manual=self.manual):
             lsum, _, _, dshared, dlayers, stats = pipeline.run_loop(
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
-                remat=self.remat, reg_seed=reg_norm, batch_axes=self.batch_axes, stacked_specs=self.stacked_specs,
-                xs_specs=xs_specs(xs, self.mesh))
-        grads = gpt.join_params(dshared, dlayers)
-        return lsum, self.fence(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)), stats
+                remat=self.remat, reg_seed=reg_norm, batch_axes=self.batch_axes, stacked_specs=specs,
+                xs_specs=xs_specs(xs, self.mesh), frozen=(fshared, flayers, fspecs), join=gpt.merge_trainable)
+        return lsum, self.fence_grads(gpt.join_params(dshared, dlayers)), stats

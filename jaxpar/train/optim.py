@@ -61,12 +61,12 @@ def applied_updates(opt_state):
 
 
 def make_optimizer(config, cfg: gpt.ModelConfig | None = None) -> optax.GradientTransformation:
-    """Clipping + AdamW for the model `cfg` (default: the run config's model; only which parameters exist and their
+    """Clipping + AdamW over the params of `cfg` that train (`model.trainable`: with LoRA the adapters) (default: the run config's model; only which parameters exist and their
     roles matter, `model.decay_mask`). `config`: the run config or its `OptimSettings` (then `cfg` is needed)."""
     o = _settings(config)
     cfg = cfg or gpt.config_from(config, vocab_real=1, tensor=1)
     return optax.chain(
         optax.clip_by_global_norm(o.clip_norm),
         optax.adamw(schedule(o), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                    mask=gpt.decay_mask(cfg)),
+                    mask=gpt.trainable(gpt.decay_mask(cfg), cfg)),
     )

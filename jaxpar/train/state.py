@@ -1,7 +1,7 @@
 """The train state and where it lives: a fresh state from a seed, and the shardings of the state, the float32
 gradient buffer and the batch for a layout (logical axis rules + the ZeRO stage, `jaxpar/parallel/sharding.py`).
 
-The state is `{"params", "opt_state", "step": int32 [], "rng": uint32 key data, "loss_scale": LossScaleState,
+The state is `{"params", "opt_state" (of the params that train: `model.trainable`), "step": int32 [], "rng": uint32 key data, "loss_scale": LossScaleState,
 "nonfinite": int32 [], "first_nonfinite": int32 [], "spikes": {...}}`; the same tree whatever the layout.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def init_state(cfg: gpt.ModelConfig, optimizer, seed: int, ls_cfg=loss_scale.Los
     key = jax.random.key(seed)
     params = gpt.init_params(cfg, jax.random.fold_in(key, 0)) if params is None else params
     i32 = lambda v: jnp.full((), v, jnp.int32)
-    return {"params": params, "opt_state": optimizer.init(params), "step": i32(0),
+    return {"params": params, "opt_state": optimizer.init(gpt.trainable(params, cfg)), "step": i32(0),
             "rng": jax.random.key_data(jax.random.fold_in(key, 1)), "loss_scale": loss_scale.init(ls_cfg),
             "nonfinite": i32(0), "first_nonfinite": i32(-1), "spikes": spikes.init(spike_window)}
 
@@ -48,10 +48,10 @@ class Shardings:
     names: dict  # logical axis names per param leaf
     base_specs: dict  # the params' specs without ZeRO
     param_specs: dict
-    grad_specs: dict
+    grad_specs: dict  # of the params that train (`model.trainable`: with LoRA the adapters only)
     state: dict  # NamedShardings of the train state between steps (offloaded groups: in host memory)
     state_device: dict  # the same, every group on the device (inside the step)
-    grads: dict  # NamedShardings of the float32 gradient buffer
+    grads: dict  # NamedShardings of the float32 gradient buffer (the params that train)
     unsharded: dict  # the params' NamedShardings without ZeRO's `data` axis
     batch: NamedSharding  # `[global_batch, ...]` split over data (x expert)
     replicated: NamedSharding
@@ -69,8 +69,9 @@ def shardings(cfg: gpt.ModelConfig, optimizer, rules, mesh, zero_stage: int, off
     names = gpt.logical_axes(cfg)
     pshapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
     specs = lambda zero: shd.param_specs(names, pshapes, rules, mesh, zero=zero)
-    pspecs, gspecs = specs(zero_stage >= 3), specs(zero_stage >= 2)
-    ospecs = shd.opt_state_specs(optimizer, jax.eval_shape(optimizer.init, pshapes), specs(zero_stage >= 1))
+    train = lambda tree: gpt.trainable(tree, cfg)  # noqa: E731 (what has gradients and optimizer state: LoRA's adapters)
+    pspecs, gspecs = specs(zero_stage >= 3), train(specs(zero_stage >= 2))
+    ospecs = shd.opt_state_specs(optimizer, jax.eval_shape(optimizer.init, train(pshapes)), train(specs(zero_stage >= 1)))
     state = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P(),
              "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P(),
              "spikes": {k: P() for k in spikes.KEYS + spikes.COUNTS}}

@@ -150,7 +150,8 @@ def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
     lo = st.layout
     S = lo.stage
     if S == 1:
-        dp = DataParallel(mesh, sh.base_specs, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names)
+        dp = DataParallel(mesh, sh.base_specs, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names,
+                          select=lambda tree: gpt.trainable(tree, fwd.cfg))
         return gradients.Accumulate(fwd, dp, st.rules, mesh, fetch=layerwise_fetch(lo, fwd.cfg))
     M, v = lo.microbatches, lo.virtual_stages
     common = (pipeline.forward_table(lo.schedule, S, M, v), mesh, st.rules, sh.unsharded, lo.pipeline_remat,
@@ -160,18 +161,20 @@ def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
     return gradients.PipelineAutodiff(fwd, *common)
 
 
-def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
-    """The optax update, kept or skipped: under float16 an overflow skips it and lowers the loss scale (DeepSpeed's
+def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at, cfg: gpt.ModelConfig):
+    """The optax update of the params that train (`model.trainable`: with LoRA the adapters; the frozen base passes
+    through untouched), kept or skipped: under float16 an overflow skips it and lowers the loss scale (DeepSpeed's
     rule); otherwise a non-finite loss or gradient skips it and is counted, and with `stop` every later update is
     skipped too; a step `train.skip_steps` names is skipped (`skipped_named`), and with `train.skip_spikes` a loss
     or gradient-norm spike (`skipped_spike`, `jaxpar/train/spikes.py`). -> (new state, metrics)."""
     ls = state["loss_scale"]
-    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    trained, frozen = gpt.split_trainable(state["params"], cfg)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], trained)
+    params = optax.apply_updates(trained, updates)
     # the state keeps its dtypes (AdamW's first moment would come back in the float32 gradients' dtype): the step
     # compiles once, and its outputs reuse the donated buffers
     params, opt_state = jax.tree.map(lambda p, q: p.astype(q.dtype), (params, opt_state),
-                                     (state["params"], state["opt_state"]))
+                                     (trained, state["opt_state"]))
     finite = loss_scale.all_finite(grads) & jnp.isfinite(loss)
     if st.float16:
         ls, apply = loss_scale.update(ls, finite, st.loss_scale)
@@ -184,7 +187,8 @@ def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at):
     values = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     spike = spikes.is_spike(state["spikes"], values, st.spike_threshold) if st.skip_spikes else jnp.zeros((), bool)
     apply = apply & ~named & ~spike
-    params, opt_state = loss_scale.select_tree(apply, (params, opt_state), (state["params"], state["opt_state"]))
+    params, opt_state = loss_scale.select_tree(apply, (params, opt_state), (trained, state["opt_state"]))
+    params = gpt.merge_trainable(params, frozen)
     # the lr this step applied (or, skipped, would have): the schedule counts applied updates, not steps
     flag = lambda b: b.astype(jnp.int32)  # noqa: E731
     metrics = {**values, "lr": lr_at(applied_updates(state["opt_state"])), "loss_scale": ls.scale,
@@ -252,7 +256,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
             loss, grads, stats = loss_and_grads(params, batch, rng if gpt.has_dropout(cfg) else None,
                                                 state["loss_scale"].scale if st.float16 else 1.0)
-            new, metrics = apply_update(state, loss, grads, optimizer, st, lr_at)
+            new, metrics = apply_update(state, loss, grads, optimizer, st, lr_at, cfg)
             if stats is not None:
                 new, metrics = balance_experts(new, metrics, stats, cfg, batch["tokens"].shape[0])
             return new, metrics, canonical(grads)

@@ -41,7 +41,8 @@ FIRST, MIDDLE, LAST, IDLE = range(4)  # a B lane's role: the chunk's place in th
 
 
 def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, mesh, seed, *,
-        remat: bool = True, reg_seed=0.0, batch_axes=(DATA,), stacked_specs=None, xs_specs=None):
+        remat: bool = True, reg_seed=0.0, batch_axes=(DATA,), stacked_specs=None, xs_specs=None,
+        frozen=None, join=None):
     """Loss and gradients of `seed · Σ_microbatches loss_sum` through the pipeline.
 
     Args:
@@ -54,6 +55,8 @@ def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
       reg_seed: the cotangent of each layer's aux (e.g. the MoE regularisers' weight over the global batch).
       batch_axes, stacked_specs, xs_specs: as in `autodiff.run` (the params' replica axes; `stacked`'s and `xs`'s
         specs over the manual axes).
+      frozen: (frozen shared, frozen stacked, the frozen stacked's specs), params the functions use that get no
+        gradient (e.g. a base model under adapters): the functions get `join(params, frozen params)`; None: none.
 
     Returns:
       (loss_sum, count, per-microbatch loss sums `[M]`, shared grads, stacked grads, layer stats `[L, ...]`): sums
@@ -66,11 +69,13 @@ def run(first_fn, layer_fn, last_fn, shared, stacked, xs, schedule: Schedule, me
     tables = {k: (jnp.asarray(schedule.mb[k]), jnp.asarray(schedule.rep[k]), jnp.asarray(schedule.ok[k]))
               for k in LANES}
     specs = jax.tree.map(lambda _: P(AXIS), stacked) if stacked_specs is None else stacked_specs
-    engine = _Engine(first_fn, with_side(layer_fn), last_fn, schedule, remat, tuple(batch_axes), specs)
+    fshared, fstacked, fspecs = ({}, {}, {}) if frozen is None else frozen
+    engine = _Engine(first_fn, with_side(layer_fn), last_fn, schedule, remat, tuple(batch_axes), specs,
+                     join or (lambda p, _: p))
     f = jax.shard_map(engine.local, mesh=mesh, axis_names={AXIS, *batch_axes},
-                      in_specs=(P(), specs, _xs_specs(xs, batch_axes, xs_specs), P(), P(), P()),
+                      in_specs=(P(), specs, _xs_specs(xs, batch_axes, xs_specs), P(), P(), P(), P(), fspecs),
                       out_specs=(P(), P(), P(), P(), specs, P(AXIS)))
-    return f(shared, stacked, xs, seed, jnp.asarray(reg_seed), tables)
+    return f(shared, stacked, xs, seed, jnp.asarray(reg_seed), tables, fshared, fstacked)
 
 
 def _f32(t):
@@ -86,8 +91,11 @@ class _Engine:
     """The per-device body of `run`. `local` sets the device's context (stage index, its chunks, the activation
     shape), then scans `_tick`; each tick runs the lanes, files their outputs in the ring buffers and exchanges."""
 
-    def __init__(self, first_fn, layer_fn, last_fn, schedule: Schedule, remat: bool, batch_axes, specs):
-        self.first_fn, self.layer_fn, self.last_fn = first_fn, layer_fn, last_fn
+    def __init__(self, first_fn, layer_fn, last_fn, schedule: Schedule, remat: bool, batch_axes, specs, join):
+        # the callers' functions get the params joined with their frozen part (none: the params as they are)
+        self.first_fn = lambda sh, mb: first_fn(join(sh, self.fshared), mb)
+        self.last_fn = lambda sh, a, mb: last_fn(join(sh, self.fshared), a, mb)
+        self.layer_fn = lambda p, a, index, mb, fp: layer_fn(join(p, fp), a, index, mb)
         self.sc, self.remat, self.batch_axes = schedule, remat, batch_axes
         # each stacked leaf's gradient is summed over the batch axes it is replicated over (not `expert` for experts)
         self.reduce_axes = jax.tree.map(lambda p: tuple(a for a in batch_axes if a not in p), specs,
@@ -95,9 +103,12 @@ class _Engine:
         self.R = {k: schedule.ring(k) for k in ("act", "grad", "res", "wgrad")}
         self._pull_def = None  # the treedef of a chunk's vjp function (a pytree whose leaves are its residuals)
 
-    def local(self, shared, stacked, xs, seed, reg_seed, tables):
+    def local(self, shared, stacked, xs, seed, reg_seed, tables, fshared, fstacked):
         sc, v = self.sc, self.sc.virtual
         self.s = jax.lax.axis_index(AXIS)
+        # per device like the params (a custom VJP's cotangent of a frozen param is per device too, then dropped)
+        self.fshared = vary(fshared)
+        self.fchunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), vary(fstacked))
         # gradients stay per device until the end
         self.shared, stacked, self.seed, self.xs = vary(shared), vary(stacked), vary(seed), xs
         self.chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
@@ -106,11 +117,13 @@ class _Engine:
         self.out_dtypes = tuple(a.dtype for a in jax.eval_shape(
             lambda sh, mb: self.last_fn(sh, self._zact(), mb), self.shared, take(xs, 0)))
         self.seed = self.seed.astype(self.out_dtypes[0])  # the cotangent of a loss sum has its dtype
-        aux, self.stats = jax.eval_shape(lambda: self._stage(take(self.chunks, 0), self._zact(), 0, take(xs, 0))[2:])
+        aux, self.stats = jax.eval_shape(lambda: self._stage(take(self.chunks, 0), self._zact(), 0, take(xs, 0),
+                                                             fchunk=take(self.fchunks, 0))[2:])
         self.reg_seed = vary(reg_seed.astype(aux.dtype))  # the cotangent of the layers' aux has its dtype
         if not self.remat:  # the residuals' shapes
             self.res_shapes = jax.eval_shape(
-                lambda: self._fwd_vjp(self._zact(), take(self.chunks, 0), self.s, take(xs, 0)))[1]
+                lambda: self._fwd_vjp(self._zact(), take(self.chunks, 0), self.s, take(xs, 0),
+                                      take(self.fchunks, 0)))[1]
         init = (self._buffers(), _zeros_like(self.chunks), _zeros_like(self.shared), *self._zeros(),
                 vary(jnp.zeros((sc.microbatches,), self.out_dtypes[0])),
                 vary(jax.tree.map(lambda a: jnp.zeros((v,) + a.shape, a.dtype), self.stats)))
@@ -129,28 +142,29 @@ class _Engine:
     def _zact(self):
         return vary(jnp.zeros(self.act.shape, self.act.dtype))
 
-    def _stage(self, chunk, x, c, mb, taps=None):
+    def _stage(self, chunk, x, c, mb, taps=None, fchunk=None):
         """Global chunk c's Lc layers -> (output, the layer inputs `[Lc, ...]`, the layers' aux summed, their stats
-        `[Lc, ...]`); `taps` `[Lc, ...]` are added to the layer outputs."""
+        `[Lc, ...]`); `taps` `[Lc, ...]` are added to the layer outputs; `fchunk`: the chunk's frozen params."""
         def one(a, inp):
-            p, l, tap = inp
-            y, aux, st = self.layer_fn(p, a, c * self.Lc + l, mb)
+            p, fp, l, tap = inp
+            y, aux, st = self.layer_fn(p, a, c * self.Lc + l, mb, fp)
             return (y if tap is None else y + tap), (a, aux, st)
-        y, (ins, aux, st) = jax.lax.scan(one, x, (chunk, jnp.arange(self.Lc), taps))
+        y, (ins, aux, st) = jax.lax.scan(one, x, (chunk, fchunk, jnp.arange(self.Lc), taps))
         return y, ins, jnp.sum(aux), st
 
-    def _diff(self, chunk, x, c, mb, taps=None):
+    def _diff(self, chunk, x, c, mb, taps=None, fchunk=None):
         """`_stage` as (differentiated outputs (y, aux), (layer inputs, stats))."""
-        y, ins, aux, st = self._stage(chunk, x, c, mb, taps)
+        y, ins, aux, st = self._stage(chunk, x, c, mb, taps, fchunk)
         return (y, vary(aux)), (ins, st)  # aux typed like its cotangent `reg_seed` (varying: a constant 0 is not)
 
     def _ct(self, g):
         """The cotangent of a chunk's (y, aux): the activation's, and `reg_seed` for the aux."""
         return g, self.reg_seed
 
-    def _fwd_vjp(self, x, chunk, c, mb):
+    def _fwd_vjp(self, x, chunk, c, mb, fchunk):
         """Chunk forward keeping the vjp's residuals: (y, residual leaves, stats)."""
-        (y, _), pull, (_, st) = jax.vjp(lambda p, a: self._diff(p, a, c, mb), chunk, x, has_aux=True)
+        (y, _), pull, (_, st) = jax.vjp(lambda p, a: self._diff(p, a, c, mb, fchunk=fchunk), chunk, x,
+                                        has_aux=True)
         leaves, self._pull_def = jax.tree.flatten(pull)
         return y, leaves, st
 
@@ -158,8 +172,8 @@ class _Engine:
         return jax.tree.unflatten(self._pull_def, res)
 
     def _slot(self, i, r):
-        """Microbatch i on local chunk r: (its inputs, global chunk index, the chunk's params)."""
-        return take(self.xs, i), self.sc.chunk(r, self.s), take(self.chunks, r)
+        """Microbatch i on local chunk r: (its inputs, global chunk index, the chunk's params, its frozen params)."""
+        return take(self.xs, i), self.sc.chunk(r, self.s), take(self.chunks, r), take(self.fchunks, r)
 
     @staticmethod
     def _by_role(role, first, middle, last, idle):
@@ -189,15 +203,15 @@ class _Engine:
 
     def _f_lane(self, bufs, i, r, ok):
         """Forward of a chunk before the last: -> (activation to send, residuals or None, the layers' stats)."""
-        mb, c, chunk = self._slot(i, r)
+        mb, c, chunk, fchunk = self._slot(i, r)
         x = lambda: jax.lax.cond(c == 0, lambda: vary(self.first_fn(self.shared, mb)),
                                  lambda: self._at(bufs["act"], i, r))
         if self.remat:
-            y, st = jax.lax.cond(ok, lambda: vary(self._stage(chunk, x(), c, mb)[::3]),
+            y, st = jax.lax.cond(ok, lambda: vary(self._stage(chunk, x(), c, mb, fchunk=fchunk)[::3]),
                                  lambda: (self._zact(), self._zstats()))
             return y, None, st
         zres = lambda: vary([jnp.zeros(a.shape, a.dtype) for a in self.res_shapes])
-        return jax.lax.cond(ok, lambda: vary(self._fwd_vjp(x(), chunk, c, mb)),
+        return jax.lax.cond(ok, lambda: vary(self._fwd_vjp(x(), chunk, c, mb, fchunk)),
                             lambda: (self._zact(), zres(), self._zstats()))
 
     def _last(self, sh, a, mb, stage):
@@ -208,13 +222,13 @@ class _Engine:
     def _b_full(self, bufs, i, r, role):
         """Backward (input and weight gradients) -> (chunk grads, shared grads, dx, loss, count, stats of the last
         chunk, whose forward runs here)."""
-        mb, c, chunk = self._slot(i, r)
+        mb, c, chunk, fchunk = self._slot(i, r)
         g, x, shared = self._at(bufs["grad"], i, r), self._at(bufs["act"], i, r), self.shared
 
         def first():
             if self.remat:
-                _, pull, _ = jax.vjp(lambda p, sh: self._diff(p, self.first_fn(sh, mb), c, mb), chunk, shared,
-                                     has_aux=True)
+                _, pull, _ = jax.vjp(lambda p, sh: self._diff(p, self.first_fn(sh, mb), c, mb, fchunk=fchunk), chunk,
+                                     shared, has_aux=True)
                 dc, dsh = pull(self._ct(g))
             else:
                 dc, da = self._pull_from(self._at(bufs["res"], i, r))(self._ct(g))
@@ -223,15 +237,16 @@ class _Engine:
 
         def middle():
             if self.remat:
-                dc, dx = jax.vjp(lambda p, a: self._diff(p, a, c, mb), chunk, x, has_aux=True)[1](self._ct(g))
+                dc, dx = jax.vjp(lambda p, a: self._diff(p, a, c, mb, fchunk=fchunk), chunk, x,
+                                 has_aux=True)[1](self._ct(g))
             else:
                 dc, dx = self._pull_from(self._at(bufs["res"], i, r))(self._ct(g))
             return _f32(dc), _zeros_like(shared), dx, *self._zeros(), self._zstats()
 
         def last():
             ((ls, cnt), _), pull, (_, st) = jax.vjp(
-                lambda p, sh, a: self._last(sh, a, mb, lambda a: self._diff(p, a, c, mb)), chunk, shared, x,
-                has_aux=True)
+                lambda p, sh, a: self._last(sh, a, mb, lambda a: self._diff(p, a, c, mb, fchunk=fchunk)), chunk,
+                shared, x, has_aux=True)
             dc, dsh, dx = pull(((self.seed, jnp.zeros_like(cnt)), self.reg_seed))
             return _f32(dc), _f32(dsh), dx, ls, cnt, st
 
@@ -241,10 +256,10 @@ class _Engine:
     def _b_split(self, bufs, i, r, role):
         """Input-gradient backward -> (shared grads, dx, loss, count, layer inputs, layer output cotangents, stats of
         the last chunk)."""
-        mb, c, chunk = self._slot(i, r)
+        mb, c, chunk, fchunk = self._slot(i, r)
         g, x, shared = self._at(bufs["grad"], i, r), self._at(bufs["act"], i, r), self.shared
         taps0 = vary(jnp.zeros((self.Lc,) + self.act.shape, self.act.dtype))
-        stage = lambda a, t: self._diff(chunk, a, c, mb, t)
+        stage = lambda a, t: self._diff(chunk, a, c, mb, t, fchunk)
 
         def first():
             _, pull, (ins, _) = jax.vjp(lambda sh, t: stage(self.first_fn(sh, mb), t), shared, taps0, has_aux=True)
@@ -267,15 +282,15 @@ class _Engine:
 
     def _w_lane(self, bufs, i, r, ok):
         """Weight gradient from B's saved layer inputs and output cotangents (per-layer vjp, weights only)."""
-        mb, c, chunk = self._slot(i, r)
+        mb, c, chunk, fchunk = self._slot(i, r)
         ins, cts = self._at(bufs["w_in"], i, r), self._at(bufs["w_ct"], i, r)
 
         def grads():
             def one(_, inp):
-                p, l, a, g = inp
-                f = lambda q: (lambda y, aux, _: (y, vary(aux)))(*self.layer_fn(q, a, c * self.Lc + l, mb))  # noqa
+                p, fp, l, a, g = inp
+                f = lambda q: (lambda y, aux, _: (y, vary(aux)))(*self.layer_fn(q, a, c * self.Lc + l, mb, fp))  # noqa
                 return None, _f32(jax.vjp(f, p)[1](self._ct(g))[0])
-            return vary(jax.lax.scan(one, None, (chunk, jnp.arange(self.Lc), ins, cts))[1])
+            return vary(jax.lax.scan(one, None, (chunk, fchunk, jnp.arange(self.Lc), ins, cts))[1])
         return jax.lax.cond(ok, grads, lambda: _zeros_like(chunk))
 
     # ---- the tick ----------------------------------------------------------------------------------------------

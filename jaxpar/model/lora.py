@@ -1,0 +1,176 @@
+"""LoRA adapters (Hu et al. 2021) beside a block's matmul weights, mesh-free: which weights get them (`targets`, from
+Hugging Face projection names as PEFT's `target_modules` reads them), their parameters and their matmul.
+
+A weight `W` used as `einsum(spec, x, W)` gets `A` and `B` with `x A B · scale` added to its output, `scale` =
+alpha / r (alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023). The spec says which of `W`'s axes are inputs
+(contracted with x), outputs, and batch axes (a routed expert's: kept in A and B, one adapter per expert):
+A is `[batch.., inputs.., r]`, B is `[batch.., r, outputs..]`, so A's input axes carry the base's input names and B's
+output axes its output names; the rank axis `lora_rank` is replicated (every layout shards them like their base
+matmul). A is drawn as PEFT does (Kaiming-uniform with a = sqrt(5): U(±1 / sqrt(fan_in))), B is zero, so a fresh
+adapter leaves the model's outputs unchanged. Dropout (PEFT's `lora_dropout`) applies to the adapter's input only.
+
+In the params tree the adapters of a module sit under its `lora` key (`blocks.lora.wq.a`, `blocks.moe.experts.lora.
+w_gate.b`): `trainable` / `split_trainable` say which leaves an adapter run trains (those under a `lora` key).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.model.base import LOGICAL, LORA as KEY, ROLE
+
+RANK = "lora_rank"  # the logical name of the rank axis (replicated)
+
+# Hugging Face projection names (PEFT's `target_modules`) -> the weights they name, as paths within a block: the
+# dense MLP's, the routed experts' (`moe.experts.`) and the shared experts' (`moe.shared.`). Qwen3-MoE's experts are
+# named like the dense MLP's projections; Mixtral's w1 / w3 / w2.
+_MLP = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+NAMES = {
+    "llama": {"q_proj": ("wq",), "k_proj": ("wk",), "v_proj": ("wv",), "o_proj": ("wo",),
+              **{hf: (w, f"moe.experts.{w}", f"moe.shared.{w}") for hf, w in _MLP.items()},
+              "w1": ("moe.experts.w_gate",), "w3": ("moe.experts.w_up",), "w2": ("moe.experts.w_down",)},
+    "gpt2": {"c_attn": ("wqkv",), "c_proj": ("wo", "w_out"), "c_fc": ("w_in",),
+             "w1": ("moe.experts.w_gate",), "w3": ("moe.experts.w_up",), "w2": ("moe.experts.w_down",)},
+}
+DEFAULT = {"llama": "q_proj,v_proj", "gpt2": "c_attn"}  # PEFT's defaults for these families
+ALL = "all-linear"  # every projection of the blocks (not the LM head), as PEFT's "all-linear"
+NOT_SUPPORTED_WITH_DROPOUT = "moe."  # a routed expert's adapter sees dispatched buffers, not sequences
+
+
+def asked(arch: str, targets: str) -> list[str]:
+    """`lora.targets` -> the Hugging Face names it asks for: comma-separated names, `all-linear` (every name of the
+    family), or `auto` (PEFT's default for the family)."""
+    text = DEFAULT[arch] if targets.strip() == "auto" else targets
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    return list(NAMES[arch]) if names == [ALL] else names
+
+
+def candidates(arch: str, targets: str) -> tuple[str, ...]:
+    """Every block path the target names may stand for, sorted (a model adapts those it has)."""
+    return tuple(sorted({p for t in asked(arch, targets) for p in NAMES[arch].get(t, ())}))
+
+
+def missing(arch: str, targets: str, weights) -> list[str]:
+    """The target names that name no weight of a model whose blocks hold `weights` (block paths)."""
+    return [t for t in asked(arch, targets) if not set(NAMES[arch].get(t, ())) & set(weights)]
+
+
+def known_names(arch: str) -> str:
+    return ", ".join(list(NAMES[arch]) + [ALL])
+
+
+def scale(alpha: float, rank: int, rslora: bool) -> float:
+    """The adapters' output scale: alpha / r, or alpha / sqrt(r) (rsLoRA), as PEFT."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def _axes(spec: str):
+    """einsum spec "x,w->out" -> (x, w, out, the weight's batch, input and output letters, a free letter for r)."""
+    ins, out = spec.split("->")
+    x, w = ins.split(",")
+    batch = [c for c in w if c in x and c in out]
+    inputs = [c for c in w if c in x and c not in out]
+    outputs = [c for c in w if c not in x]
+    r = next(c for c in "rzyxqponmlk" if c not in spec)
+    return x, w, out, batch, inputs, outputs, r
+
+
+class LoRA(nnx.Module):
+    """The adapter of one weight `[shape]` with logical `names`, used as `einsum(spec, x, W)`."""
+
+    def __init__(self, key, shape, names, spec: str, rank: int, dtype, scale_: float):
+        _, w, _, batch, inputs, outputs, _ = _axes(spec)
+        dim = dict(zip(w, shape))
+        name = dict(zip(w, names))
+        fan_in = math.prod(dim[c] for c in inputs)
+        a_shape = tuple(dim[c] for c in batch + inputs) + (rank,)
+        b_shape = tuple(dim[c] for c in batch) + (rank,) + tuple(dim[c] for c in outputs)
+        draw = jnp.float32 if jnp.dtype(dtype) == jnp.float64 else dtype  # float64 runs start from float32's numbers
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(key, a_shape, draw, -bound, bound).astype(dtype)
+        self.a = nnx.Param(a, **{LOGICAL: tuple(name[c] for c in batch + inputs) + (RANK,), ROLE: "adapter"})
+        self.b = nnx.Param(jnp.zeros(b_shape, dtype),
+                           **{LOGICAL: tuple(name[c] for c in batch) + (RANK,) + tuple(name[c] for c in outputs),
+                              ROLE: "adapter"})
+        self.spec, self.scale = spec, float(scale_)
+
+    def __call__(self, x, drop=None):
+        """The adapter's term of `einsum(spec, x, W)`: scale · (drop(x) A) B, in x's dtype."""
+        xs, _, out, batch, inputs, outputs, r = _axes(self.spec)
+        mid = "".join(c for c in xs if c not in inputs) + r
+        a_spec, b_spec = "".join(batch + inputs) + r, "".join(batch) + r + "".join(outputs)
+        h = jnp.einsum(f"{xs},{a_spec}->{mid}", x if drop is None else drop(x), self.a[...].astype(x.dtype))
+        return jnp.einsum(f"{mid},{b_spec}->{out}", h, self.b[...].astype(x.dtype)) * jnp.asarray(self.scale, x.dtype)
+
+
+class Adapters(nnx.Module):
+    """A module's adapters, one `LoRA` per adapted weight, as attributes named like the weight."""
+
+    def __init__(self, owner: nnx.Module, specs: dict, cfg, rngs: nnx.Rngs, prefix: str = ""):
+        """`specs`: {weight name: its einsum spec} of the owner's weights; those whose block path (`prefix` + name)
+        `cfg.lora_targets` names get an adapter, in sorted order (the keys they draw do not depend on the layout)."""
+        for name in sorted(specs):
+            if prefix + name in cfg.lora_targets:
+                w = getattr(owner, name)
+                setattr(self, name, LoRA(rngs.params(), w.shape, w.get_metadata()[LOGICAL], specs[name],
+                                         cfg.lora_rank, jnp.dtype(cfg.param_dtype), cfg.lora_scale))
+
+
+def attach(owner: nnx.Module, specs: dict, cfg, rngs: nnx.Rngs, prefix: str = "") -> None:
+    """Give `owner` its `lora` adapters when `cfg.lora_rank` > 0 and a target names one of its weights."""
+    if cfg.lora_rank > 0 and any(prefix + n in cfg.lora_targets for n in specs):
+        setattr(owner, KEY, Adapters(owner, specs, cfg, rngs, prefix))
+
+
+# the dropout sites of the adapters' inputs (after the block's two residual sites): one mask per adapted weight
+SITES = ("wqkv", "wq", "wk", "wv", "wo", "w_in", "w_out", "w_gate", "w_up", "w_down")
+
+
+def input_dropout(drop, cfg):
+    """The block's `drop(y, site, rate)` -> the adapters' input dropout `f(x, weight name)`, or None (no rng, or
+    `lora_dropout` 0): each adapted weight its own mask, as PEFT's one dropout module per adapted layer."""
+    if drop is None or cfg.lora_rank == 0 or cfg.lora_dropout == 0:
+        return None
+    return lambda x, name: drop(x, 2 + SITES.index(name), cfg.lora_dropout)
+
+
+# ---- which leaves train ------------------------------------------------------------------------------------------
+
+def _is_adapter(path) -> bool:
+    return any(getattr(k, "key", None) == KEY for k in path)
+
+
+def split_trainable(tree: dict, lora: bool) -> tuple[dict, dict]:
+    """A params-shaped nested dict -> (trainable, frozen) nested dicts with disjoint leaves: with `lora` the adapters
+    and the rest; else (tree, {})."""
+    if not lora:
+        return tree, {}
+
+    def part(node, want: bool, inside: bool):
+        out = {}
+        for k, v in node.items():
+            here = inside or k == KEY
+            if isinstance(v, dict):
+                sub = part(v, want, here)
+                if sub:
+                    out[k] = sub
+            elif here == want:
+                out[k] = v
+        return out
+
+    return part(tree, True, False), part(tree, False, False)
+
+
+def merge(trainable: dict, frozen: dict) -> dict:
+    """The inverse of `split_trainable`: one nested dict holding both's leaves."""
+    out = dict(frozen)
+    for k, v in trainable.items():
+        out[k] = merge(v, out[k]) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def trainable(tree: dict, lora: bool) -> dict:
+    return split_trainable(tree, lora)[0]
