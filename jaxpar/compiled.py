@@ -13,7 +13,7 @@ import numpy as np
 from jaxpar.analysis import compile_report as report
 from jaxpar import data
 from jaxpar.cluster import distributed
-from jaxpar.interop import hf
+from jaxpar.interop import hf, peft
 from jaxpar import model as gpt
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.mesh import make_mesh
@@ -50,7 +50,7 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
     allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
     layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
-    config = hf.apply(config)
+    config = peft.apply(hf.apply(config))
     layout = validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
     vocab = vocab or distributed.process_0_first(lambda: data.model_vocab(config), "jaxpar/prepare")
     steps = steps_for(config, vocab, devices, layout)
@@ -63,9 +63,11 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
                                 flops_per_step=gpt.flops_per_token(steps.cfg) * tokens, keep_hlo=True)
     rep["compile_s"] = compile_s  # lowering + compiling (a persistent-cache hit skips the compiling)
     grads = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, np.float32, sharding=sh),
-                         abstract["params"], steps.grad_shardings)
+                         gpt.trainable(abstract["params"], steps.cfg), steps.grad_shardings)
     rep["state_bytes"]["grad_buffer"] = report.state_group_bytes({"g": grads})["g"]
     rep["layout"] = {**steps.layout.as_dict(),
                      "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(abstract["params"]))),
+                     "trainable": int(sum(np.prod(a.shape) for a in jax.tree.leaves(
+                         gpt.trainable(abstract["params"], steps.cfg)))),
                      "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype}
     return rep

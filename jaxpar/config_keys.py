@@ -169,9 +169,10 @@ KEYS = (
       "`rslora`)", lambda v: 0 < v < _INF, "a finite number > 0"),
     K("lora.dropout", 0.0, float, "dropout on the adapters' input (PEFT's `lora_dropout`)",
       lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    K("lora.targets", "q_proj,k_proj,v_proj,o_proj", str, "the projections that get adapters, by their Hugging Face "
-      "names, comma-separated (`q_proj`, ..., `down_proj`; GPT-2's `c_attn`, `c_proj`, `c_fc`; Mixtral's experts "
-      "`w1`, `w2`, `w3`), or `all-linear`"),
+    K("lora.targets", "auto", str, "the projections that get adapters, by their Hugging Face names, comma-separated "
+      "(`q_proj`, ..., `down_proj`, which also name Qwen3-MoE's experts; GPT-2's `c_attn`, `c_proj`, `c_fc`; "
+      "Mixtral's experts `w1`, `w2`, `w3`), `all-linear`, or `auto` (PEFT's default: `q_proj,v_proj`; GPT-2 "
+      "`c_attn`)"),
     K("lora.rslora", False, bool, "rank-stabilised LoRA: scale alpha / sqrt(r) (PEFT's `use_rslora`)"),
     K("lora.adapter", "", str, "a PEFT adapter directory to start the adapters from (its `r`, `lora_alpha`, targets "
       "and rslora replace the keys above)"),

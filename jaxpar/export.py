@@ -1,10 +1,11 @@
 """Export a run's parameters as safetensors + JSON, and load such an export back.
 
-    python -m jaxpar.export --workdir DIR --out OUT [--step N] [--force] [--format jaxpar|hf] [--dtype D]
+    python -m jaxpar.export --workdir DIR --out OUT [--step N] [--force] [--format jaxpar|hf|peft] [--dtype D]
                             [--max_shard_size 5GB]
 
 `--format hf` writes a Hugging Face directory (`jaxpar.interop.hf`: config.json, model.safetensors or shards with their
-index, tokenizer.json) that transformers' `from_pretrained` loads with no custom code. The default, `jaxpar`, writes,
+index, tokenizer.json) that transformers' `from_pretrained` loads with no custom code; `--format peft` a LoRA run's
+adapters as PEFT writes them (`jaxpar.interop.peft`), which the other two fold into the model (in float32). The default, `jaxpar`, writes,
 from WORKDIR's latest (or given) checkpoint, whatever layout trained it:
 
   OUT/model.safetensors   every parameter under a flat dotted key (`wte`, `blocks.wqkv`, `ln_f.scale`, ...), the
@@ -33,16 +34,18 @@ import tempfile
 import jax
 import ml_collections
 
-from jaxpar.interop import hf
+from jaxpar.interop import hf, peft
 from jaxpar.config import DTYPES, base_config
 from jaxpar.errors import ConfigError
 from jaxpar.data import load_tokenizer
 from jaxpar.interop.runs import load_run
+from jaxpar.model import merge_adapters, merge_trainable, split_adapters
 from jaxpar.model import (SHAPE_FIELDS, ZERO_COUNTS, Forward, ModelConfig, flatten, init_params,  # noqa: F401
                           param_items, unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
 from jaxpar.validate import check_model
 
 FORMAT = "jaxpar-gpt-v1"
+FORMATS = ("jaxpar", "hf", "peft")  # --format
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "model_config.json"
 TOKENIZER_DIR = "tokenizer"
@@ -70,8 +73,9 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False,
       ValueError: the checkpoint does not match config.json's model; the tokenizer is unreadable; a bad `fmt`/`dtype`.
     """
     workdir, out = os.path.abspath(os.fspath(workdir)), os.path.abspath(os.fspath(out))
-    if fmt not in ("jaxpar", "hf") or (dtype is not None and dtype not in _ST_DTYPES):
-        raise ValueError(f"--format {fmt!r} / --dtype {dtype!r}: pick jaxpar or hf, and a dtype of {list(_ST_DTYPES)}.")
+    if fmt not in FORMATS or (dtype is not None and dtype not in _ST_DTYPES):
+        raise ValueError(f"--format {fmt!r} / --dtype {dtype!r}: pick one of {FORMATS}, and a dtype of "
+                         f"{list(_ST_DTYPES)}.")
     if not os.path.isdir(workdir):
         raise FileNotFoundError(f"--workdir {workdir} does not exist or is not a directory.")
     if os.path.exists(out) and not os.path.isdir(out):
@@ -79,23 +83,29 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False,
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise FileExistsError(f"--out {out} exists and is not empty; pass --force to replace an export in it.")
     run = load_run(workdir, step, device=_host_device())
-    meta = {"format": FORMAT if fmt == "jaxpar" else "hf", **dataclasses.asdict(run.fwd.cfg), "step": int(run.step),
+    if fmt == "peft" and not run.fwd.cfg.lora_rank:
+        raise ValueError(f"--format peft: {workdir} trained no LoRA adapters (lora.rank=0); use --format hf or jaxpar.")
+    # a LoRA run's model is its base with the adapters folded in (float32), as PEFT's merge_and_unload
+    params, cfg = merge_adapters(run.params, run.fwd.cfg) if fmt != "peft" else (run.params, run.fwd.cfg)
+    meta = {"format": {"jaxpar": FORMAT}.get(fmt, fmt), **dataclasses.asdict(cfg), "step": int(run.step),
             "tokenizer_kind": run.tokenizer.kind, "tokenizer_vocab_size": int(run.tokenizer.vocab_size)}
     if fmt == "hf":
-
-        fill = lambda tmp: hf.save(jax.device_get(run.params), run.fwd.cfg, run.tokenizer, tmp,
-                                   dtype or run.fwd.cfg.param_dtype, max_shard_bytes)
+        fill = lambda tmp: hf.save(jax.device_get(params), cfg, run.tokenizer, tmp, dtype or cfg.param_dtype,
+                                   max_shard_bytes)
+    elif fmt == "peft":
+        base = hf.directory_of(run.config.init_from) or run.config.init_from
+        fill = lambda tmp: peft.save(jax.device_get(params), cfg, tmp, base)
     else:
-        fill = lambda tmp: _write_jaxpar(tmp, run, workdir, meta)
+        fill = lambda tmp: _write_jaxpar(tmp, params, run.step, workdir, meta)
     _write_atomically(out, fill)
     return meta
 
 
-def _write_jaxpar(tmp: str, run, workdir: str, meta: dict) -> list[str]:
+def _write_jaxpar(tmp: str, params, step: int, workdir: str, meta: dict) -> list[str]:
     from safetensors.numpy import save_file
 
-    save_file(flatten(run.params), os.path.join(tmp, WEIGHTS_FILE),
-              metadata={"jaxpar_format": FORMAT, "step": str(run.step)})
+    save_file(flatten(params), os.path.join(tmp, WEIGHTS_FILE),
+              metadata={"jaxpar_format": FORMAT, "step": str(step)})
     with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
@@ -292,8 +302,9 @@ def init_from_export(directory: str, steps, state) -> dict:
     check_export(directory, steps.cfg)
     _, params, _ = load_export(directory)
     canon = steps.to_canonical(state)
-    canon["params"] = jax.device_put(
-        jax.tree.map(lambda p, q: p.astype(q.dtype), params, canon["params"]), steps.state_shardings["params"])
+    adapters, base = split_adapters(canon["params"])  # LoRA: the export is the base model; the adapters stay
+    base = jax.tree.map(lambda p, q: p.astype(q.dtype), params, base)
+    canon["params"] = merge_trainable(adapters, jax.device_put(base, split_adapters(steps.state_shardings["params"])[1]))
     return steps.from_canonical(canon)
 
 
@@ -306,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="export directory to write (must not exist or be empty)")
     ap.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest complete one)")
     ap.add_argument("--force", action="store_true", help="replace an export already in --out")
-    ap.add_argument("--format", default="jaxpar", choices=("jaxpar", "hf"),
-                    help="jaxpar (model.safetensors + model_config.json) or hf (a transformers directory)")
+    ap.add_argument("--format", default="jaxpar", choices=FORMATS,
+                    help="jaxpar (model.safetensors + model_config.json), hf (a transformers directory) or peft "
+                         "(a LoRA run's adapters as PEFT saves them; jaxpar and hf merge them into the model)")
     ap.add_argument("--dtype", default=None, choices=sorted(_ST_DTYPES), help="hf: weight dtype (default: param dtype)")
     ap.add_argument("--max_shard_size", default="5GB", help="hf: largest weight file, e.g. 5GB, 200MB")
     args = ap.parse_args(argv)

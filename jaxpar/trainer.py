@@ -18,7 +18,7 @@ from jaxpar import data
 from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
 from jaxpar.cluster.preemption import Preempted, PreemptionWatch
-from jaxpar.interop import hf
+from jaxpar.interop import hf, peft
 from jaxpar.train import loss_scale, monitor
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
@@ -42,6 +42,8 @@ def fingerprint(config, info, steps) -> dict:
         fp["data.packing"] = config.data.packing
     if config.data.packing == "bfd":
         fp["data.truncate"] = config.data.truncate
+    if steps.cfg.lora_rank:  # which adapters the state holds (absent from full fine-tuning's fingerprints)
+        fp.update({"lora.rank": steps.cfg.lora_rank, "lora.adapted": sorted(gpt.adapter_specs(steps.cfg))})
     return fp
 
 
@@ -130,7 +132,7 @@ def run(config, workdir: str, devices=None) -> dict:
     `devices`: the devices to lay the mesh over (default: all, `jax.devices()`); a subset (e.g. one device of a
     process that has eight) is meant for tests and single-process runs."""
     devices = list(jax.devices() if devices is None else devices)
-    config = hf.apply(config)  # init_from=hf:DIR: the model's shape and tokenizer are DIR's
+    config = peft.apply(hf.apply(config))  # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...
     layout = validate(config, len(devices))
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
@@ -189,11 +191,16 @@ def nothing_to_run(config, workdir: str, latest: int) -> dict:
 
 def check_hf_weights(config, workdir: str, tensor: int) -> None:
     """With `init_from = hf:DIR` and no checkpoint to resume: every tensor the model needs is in DIR's weight files,
-    complete and of the shape config.json implies (headers only), before anything is prepared or written."""
+    complete and of the shape config.json implies (headers only), and `lora.adapter`'s tensors fit the model, before
+    anything is prepared or written."""
     directory = hf.directory_of(config.init_from)
-    if directory is None or latest_checkpoint(workdir)[0] is not None:
+    if (directory is None and not config.lora.adapter) or latest_checkpoint(workdir)[0] is not None:
         return
-    hf.check(directory, model_config(config, int(config.model.vocab_size), tensor))
+    cfg = model_config(config, int(config.model.vocab_size), tensor)
+    if directory is not None:
+        hf.check(directory, cfg)
+    if config.lora.adapter:  # (its r, alpha and targets are the config's already: `peft.apply`)
+        peft.check(config.lora.adapter, cfg)
 
 
 def latest_checkpoint(workdir: str) -> tuple[int | None, dict | None]:
@@ -233,11 +240,24 @@ def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, in
     hf_dir = hf.directory_of(config.init_from)
     if hf_dir is not None:  # weights straight onto this layout's shardings; fresh optimizer state, step 0
         params = hf.load_params(hf_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order)
+        if steps.cfg.lora_rank:
+            params = gpt.merge_trainable(start_adapters(config, steps, abstract), params)
         return steps.init_with(params, int(config.train.seed)), 0
     state = steps.init(int(config.train.seed))
     if config.init_from:  # fine-tuning: params from an export, fresh optimizer state, step 0
         state = init_from_export(config.init_from, steps, state)
+    if config.lora.adapter:
+        state = {**state, "params": gpt.merge_trainable(start_adapters(config, steps, abstract),
+                                                        gpt.split_trainable(state["params"], steps.cfg)[1])}
     return state, 0
+
+
+def start_adapters(config, steps, abstract) -> dict:
+    """The LoRA adapters a run starts from, in this layout: `lora.adapter`'s (PEFT), else freshly drawn."""
+    if config.lora.adapter:
+        return peft.load(config.lora.adapter, steps.cfg, gpt.trainable(abstract["params"], steps.cfg),
+                         steps.layer_order)
+    return steps.init_adapters(int(config.train.seed))
 
 
 # Steps the host may queue ahead of the devices before it waits for the oldest: enough to keep them busy, and a

@@ -16,7 +16,7 @@ from jaxpar.config import (DEFAULT_RULES, DTYPES, MESH_AXES, ConfigError, flat_k
 from jaxpar.config_keys import key_errors
 from jaxpar.kernels.cross_entropy import chunk_size
 from jaxpar.layout import Layout
-from jaxpar.model import ARCHS, ROPE_SCALINGS
+from jaxpar.model import ARCHS, ROPE_SCALINGS, block_weights, config_from, lora
 from jaxpar.parallel.pipeline.registry import errors as schedule_errors
 
 
@@ -41,6 +41,32 @@ def _check_float64(tr) -> list[str]:
         errs.append(f"train.{wide[0]}='float64' needs the other dtype float64 too (a float64 reference run).")
     if not jax.config.jax_enable_x64:
         errs.append("float64 needs JAX's 64-bit mode: set JAX_ENABLE_X64=1 (or run inside `jax.enable_x64(True)`).")
+    return errs
+
+
+def _check_lora(config) -> list[str]:
+    """LoRA's keys against each other and the model: targets it has, dropout where it can be keyed."""
+    lo = config.lora
+    if lo.rank == 0:
+        given = [k for k, off in (("targets", "auto"), ("adapter", ""), ("base_dtype", "")) if lo[k] != off]
+        return [f"lora.{given[0]}={lo[given[0]]!r} with lora.rank=0 (no adapters): set --config.lora.rank (e.g. 16) "
+                f"to train LoRA adapters, or drop lora.{given[0]}."] if given else []
+    if config.model.arch not in lora.NAMES:
+        return []
+    try:
+        weights = block_weights(config_from(config, 1, 1))
+    except Exception:  # noqa: BLE001 (a model shape the rules below refuse with their own message)
+        return []
+    errs = []
+    missing = lora.missing(config.model.arch, lo.targets, weights)
+    if missing:
+        errs.append(f"lora.targets={lo.targets!r}: {', '.join(missing)} names no weight of this "
+                    f"{config.model.arch} model; its names: {lora.known_names(config.model.arch)}.")
+    adapted = set(lora.candidates(config.model.arch, lo.targets)) & weights
+    if lo.dropout > 0 and any(p.startswith(lora.NOT_SUPPORTED_WITH_DROPOUT) for p in adapted):
+        errs.append(f"lora.dropout={lo.dropout} with adapters on the routed experts (lora.targets={lo.targets!r}): "
+                    f"their inputs are dispatched buffers, whose dropout jaxpar cannot key by sequence; set "
+                    f"lora.dropout=0 or leave the experts' projections out of lora.targets.")
     return errs
 
 
@@ -221,6 +247,7 @@ def validate(config, num_devices: int) -> Layout:
     errs += _check_kernels(config, t)
     errs += _check_float64(tr)
     errs += _check_loss_scale(config)
+    errs += _check_lora(config)
     if o.warmup_steps < 0 or o.decay_steps < o.warmup_steps:
         errs.append(f"optim.warmup_steps={o.warmup_steps}, optim.decay_steps={o.decay_steps}: need "
                     f"0 <= warmup_steps <= decay_steps.")

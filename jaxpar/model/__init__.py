@@ -103,7 +103,46 @@ def trainable(tree: dict, cfg: ModelConfig) -> dict:
     return split_trainable(tree, cfg)[0]
 
 
-merge_trainable = lora.merge  # the inverse of `split_trainable`
+merge_trainable = lora.merge  # the inverse of `split_trainable` (and of `split_adapters`)
+
+
+def split_adapters(tree: dict) -> tuple[dict, dict]:
+    """A params-shaped tree -> (its LoRA adapters, the rest: the model without them; all of it without LoRA)."""
+    return lora.split_trainable(tree, True)
+
+
+def block_weights(cfg: ModelConfig) -> set[str]:
+    """The block paths of the blocks' matmul weights ("wq", "moe.experts.w_gate"): what LoRA may adapt."""
+    plain = dataclasses.replace(cfg, lora_rank=0, lora_targets=())
+    _, layers = split_params(param_roles(plain))
+    out = set()
+
+    def walk(node, path):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(v, f"{path}{k}.")
+            elif v in ("weight", "expert"):
+                out.add(path + k)
+
+    walk(layers, "")
+    return out
+
+
+def adapter_specs(cfg: ModelConfig) -> dict:
+    """{block path of each weight with a LoRA adapter ("wq", "moe.experts.w_gate"): its matmul's einsum spec}."""
+    block = nnx.eval_shape(lambda: BLOCKS[cfg.arch](cfg, nnx.Rngs(params=0)))
+    return {".".join(str(p) for p in path[:-2] + path[-1:]): m.spec for path, m in nnx.iter_graph(block)
+            if isinstance(m, lora.LoRA)}
+
+
+def merge_adapters(params: dict, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
+    """(params with the LoRA adapters folded into their base weights, in float32 at least; the config of that plain
+    model): what an export of a LoRA run writes as a model (PEFT's `merge_and_unload`)."""
+    if cfg.lora_rank == 0:
+        return params, cfg
+    plain = dataclasses.replace(cfg, lora_rank=0, lora_targets=(), lora_dropout=0.0, base_dtype="",
+                                param_dtype=cfg.weight_dtype)
+    return lora.merged(params, adapter_specs(cfg), cfg.lora_scale), plain
 
 
 def model_flops_per_token(n_params: int, layers: int, embed: int, seq_len: int) -> float:

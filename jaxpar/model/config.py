@@ -58,7 +58,8 @@ class ModelConfig:
     # LoRA adapters (`jaxpar/model/lora.py`; config keys lora.*); lora_rank = 0: none
     lora_rank: int = 0
     lora_targets: tuple = ()  # the block paths of the adapted weights ("wq", "moe.experts.w_gate")
-    lora_scale: float = 1.0  # alpha / r (or alpha / sqrt(r))
+    lora_alpha: float = 16.0  # the adapters' output scale is alpha / r (alpha / sqrt(r) with rslora)
+    lora_rslora: bool = False
     lora_dropout: float = 0.0
     base_dtype: str = ""  # the base weights' dtype under LoRA ("": param_dtype)
 
@@ -71,6 +72,10 @@ class ModelConfig:
             object.__setattr__(self, "expert_mlp", self.mlp)
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.embed // self.heads)
+
+    @property
+    def lora_scale(self) -> float:
+        return lora.scale(self.lora_alpha, self.lora_rank, self.lora_rslora)
 
     @property
     def weight_dtype(self) -> str:
@@ -137,7 +142,7 @@ def lora_fields(config) -> dict:
     if lo.rank == 0:
         return {}
     return {"lora_rank": lo.rank, "lora_targets": lora.candidates(config.model.arch, lo.targets),
-            "lora_scale": lora.scale(lo.alpha, lo.rank, lo.rslora), "lora_dropout": lo.dropout,
+            "lora_alpha": float(lo.alpha), "lora_rslora": bool(lo.rslora), "lora_dropout": lo.dropout,
             "base_dtype": lo.base_dtype}
 
 

@@ -54,7 +54,10 @@ def candidates(arch: str, targets: str) -> tuple[str, ...]:
 
 
 def missing(arch: str, targets: str, weights) -> list[str]:
-    """The target names that name no weight of a model whose blocks hold `weights` (block paths)."""
+    """The target names that name no weight of a model whose blocks hold `weights` (block paths); `all-linear`
+    misses nothing (it names what the model has)."""
+    if targets.strip() == ALL:
+        return []
     return [t for t in asked(arch, targets) if not set(NAMES[arch].get(t, ())) & set(weights)]
 
 
@@ -113,7 +116,7 @@ class Adapters(nnx.Module):
         """`specs`: {weight name: its einsum spec} of the owner's weights; those whose block path (`prefix` + name)
         `cfg.lora_targets` names get an adapter, in sorted order (the keys they draw do not depend on the layout)."""
         for name in sorted(specs):
-            if prefix + name in cfg.lora_targets:
+            if prefix + name in cfg.lora_targets and hasattr(owner, name):
                 w = getattr(owner, name)
                 setattr(self, name, LoRA(rngs.params(), w.shape, w.get_metadata()[LOGICAL], specs[name],
                                          cfg.lora_rank, jnp.dtype(cfg.param_dtype), cfg.lora_scale))
@@ -121,7 +124,7 @@ class Adapters(nnx.Module):
 
 def attach(owner: nnx.Module, specs: dict, cfg, rngs: nnx.Rngs, prefix: str = "") -> None:
     """Give `owner` its `lora` adapters when `cfg.lora_rank` > 0 and a target names one of its weights."""
-    if cfg.lora_rank > 0 and any(prefix + n in cfg.lora_targets for n in specs):
+    if cfg.lora_rank > 0 and any(prefix + n in cfg.lora_targets and hasattr(owner, n) for n in specs):
         setattr(owner, KEY, Adapters(owner, specs, cfg, rngs, prefix))
 
 
@@ -174,3 +177,50 @@ def merge(trainable: dict, frozen: dict) -> dict:
 
 def trainable(tree: dict, lora: bool) -> dict:
     return split_trainable(tree, lora)[0]
+
+
+def adapted_paths(params: dict) -> set[str]:
+    """The block paths of the weights with adapters in a params-shaped tree ("wq", "moe.experts.w_gate")."""
+    out = set()
+
+    def walk(node, path):
+        for k, v in node.items():
+            if k == KEY:
+                out.update(path + name for name in v)
+            elif isinstance(v, dict):
+                walk(v, f"{path}{k}.")
+
+    walk(params.get("blocks", {}), "")
+    return out
+
+
+def adapter_key(path: str, x: str) -> str:
+    """Block path of a weight and "a" | "b" -> the adapter leaf's dotted key under `blocks` ("moe.experts.lora.
+    w_gate.a")."""
+    owner, _, name = path.rpartition(".")
+    return f"{owner + '.' if owner else ''}{KEY}.{name}.{x}"
+
+
+def delta(a, b, spec: str, lead: str = ""):
+    """The weight an adapter adds, `A B` in the base weight's axis order (`spec`: the base matmul's einsum; `lead`:
+    letters of leading axes A, B and the weight share, e.g. the stacked layers), unscaled, in A's dtype."""
+    _, w, _, batch, inputs, outputs, r = _axes(spec)
+    a_spec, b_spec = "".join(batch + inputs) + r, "".join(batch) + r + "".join(outputs)
+    return jnp.einsum(f"{lead}{a_spec},{lead}{b_spec}->{lead}{w}", a, b)
+
+
+def merged(params: dict, specs: dict, scale_: float) -> dict:
+    """`params` (one model's, per-layer leaves under `blocks` with a leading layers axis) with every adapter folded
+    into its base weight, W + scale · A B, computed in at least float32 and cast to W's dtype (PEFT's
+    `merge_and_unload`), and no adapters left. `specs`: {block path of an adapted weight: its einsum spec}."""
+    def fold(node, path):
+        out = {k: fold(v, f"{path}{k}.") if isinstance(v, dict) and k != KEY else v
+               for k, v in node.items() if k != KEY}
+        for name, ab in node.get(KEY, {}).items():
+            w = out[name]
+            f = jnp.promote_types(w.dtype, jnp.float32)
+            d = delta(ab["a"].astype(f), ab["b"].astype(f), specs[path + name], lead="Z")
+            out[name] = (w.astype(f) + scale_ * d).astype(w.dtype)
+        return out
+
+    return {k: fold(v, "") if k == "blocks" else v for k, v in params.items()}

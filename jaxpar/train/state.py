@@ -27,11 +27,16 @@ def init_state(cfg: gpt.ModelConfig, optimizer, seed: int, ls_cfg=loss_scale.Los
     steps with a non-finite loss or grads), first_nonfinite (int32, the first such step, or -1) and spikes (the
     loss-spike statistics, `jaxpar/train/spikes.py`, kept whether `train.skip_spikes` is on or not)."""
     key = jax.random.key(seed)
-    params = gpt.init_params(cfg, jax.random.fold_in(key, 0)) if params is None else params
+    params = fresh_params(cfg, seed) if params is None else params
     i32 = lambda v: jnp.full((), v, jnp.int32)
     return {"params": params, "opt_state": optimizer.init(gpt.trainable(params, cfg)), "step": i32(0),
             "rng": jax.random.key_data(jax.random.fold_in(key, 1)), "loss_scale": loss_scale.init(ls_cfg),
             "nonfinite": i32(0), "first_nonfinite": i32(-1), "spikes": spikes.init(spike_window)}
+
+
+def fresh_params(cfg: gpt.ModelConfig, seed: int) -> dict:
+    """The params a fresh state of `seed` holds (LoRA's adapters drawn as PEFT draws them, whatever the base)."""
+    return gpt.init_params(cfg, jax.random.fold_in(jax.random.key(seed), 0))
 
 
 HOST = "pinned_host"  # the memory kind offloaded state lives in between steps

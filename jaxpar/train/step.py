@@ -32,7 +32,7 @@ from jaxpar.dtypes import at_least_f32
 from jaxpar.parallel.logical import activation_rules
 from jaxpar.train.optim import OptimSettings, applied_updates, make_optimizer, schedule
 from jaxpar.layout import Layout
-from jaxpar.train.state import Shardings, init_state, on_device, shardings
+from jaxpar.train.state import Shardings, fresh_params, init_state, on_device, shardings
 from jaxpar.parallel.zero import DataParallel
 
 __all__ = ["build", "Steps", "StepSettings", "init_state", "model_config", "split_batch", "to_microbatches",
@@ -130,6 +130,7 @@ class Steps:
     from_canonical: callable  # the inverse
     layer_order: tuple  # position p of the layer axis in this layout holds canonical layer layer_order[p]
     init_with: callable  # (params in this layout's order, seed) -> a fresh state holding them (donates them)
+    init_adapters: callable  # (seed) -> the fresh params that train (LoRA: the adapters), in this layout's order
 
     def abstract_state(self):
         """The state as `jax.ShapeDtypeStruct`s carrying this layout's shardings (an Orbax restore target)."""
@@ -295,4 +296,6 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=dev(p, "params"),
                                                     spike_window=st.spike_window),
                           static_argnums=1, out_shardings=state_sh, donate_argnums=0),
+        init_adapters=jax.jit(lambda seed: stage_major(gpt.trainable(fresh_params(cfg, seed), cfg)), static_argnums=0,
+                              out_shardings=gpt.trainable(state_sh["params"], cfg)),
     )

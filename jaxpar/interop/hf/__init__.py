@@ -24,7 +24,7 @@ from jaxpar.data.chat import chat_files
 from jaxpar.interop.hf import files, keys
 from jaxpar.interop.hf.config import arch_of, hf_config, model_settings, moe_family, read_json
 from jaxpar.interop.hf.files import HFError
-from jaxpar.model import Forward, config_from, init_params, param_items, router_bias, unflatten
+from jaxpar.model import Forward, config_from, init_params, param_items, router_bias, split_adapters, unflatten
 from jaxpar.validate import validate
 
 PREFIX = "hf:"
@@ -181,7 +181,8 @@ def _trim() -> None:
 
 def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
     """DIR's weights as jaxpar's params tree (param dtype of `cfg`), each leaf placed with its `shardings` leaf and
-    the layer axis in `layer_order` (position -> canonical layer; default canonical). Checks first (`check`)."""
+    the layer axis in `layer_order` (position -> canonical layer; default canonical). Checks first (`check`). With
+    LoRA (`cfg.lora_rank`), the base model's params only (`model.split_trainable`'s frozen part)."""
     have = check(directory, cfg)
     order = list(range(cfg.layers)) if layer_order is None else list(layer_order)
     mapping = maps(cfg, have)
@@ -194,7 +195,8 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
             _trim()
     finally:
         reader.close()
-    for path, s in param_items(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))):
+    base = split_adapters(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))[1]
+    for path, s in param_items(base):  # (LoRA's adapters are not the checkpoint's: the caller adds them)
         if path not in flat:  # no HF tensor: the expert choice bias (Mixtral and Qwen3-MoE have none), zeros
             flat[path] = jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sh[path])()
     return unflatten(flat)
