@@ -163,7 +163,7 @@ KEYS = (
     K("model.sequence_parallel", False, bool, "Megatron sequence parallelism: the residual stream split on the "
       "sequence over `tensor`"),
     # lora
-    K("lora.rank", 0, int, "LoRA adapters' rank r; 0: off (full fine-tuning): [finetune](finetune.md#lora)",
+    K("lora.rank", 0, int, "LoRA adapters' rank r; 0: off (full fine-tuning): [finetune](finetune.md)",
       lambda v: v >= 0, "an integer >= 0 (0: no adapters)"),
     K("lora.alpha", 16.0, float, "LoRA's alpha: the adapters' output scaled by alpha / r (alpha / sqrt(r) with "
       "`rslora`)", lambda v: 0 < v < _INF, "a finite number > 0"),

@@ -39,7 +39,7 @@ from jaxpar.config import DTYPES, base_config
 from jaxpar.errors import ConfigError
 from jaxpar.data import load_tokenizer
 from jaxpar.interop.runs import load_run
-from jaxpar.model import merge_adapters, merge_trainable, split_adapters
+from jaxpar.model import LORA_FIELDS, merge_adapters, merge_trainable, split_adapters
 from jaxpar.model import (SHAPE_FIELDS, ZERO_COUNTS, Forward, ModelConfig, flatten, init_params,  # noqa: F401
                           param_items, unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
 from jaxpar.validate import check_model
@@ -87,7 +87,8 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False,
         raise ValueError(f"--format peft: {workdir} trained no LoRA adapters (lora.rank=0); use --format hf or jaxpar.")
     # a LoRA run's model is its base with the adapters folded in (float32), as PEFT's merge_and_unload
     params, cfg = merge_adapters(run.params, run.fwd.cfg) if fmt != "peft" else (run.params, run.fwd.cfg)
-    meta = {"format": {"jaxpar": FORMAT}.get(fmt, fmt), **dataclasses.asdict(cfg), "step": int(run.step),
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LORA_FIELDS}
+    meta = {"format": {"jaxpar": FORMAT}.get(fmt, fmt), **fields, "step": int(run.step),
             "tokenizer_kind": run.tokenizer.kind, "tokenizer_vocab_size": int(run.tokenizer.vocab_size)}
     if fmt == "hf":
         fill = lambda tmp: hf.save(jax.device_get(params), cfg, run.tokenizer, tmp, dtype or cfg.param_dtype,
@@ -158,6 +159,8 @@ def _gpt_config(meta: dict, where: str):
 
     kw = {}
     for f in dataclasses.fields(ModelConfig):
+        if f.name in LORA_FIELDS:  # (an export is a model without adapters)
+            continue
         if f.name not in meta:
             if f.default is dataclasses.MISSING:
                 raise ValueError(f"{where}: missing field {f.name!r}.")

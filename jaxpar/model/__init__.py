@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.model import lora, moe
-from jaxpar.model.config import (IDENTITY_FIELDS, MOE_FIELDS, ROPE_SCALINGS, SHAPE_FIELDS,  # noqa: F401
+from jaxpar.model.config import (IDENTITY_FIELDS, LORA_FIELDS, MOE_FIELDS, ROPE_SCALINGS, SHAPE_FIELDS,  # noqa: F401
                                  ZERO_COUNTS, ModelConfig, config_from, has_dropout, identity,
                                  identity_defaults)  # the spec's config, re-exported
 from jaxpar.kernels.cross_entropy import cross_entropy

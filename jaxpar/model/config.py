@@ -100,6 +100,8 @@ IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "
 MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "router", "router_norm_topk",
               "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every")
 SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
+# the adapters' fields: a LoRA run's state, never an export's model (exports fold the adapters in)
+LORA_FIELDS = ("lora_rank", "lora_targets", "lora_alpha", "lora_rslora", "lora_dropout", "base_dtype")
 ZERO_COUNTS = ("experts", "shared_experts", "first_dense_layers")  # counts of the spec that may be 0 (a dense model)
 
 
