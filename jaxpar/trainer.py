@@ -121,6 +121,10 @@ def dry_run(config, workdir: str) -> dict:
         with open(os.path.join(workdir, "train_step.hlo.txt"), "w") as f:  # the optimized HLO the report reads
             f.write(hlo)
         print(f"layout {rep['layout']}")
+        lay = rep["layout"]
+        if lay["trainable"] < lay["params"]:  # LoRA: the gradient buffer and AdamW's moments are the adapters'
+            print(f"trainable parameters {lay['trainable']:,} of {lay['params']:,} "
+                  f"({100 * lay['trainable'] / lay['params']:.2f} %: the LoRA adapters; the base is frozen)")
         print(report.format_table(rep))
         print(f"written to {os.path.join(workdir, 'compile_report.json')}")
     return rep

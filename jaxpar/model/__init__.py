@@ -215,14 +215,16 @@ def _layer_matmul(cfg: ModelConfig) -> float:
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """The model's parameter counts (abstract: nothing allocated), what the planner and reports read: "total";
     "layer" (one block, every tensor) and "layer_matmul" (its active matmul weights, averaged over the layers);
-    "shared" (outside the blocks: the tables, the final norm); "experts" (the routed experts' weights, all layers);
+    "shared" (outside the blocks: the tables, the final norm); "trainable" (all of them, or with LoRA the
+    adapters: what has gradients and optimizer state); "experts" (the routed experts' weights, all layers);
     "matmul" (N of `flops_per_token`: the active matmul parameters)."""
     shapes, roles = _sizes(cfg)
     size = lambda tree: sum(math.prod(a.shape) for a in jax.tree.leaves(tree))  # noqa: E731
     (shared, layers), (shared_roles, _) = split_params(shapes), split_params(roles)
     head = _count(shared, shared_roles, lambda r: r == "weight" or (r == "embedding" and cfg.tie_embeddings))
     layer_mm = _layer_matmul(cfg)
-    return {"total": size(shapes), "layer": size(layers) // cfg.layers, "layer_matmul": round(layer_mm),
+    return {"total": size(shapes), "trainable": size(trainable(shapes, cfg)), "layer": size(layers) // cfg.layers,
+            "layer_matmul": round(layer_mm),
             "shared": size(shared), "experts": _count(shapes, roles, lambda r: r == "expert"),
             "matmul": round(head + layer_mm * cfg.layers)}
 

@@ -73,6 +73,8 @@ class Model:
     capacity: int = 0  # slots per expert per sequence (`moe.capacity`)
     moe_layers: int = 0
     expert_params: int = 0  # the routed experts' weights, all layers
+    trained: float = 1.0  # the fraction of the parameters that trains (LoRA: the adapters'; no gradient, no AdamW)
+    base_bytes: int = 0  # bytes of a frozen parameter (LoRA's `lora.base_dtype`; 0: param_bytes)
 
     @classmethod
     def from_config(cls, config, vocab: int):
@@ -94,7 +96,8 @@ class Model:
                    fused_attention=kernel != "xla", global_batch=int(tr.global_batch_size),
                    layer_total=counts["layer"], layer_matmul=counts["layer_matmul"],
                    shared_other=counts["shared"] - tables, flops_per_token=gpt.flops_per_token(cfg),
-                   params=counts["total"])
+                   params=counts["total"], trained=counts["trainable"] / counts["total"],
+                   base_bytes=nbytes.get(cfg.weight_dtype, 2))
 
     def padded_vocab(self, t: int) -> int:
         return padded_vocab(self.vocab, t)
@@ -122,10 +125,10 @@ class Model:
         """Per-device bytes of the params, the float32 gradient buffer and AdamW's two moments (in the params' dtype,
         `train.param_dtype`) by ZeRO stage (the matmul weights: within 1 %), the routed experts' over `data`, the
         rest over data x expert."""
-        z = lay.zero_stage
+        z, f = lay.zero_stage, self.trained
         part = lambda nbytes, zmin: sum(P * nbytes / (d if z >= zmin else 1) for P, d in self.zero_groups(lay))  # noqa
-        return {"params": part(self.param_bytes, 3), "grad_buffer": part(4, 2),
-                "opt_state": part(2 * self.param_bytes, 1)}
+        weights = f * self.param_bytes + (1 - f) * (self.base_bytes or self.param_bytes)
+        return {"params": part(weights, 3), "grad_buffer": part(4 * f, 2), "opt_state": part(2 * self.param_bytes * f, 1)}
 
     def host_bytes(self, lay: Layout) -> float:
         """Per-device bytes in pinned host memory between steps (`optim.offload`: `train_state.OFFLOADED`)."""
@@ -240,7 +243,8 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
     critical, pp = (ideal, 0.0) if lay.stage == 1 else _pipeline(lay, cl, ly, Lc, head, r_full, r_core)
     dp = (_data_parallel(model, lay, cl, critical) if compiled is None
           else _overlap(compiled, lay, cl, critical, "compiled"))
-    opt = 28 * sum(p / (g if lay.zero_stage >= 1 else 1) for p, g in model.zero_groups(lay)) / cl.device.hbm_bw
+    opt = 28 * model.trained * sum(p / (g if lay.zero_stage >= 1 else 1) for p, g in model.zero_groups(lay)) \
+        / cl.device.hbm_bw
     off = offload_time(model, lay, cl)
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     flops = M * (Lc * ((3 + r_full) * ly.flops_fwd + r_core * ly.flops_core) + head_passes * ly.head_fwd * rate)
@@ -272,7 +276,7 @@ def _data_parallel(model: Model, lay: Layout, cl: Cluster, window: float) -> dic
 
 def _zero_ops(model: Model, lay: Layout, P: float) -> list:
     """(kind, bytes, executions) of the data-parallel / ZeRO collectives of P parameters per device."""
-    grads, params = 4 * P, model.param_bytes * P
+    grads, params = 4 * P * model.trained, model.param_bytes * P
     M, piped = lay.microbatches, lay.stage > 1
     ops = []  # a pipeline gathers / scatters a stage's whole params once per step
     if lay.zero_stage <= 1:
