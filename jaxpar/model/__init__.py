@@ -182,8 +182,11 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """Model FLOPs per trained token, PaLM's 6N + 12·L·d·T (`model_flops_per_token`), N = the parameters a token's
     matmuls use: every weight, the token table only as the tied LM head (as an input table it is a lookup, as
     TorchTitan counts), no norm, bias or position table, and of a MoE layer the router, the shared experts and k of
-    the routed experts (the active parameters)."""
-    return model_flops_per_token(param_counts(cfg)["matmul"], cfg.layers, cfg.heads * cfg.head_dim, cfg.seq_len)
+    the routed experts (the active parameters). With LoRA the frozen weights take no weight gradient: 4 FLOPs per
+    frozen weight and 6 per adapter parameter (as the compiled step runs them)."""
+    counts = param_counts(cfg)
+    full = model_flops_per_token(counts["matmul"], cfg.layers, cfg.heads * cfg.head_dim, cfg.seq_len)
+    return full - 2.0 * counts["matmul"] + 6.0 * counts["trainable"] if cfg.lora_rank else full
 
 
 def _sizes(cfg: ModelConfig):
