@@ -287,10 +287,12 @@ class Loop:
         self.profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
         self.console = monitor.Console(is_main, self.total, start, bool(config.log.progress))
         if is_main:
+            counts = gpt.param_counts(steps.cfg)
+            trained = (f" ({counts['trainable']:,} trainable: the LoRA adapters)"
+                       if counts["trainable"] < counts["total"] else "")
             self.console.print(
                 f"jaxpar: mesh {dict(steps.mesh.shape)} on {self.ndev} {devices[0].platform} devices, "
-                f"{sum(np.prod(v.shape) for v in jax.tree.leaves(abstract['params'])):,} params, "
-                f"start step {start}, workdir {workdir}")
+                f"{counts['total']:,} params{trained}, start step {start}, workdir {workdir}")
         # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
         batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
                  for k, (shape, dt) in data.batch_shapes(self.B, self.T, config.data.packing).items()}

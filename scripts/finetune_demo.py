@@ -5,6 +5,8 @@
                     tokenizer.json with ChatML's special tokens, tokenizer_config.json with a ChatML chat template
         DIR/train.jsonl, DIR/val.jsonl   instructions with checkable answers, as `messages`: "Reverse the word:
                     lamp" -> "pmal" (a system message in some), 3 to 6 random letters; held-out words in val.jsonl
+        DIR/sort_train.jsonl, DIR/sort_val.jsonl   the LoRA step's new skill, the same words: "Sort the letters:
+                    lamp" -> "almp"
     python scripts/finetune_demo.py score --model hf:DIR/base --data DIR/val.jsonl
     python scripts/finetune_demo.py score --model runs/finetune_demo --data DIR/val.jsonl
         the exact-match accuracy of the greedy replies (the chat template, the KV cache, the reply up to the
@@ -30,10 +32,17 @@ def words(n: int, seed: int) -> list[str]:
     return sorted(out)
 
 
-def conversation(word: str, system: bool) -> dict:
+# the tasks: the instruction, its answer; `reverse` trains the checkpoint (full fine-tuning), `sort` then teaches the
+# fine-tuned model a new skill with LoRA adapters
+TASKS = {"reverse": ("Reverse the word: {}", lambda w: w[::-1]),
+         "sort": ("Sort the letters: {}", lambda w: "".join(sorted(w)))}
+
+
+def conversation(word: str, system: bool, task: str = "reverse") -> dict:
     messages = [{"role": "system", "content": "Answer with the word only."}] if system else []
-    return {"messages": messages + [{"role": "user", "content": f"Reverse the word: {word}"},
-                                    {"role": "assistant", "content": word[::-1]}]}
+    ask, answer = TASKS[task]
+    return {"messages": messages + [{"role": "user", "content": ask.format(word)},
+                                    {"role": "assistant", "content": answer(word)}]}
 
 
 def make(out: str, n_train: int, n_val: int) -> None:
@@ -45,10 +54,11 @@ def make(out: str, n_train: int, n_val: int) -> None:
     pool = words(n_train + n_val, seed=0)
     random.Random(1).shuffle(pool)
     os.makedirs(out, exist_ok=True)
-    for name, ws in (("train", pool[:n_train]), ("val", pool[n_train:])):
-        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
-            for k, w in enumerate(ws):
-                f.write(json.dumps(conversation(w, system=k % 4 == 0)) + "\n")
+    for task in TASKS:
+        for name, ws in (("train", pool[:n_train]), ("val", pool[n_train:])):
+            with open(os.path.join(out, f"{name}.jsonl" if task == "reverse" else f"{task}_{name}.jsonl"), "w") as f:
+                for k, w in enumerate(ws):
+                    f.write(json.dumps(conversation(w, system=k % 4 == 0, task=task)) + "\n")
     base = os.path.join(out, "base")
     tok = BPETokenizer.train(["Reverse the word"], 257 + len(SPECIAL), SPECIAL)  # bytes and the specials, no merge
     tok.save(base)

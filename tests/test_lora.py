@@ -122,6 +122,16 @@ def test_after_training_the_peft_and_merged_exports_give_jaxpars_logits(checkpoi
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     close(hf_logits(merged, TOKENS), ours)
     assert not any("lora" in k for k in merged.state_dict())
+    # the checkpoint (base, adapters, their AdamW state) resumes onto another layout
+    more = {**over, "mesh.data": 8, "mesh.tensor": 1, "mesh.stage": 1, "pipeline.schedule": "gpipe",
+            "train.steps": 4, "train.microbatches": 1}
+    trainer.run(run_config(corpus, tmp_path, **more), str(wd))
+    resumed = runs.load_run(str(wd))
+    assert resumed.step == 4 and not np.array_equal(jax.tree.leaves(gpt.split_adapters(resumed.params)[0])[0],
+                                                    jax.tree.leaves(adapters)[0])
+    for a, b in zip(jax.tree.leaves(gpt.split_adapters(jax.device_get(resumed.params))[1]),
+                    jax.tree.leaves(original)):
+        assert np.array_equal(a, b)
 
 
 def lora_pipe(**over):
