@@ -203,3 +203,27 @@ def test_bad_lora_input_is_refused_before_anything_is_written(checkpoints, corpu
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     refused(c(**{"lora.adapter": str(dora)}), tmp_path / "d", r"use_dora=True is not supported")
+
+
+MORE_LAYOUTS = {"context_2x4": {"mesh.data": 2, "mesh.context": 4},
+                "sp_dropout_offload_4x2": {"mesh.data": 4, "mesh.tensor": 2, "model.sequence_parallel": True,
+                                           "lora.dropout": 0.1, "optim.offload": "optimizer", "optim.zero_stage": 1}}
+
+
+@pytest.mark.parametrize("name", list(MORE_LAYOUTS))
+def test_lora_under_context_sequence_parallel_dropout_and_offload_equals_one_device(name):
+    c = tiny_config(**{"model.arch": "llama", "model.kv_heads": 4, **MORE_LAYOUTS[name]})
+    c.lora.update(rank=4, alpha=8.0, targets="all-linear", dropout=c.lora.dropout)
+    assert_equals_one_device(c, VOCAB, BATCHES)
+
+
+def test_a_bf16_base_halves_the_frozen_weights_and_keeps_the_adapters_float32():
+    over = {"model.arch": "llama", "model.kv_heads": 4, "mesh.data": 1, "lora.rank": 2}
+    reps = {dt: report_for(tiny_config(**over, **{"lora.base_dtype": dt}), VOCAB, jax.devices()[:1])
+            for dt in ("", "bfloat16")}
+    s = steps_for(tiny_config(**over, **{"lora.base_dtype": "bfloat16"}), VOCAB, jax.devices()[:1])
+    adapters, base = gpt.split_adapters(s.abstract_state()["params"])
+    assert {a.dtype for a in jax.tree.leaves(adapters)} == {np.dtype("float32")}
+    assert {a.dtype for a in jax.tree.leaves(base)} == {np.dtype(jax.numpy.bfloat16)}
+    base_bytes = sum(a.size for a in jax.tree.leaves(base)) * 2
+    assert reps[""]["state_bytes"]["params"] - reps["bfloat16"]["state_bytes"]["params"] == base_bytes
