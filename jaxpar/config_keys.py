@@ -179,7 +179,20 @@ KEYS = (
     K("lora.base_dtype", "", str, "the frozen base weights' dtype (`bfloat16` halves their memory); `\"\"`: "
       "`train.param_dtype`. The adapters and their AdamW moments keep `train.param_dtype`",
       choices=("",) + DTYPES),
+    # dpo
+    K("dpo.beta", 0.1, float, "DPO's beta: the implicit reward is beta x (log pi - log pi_ref) of a response; the "
+      "strength of the pull to the reference model: [finetune](finetune.md#dpo)", lambda v: 0 < v < _INF,
+      "a finite number > 0"),
+    K("dpo.loss", "sigmoid", str, "`sigmoid` (DPO: -log sigmoid of the reward margin) or `ipo` ((margin / beta - "
+      "1 / (2 beta))^2)", choices=("sigmoid", "ipo")),
+    K("dpo.label_smoothing", 0.0, float, "conservative DPO: the probability that a pair's preference is flipped "
+      "(sigmoid loss only)", lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
+    K("dpo.precompute_reference", False, bool, "compute the reference model's log-probs of every pair once, before "
+      "training, and keep them with the prepared data (TRL's `precompute_ref_log_probs`): no reference weights "
+      "during training"),
     # train
+    K("train.objective", "lm", str, "`lm` (next-token cross-entropy over the loss mask) or `dpo` (direct preference "
+      "optimization on preference pairs, the reference model the initial weights)", choices=("lm", "dpo")),
     K("train.steps", 1000, int, "optimizer steps to run to", lambda v: v >= 1, "an integer >= 1"),
     K("train.global_batch_size", 32, int, "sequences per optimizer step (= micro batch × microbatches × data)",
       lambda v: v >= 1, "an integer >= 1"),

@@ -143,7 +143,8 @@ def run(config, workdir: str, devices=None) -> dict:
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
     vocab = data.model_vocab(config, info.vocab_size)
     train_data, val_data = (data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=config.data.packing,
-                                         truncate=config.data.truncate) for split in ("train", "val"))
+                                         truncate=config.data.truncate, pairs=config.train.objective == "dpo")
+                              for split in ("train", "val"))
     say_packing(train_data, val_data)
     steps = steps_for(config, vocab, devices, layout)
     fp = fingerprint(config, info, steps)
@@ -296,7 +297,7 @@ class Loop:
         # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
         batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
                  for k, (shape, dt) in data.batch_shapes(self.B, self.T, config.data.packing).items()}
-        self.eval_step = steps.evaluate.lower(abstract["params"], batch).compile()
+        self.eval_step = steps.evaluate.lower(abstract["params"], batch, abstract.get("reference")).compile()
         # read ahead while the devices run
         self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch), self.total)
 
@@ -306,21 +307,23 @@ class Loop:
     def to_global(self, rows: dict) -> dict:
         return {k: data.to_global(v, self.steps.batch_sharding, self.B) for k, v in rows.items()}
 
-    def evaluate(self, params) -> float:
-        """The mean loss over the weighted tokens of the `eval.batches` validation batches.
+    def evaluate(self, state) -> dict:
+        """{"val_loss": the mean loss over the weighted tokens (DPO: the pairs) of the `eval.batches` validation
+        batches, and the objective's metrics over them, `val_` before their names}.
 
         Raises:
           DataError: those batches hold no weighted token (a mean over nothing is no loss).
         """
         tot, n = 0.0, 0.0
         for i in range(int(self.config.eval.batches)):
-            s, c = self.eval_step(params, self.batch_at(self.val_data.val_batch, i))
-            tot, n = tot + float(s), n + float(c)
-        if n <= 0:
+            s, c = self.eval_step(state["params"], self.batch_at(self.val_data.val_batch, i), state.get("reference"))
+            tot, n = tot + float(s), n + np.asarray(c, np.float64)
+        if np.ravel(n)[0] <= 0:
             raise data.DataError(f"the {int(self.config.eval.batches)} validation batches (eval.batches) hold no "
                                  f"token the loss counts: give more validation data (data.val_fraction) or more "
                                  f"batches, or check the data's loss masks.")
-        return tot / n
+        metrics = self.steps.objective.metrics(n, np.ravel(n)[0]) if np.ndim(n) else {}
+        return {"val_loss": tot / np.ravel(n)[0]} | {f"val_{k}": float(v) for k, v in metrics.items()}
 
     def run(self, state, start: int) -> dict:
         self.spikes_said = int(jax.device_get(state["spikes"]["skipped"]))
@@ -403,7 +406,7 @@ class Loop:
         m.update(throughput.device_memory_bytes() or {})
         if eval_now:
             watchdog.phase("evaluation")
-            m["val_loss"] = self.evaluate(state["params"])
+            m.update(self.evaluate(state))
         self.writer.write(done, m)
         self.console.update(done, m)
         return dict(m, step=done)

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.data.common import DataError
+from jaxpar.data.tokens import REJECTED
 
 ROLES = ("system", "user", "assistant")
 LOSS_ON = ("auto", "assistant", "completion", "all")
@@ -241,8 +242,11 @@ class TemplateFailure(Exception):
 
 
 def record_kind(obj) -> str | None:
-    """`messages`, `prompt` (prompt + completion) or None (text, or nothing) for a record (a field set to null, as a
-    Parquet row of another kind has it, is absent)."""
+    """`messages`, `prompt` (prompt + completion), `preference` (a prompt, `chosen` and `rejected`: TRL's preference
+    records) or None (text, or nothing) for a record (a field set to null, as a Parquet row of another kind has it,
+    is absent)."""
+    if isinstance(obj, dict) and (obj.get("chosen") is not None or obj.get("rejected") is not None):
+        return "preference"
     if isinstance(obj, dict) and obj.get("messages") is not None:
         return "messages"
     if isinstance(obj, dict) and obj.get("prompt") is not None:
@@ -274,6 +278,8 @@ def example(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[np.
       DataError: a malformed record, a loss_on its kind has no tokens for, a template that fails (naming `where`).
     """
     kind = record_kind(obj)
+    if kind == "preference":
+        return preference(obj, where, chat, loss_on)
     loss_on = {"messages": "assistant", "prompt": "completion"}[kind] if loss_on == "auto" else loss_on
     if chat is None:
         raise DataError(f"{where}: a {kind} record needs a chat tokenizer; give data.tokenizer a Hugging Face "
@@ -298,3 +304,18 @@ def example(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[np.
         raise DataError(f"{where}: `prompt` and `completion` must both be strings or both lists of messages.")
     except TemplateFailure as e:
         raise DataError(f"{where}: {e}; fix the record or the template (data.chat_template).") from None
+
+
+def preference(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[np.ndarray, np.ndarray]:
+    """A preference record (`prompt`, `chosen`, `rejected`: strings, or lists of messages, TRL's conversational form)
+    -> one document: the prompt with the chosen reply, then the prompt with the rejected one, each rendered as a
+    prompt/completion record; the rejected sequence's mask values carry `tokens.REJECTED`."""
+    for field in ("chosen", "rejected"):
+        if obj.get(field) is None:
+            raise DataError(f"{where}: a preference record needs `chosen` and `rejected`; `{field}` is missing.")
+    if obj.get("prompt") is None:
+        raise DataError(f"{where}: a preference record needs its `prompt` (TRL's explicit-prompt form: `prompt`, "
+                        f"`chosen`, `rejected`).")
+    c, r = (example({"prompt": obj["prompt"], "completion": obj[f]}, where, chat, loss_on)
+            for f in ("chosen", "rejected"))
+    return np.concatenate([c[0], r[0]]), np.concatenate([c[1], r[1] | REJECTED]).astype(np.uint8)

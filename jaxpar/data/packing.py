@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxpar.data.common import DataError
-from jaxpar.data.tokens import Split
+from jaxpar.data.tokens import REJECTED, Split
 
 
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -66,18 +66,22 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
 class Packed:
     """The rows of one source's split, packed (see the module docstring): `num_samples` rows, `rows(indices)`."""
 
-    def __init__(self, split: Split, length: int, truncate: str, name: str):
+    def __init__(self, split: Split, length: int, truncate: str, name: str, pairs: bool = False):
         stream = split.stream
         bounds = stream.doc_bounds
         first, last = np.searchsorted(bounds, [split.start, split.stop])
         starts, ends = bounds[first:last], bounds[first + 1:last + 1]
         sizes = ends - starts
+        self.pairs = _check_pairs(stream, starts, ends, pairs, name)
+        self.cuts = {}  # pairs mode: document -> (chosen kept, rejected's start, rejected kept) for the cut ones
         long = sizes > length
         self.truncated = int(long.sum()) if truncate == "right" else 0
         self.skipped = int(long.sum()) if truncate == "skip" else 0
         keep = ~long if truncate == "skip" else np.ones(sizes.size, bool)
         self.stream, self.length, self.name = stream, int(length), name
         self.starts, self.sizes = starts[keep], np.minimum(sizes[keep], length)
+        if self.pairs:
+            self._cut_pairs(np.flatnonzero(self.sizes < (ends - starts)[keep]), (ends - starts)[keep])
         if self.sizes.size == 0:
             raise DataError(f"source {name}: no sequence is left in its split after data.truncate={truncate!r} "
                             f"({int(long.sum())} of {sizes.size} are longer than model.seq_len + 1 = {length}); "
@@ -95,9 +99,57 @@ class Packed:
         for r, b in enumerate(np.asarray(indices, np.int64).tolist()):
             at = 0
             for seg, d in enumerate(self.bins[b]):
-                start, size = int(self.starts[d]), int(self.sizes[d])
-                tokens[r, at:at + size] = self.stream.read(start, start + size)
-                mask[r, at:at + size] = self.stream.read(start, start + size, masks=True)
-                segments[r, at:at + size] = seg
-                at += size
+                for k, (start, size) in enumerate(self._pieces(d)):
+                    tokens[r, at:at + size] = self.stream.read(start, start + size)
+                    mask[r, at:at + size] = self.stream.read(start, start + size, masks=True) & 1
+                    segments[r, at:at + size] = 2 * seg + k if self.pairs else seg
+                    at += size
         return {"tokens": tokens, "segments": segments, "mask": mask}
+
+    # ---- preference pairs: a pair is one document (chosen, then rejected), two segments in its row ----------------
+    def _pieces(self, d: int) -> list[tuple[int, int]]:
+        """(start, size) in the stream of document d's sequences: itself, or a pair's chosen and rejected."""
+        start, size = int(self.starts[d]), int(self.sizes[d])
+        if not self.pairs:
+            return [(start, size)]
+        if d in self.cuts:
+            c, r0, r = self.cuts[d]
+            return [(start, c), (start + r0, r)]
+        split = int(np.argmax(self.stream.read(start, start + size, masks=True) & REJECTED))
+        return [(start, split), (start + split, size - split)]
+
+    def _cut_pairs(self, long, full_sizes) -> None:
+        """data.truncate=right on a pair longer than a row: the chosen and the rejected sequence each cut at the
+        right, the longer first, until the two fit (each keeps at least half the row when it is that long).
+
+        Raises:
+          DataError: a cut pair left with no response token in its chosen or its rejected sequence."""
+        empty = []
+        for d in long.tolist():
+            start = int(self.starts[d])
+            m = self.stream.read(start, start + int(full_sizes[d]), masks=True)
+            split = int(np.argmax(m & REJECTED))
+            c, r = split, m.size - split
+            c_keep = min(c, max(self.length // 2, self.length - r))
+            r_keep = min(r, self.length - c_keep)
+            self.cuts[d] = (c_keep, split, r_keep)
+            if not ((m[:c_keep] & 1).any() and (m[split:split + r_keep] & 1).any()):
+                empty.append(d)
+        if empty:
+            raise DataError(f"source {self.name}: {len(empty)} preference pairs have no response token left in "
+                            f"their chosen or rejected sequence after cutting them to model.seq_len + 1 = "
+                            f"{self.length} tokens; raise model.seq_len or set data.truncate='skip' (leaves them out).")
+
+
+def _check_pairs(stream, starts, ends, pairs: bool, name: str) -> bool:
+    """Whether the source's documents are preference pairs, checked against what the objective needs (`pairs`) on
+    its first document."""
+    first = stream.masks is not None and len(starts) and \
+        bool((stream.read(int(starts[0]), int(ends[0]), masks=True) & REJECTED).any())
+    if pairs and not first:
+        raise DataError(f"source {name} holds no preference pairs (records with `prompt`, `chosen` and `rejected`); "
+                        f"train.objective='dpo' trains on those only.")
+    if first and not pairs:
+        raise DataError(f"source {name} holds preference pairs (`chosen`, `rejected`); train on them with "
+                        f"--config.train.objective=dpo.")
+    return pairs

@@ -250,6 +250,9 @@ def build_entry(root: Path, source: src.Source, units, tok_dir: str, settings: d
         if stats.get("no_loss"):
             say(f"prepare {source.name}: {stats['no_loss']:,} records have no token in the loss (data.loss_on="
                 f"{settings.get('loss_on')!r}): they train nothing")
+        if stats.get("identical"):
+            say(f"prepare {source.name}: {stats['identical']:,} preference records have `chosen` identical to "
+                f"`rejected`: their DPO gradient is zero")
         counts = [megatron.counts(out / n) for n in names]  # from the headers: no index held in memory
         write_json(out / "meta.json", {
             "format": FORMAT_VERSION, "source": f"{source.kind}:{source.path}", "shards": names,
@@ -316,7 +319,7 @@ def _init_worker():
 def _run(todo, workers: int, label: str, say) -> dict:
     """Run `encode_unit` over `todo` (in-process when workers == 1, else a spawned pool), printing progress."""
     total_bytes = sum(src.unit_bytes(j[0]) for j in todo)
-    t0, last, acc = time.perf_counter(), 0.0, {"docs": 0, "tokens": 0, "bytes": 0, "no_loss": 0}
+    t0, last, acc = time.perf_counter(), 0.0, {"docs": 0, "tokens": 0, "bytes": 0, "no_loss": 0, "identical": 0}
     if workers > 1 and len(todo) > 1:
         import multiprocessing
 

@@ -33,7 +33,7 @@ def encode_records(unit, prefix: str, tok, settings: dict) -> dict:
     (`chat.example`; a `text` record is its tokens and the end-of-text token, every token in the loss)."""
     c = settings["chat"]
     fmt = chat.ChatFormat(tok.hf, c["template"], c["where"], c["special"])
-    docs = tokens = no_loss = 0
+    docs = tokens = no_loss = identical = 0
     with megatron.Writer(prefix, megatron.best_dtype(tok.vocab_size)) as w, \
             megatron.Writer(prefix + MASK, np.uint8) as wm:
         for obj, where in src.records(unit):
@@ -43,7 +43,9 @@ def encode_records(unit, prefix: str, tok, settings: dict) -> dict:
             w.end_document()
             wm.end_document()
             docs, tokens, no_loss = docs + 1, tokens + ids.size, no_loss + (not mask.any())
-    return {"docs": docs, "tokens": tokens, "bytes": src.unit_bytes(unit), "no_loss": no_loss}
+            identical += chat.record_kind(obj) == "preference" and obj["chosen"] == obj["rejected"]
+    return {"docs": docs, "tokens": tokens, "bytes": src.unit_bytes(unit), "no_loss": no_loss,
+            "identical": identical}
 
 
 def _record_tokens(obj, where: str, fmt, tok, settings: dict):

@@ -13,6 +13,7 @@ from jaxpar.data.megatron import IndexedDataset
 
 _MAX_CHUNK = 1 << 24  # elements per step of the chunked max over a token file
 MASK = "-mask"  # PREFIX-mask.bin/.idx beside a shard: one uint8 loss-mask value per token, the same documents
+REJECTED = 2  # a preference pair's document is its chosen sequence, then its rejected one: this mask bit marks the latter
 
 
 class TokenStream:

@@ -96,3 +96,27 @@ def cross_entropy(h, w, targets, mask, vocab_real: int, chunk: int):
     weights) -> (loss_sum, token_count) float32 scalars. `chunk`: positions per chunk (`chunk_size`)."""
     c = chunk_size(h.shape[1], chunk)
     return _loss(h, w, targets, mask.astype(at_least_f32(h.dtype)), vocab_real, c), mask.sum()
+
+
+def token_log_probs(h, w, targets, vocab_real: int, chunk: int):
+    """Each position's log-probability of its target: h `[batch, seq, embed]`, w `[embed, vocab]`, targets
+    `[batch, seq]` int32 -> `[batch, seq]` (at least float32), by chunks of `chunk` positions. Plain autodiff: the
+    backward recomputes each chunk's logits (`jax.checkpoint`), so the float32 logits are never whole either (what
+    a sequence-level objective, DPO, differentiates through)."""
+    c = chunk_size(h.shape[1], chunk)
+    f = at_least_f32(h.dtype)
+
+    @jax.checkpoint
+    def one(hc, yc):
+        z = jnp.einsum("btd,dv->btv", hc, w.astype(h.dtype), preferred_element_type=f)
+        z = constrain(z, ("batch", "seq", "vocab"))
+        ids = jnp.arange(z.shape[-1])
+        if vocab_real < z.shape[-1]:
+            z = jnp.where(ids < vocab_real, z, -jnp.inf)
+        return jnp.where(ids == yc[..., None], z, 0.0).sum(-1) - jax.nn.logsumexp(z, axis=-1)
+
+    n = h.shape[1] // c
+    if n == 1:
+        return one(h, targets)
+    out = jax.lax.map(lambda a: one(*a), (_chunks(h, n), _chunks(targets, n)))  # [n, batch, c]
+    return jnp.moveaxis(out, 0, 1).reshape(targets.shape)

@@ -29,7 +29,7 @@ from jaxpar.model import lora, moe
 from jaxpar.model.config import (IDENTITY_FIELDS, LORA_FIELDS, MOE_FIELDS, ROPE_SCALINGS, SHAPE_FIELDS,  # noqa: F401
                                  ZERO_COUNTS, ModelConfig, config_from, has_dropout, identity,
                                  identity_defaults)  # the spec's config, re-exported
-from jaxpar.kernels.cross_entropy import cross_entropy
+from jaxpar.kernels.cross_entropy import cross_entropy, token_log_probs
 from jaxpar.parallel.logical import constrain
 from jaxpar.model.layers import (BLOCKS, LOGICAL, NORMS, ROLE, KVCache, at_least_f32, dropout, lookup, param,  # noqa: F401
                        segment_positions)  # re-exported
@@ -372,6 +372,15 @@ class Forward:
         w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
         return cross_entropy(h, w, targets, mask, cfg.vocab_real, cfg.loss_chunk)
 
+    @jax.named_scope("head")
+    def token_logps(self, params, x, targets):
+        """Each position's log-probability of its target under the model: x `[batch, seq, embed]` (the last layer's
+        output), targets `[batch, seq]` int32 -> `[batch, seq]` float32 (`kernels.cross_entropy.token_log_probs`)."""
+        cfg = self.cfg
+        h = constrain(nnx.merge(self.norm_def, params["ln_f"])(x), ("batch", "seq", "embed"))
+        w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
+        return token_log_probs(h, w, targets, cfg.vocab_real, cfg.loss_chunk)
+
     def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None,
              positions=None):
         """The whole model on one (micro)batch: (loss_sum, token_count). `prepare`, `segments`, `positions`: as in
@@ -379,12 +388,14 @@ class Forward:
         return self.loss_and_stats(params, tokens, targets, mask, rng, seq_ids, prepare, segments, positions)[:2]
 
     def loss_and_stats(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None,
-                       positions=None):
-        """`loss`, and the MoE layers' stats (`layers_and_stats`)."""
+                       positions=None, head=None):
+        """`loss`, and the MoE layers' stats (`layers_and_stats`). `head(params, x) -> (loss_sum, count)` replaces
+        the next-token loss (a training objective's own: `jaxpar/train/objective.py`)."""
         x = self.embed(params, tokens, rng, seq_ids, segments=segments, positions=positions)
         x, stats = self.layers_and_stats(params[_LAYERS], x, rng, seq_ids, prepare=prepare, segments=segments,
                                          positions=positions)
-        return (*self.head_loss(params, x, targets, mask), stats)
+        out = self.head_loss(params, x, targets, mask) if head is None else head(params, x)
+        return (*out, stats)
 
     def init_cache(self, batch: int, length: int | None = None) -> KVCache:
         """An empty KV cache for `batch` sequences of up to `length` tokens (default max_positions), every layer

@@ -4,8 +4,10 @@ Each takes the microbatched inputs `xs` (leaves `[M, batch / M, ...]`: x, y int3
 ids int32 global row index, optional seg int32 `[.., seq]` document segments) and offers
 
     loss_and_grads(params, xs, norm, rng, reg_norm) -> (loss_sum, grads of norm · loss_sum + reg_norm · the MoE
-        regularisers, MoE stats summed over the batch or None)                      (at least float32)
-    loss(params, xs) -> (loss_sum, token_count)                                    (evaluation: no dropout)
+        regularisers, MoE stats summed over the batch or None, the objective's count)   (at least float32)
+    loss(params, xs, objective=None) -> (loss_sum, count)              (evaluation, a reference pass: no dropout)
+
+The loss is the training objective's (`jaxpar/train/objective.py`), computed where the head runs.
 
 - `Accumulate` (no pipeline): a scan over the microbatches on each data shard; ZeRO's reductions by hand
   (`zero.DataParallel`).
@@ -39,8 +41,8 @@ class Accumulate:
 
     ZeRO-3 gathers each layer's params inside the layer scan and the shared ones once per microbatch."""
 
-    def __init__(self, fwd: gpt.Forward, dp, rules, mesh, fetch: bool = False):
-        self.fwd, self.dp, self.rules, self.mesh = fwd, dp, rules, mesh
+    def __init__(self, fwd: gpt.Forward, objective, dp, rules, mesh, fetch: bool = False):
+        self.fwd, self.objective, self.dp, self.rules, self.mesh = fwd, objective, dp, rules, mesh
         self.gather_layer = dp.layer_gather(lambda tree: gpt.split_params(tree)[1])
         # optim.offload=params: the params arrive in host memory; each layer's are brought to the device inside the
         # layer scan, the rest once per microbatch, and the gradients (host-typed, as their params) come back
@@ -49,7 +51,7 @@ class Accumulate:
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         extras = {"norm": norm, "reg_norm": reg_norm, "rng": None if rng is None else jax.random.key_data(rng)}
         sums, grads = self.dp.run(self._per_shard, params, xs, extras)
-        return sums["loss"], grads, sums["moe"]
+        return sums["loss"], grads, sums["moe"], sums["count"]
 
     def _per_shard(self, params, xs, ex):
         """On one batch shard: grads of sum(loss) · norm + the MoE regularisers · reg_norm over M microbatches,
@@ -66,10 +68,12 @@ class Accumulate:
         def grad_mb(mb):
             def f(t):  # differentiated with respect to what trains only (LoRA: no gradient of the base at all)
                 p = gpt.merge_trainable(t, frozen)
-                s, _, st = fwd.loss_and_stats(shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
+                s, n, st = fwd.loss_and_stats(shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
                                               prepare=lambda lp: self.gather_layer(self.fetch(lp)),
-                                              segments=mb.get("seg"), positions=mb.get("pos"))
-                return s * ex["norm"] + moe.regulariser(st, fwd.cfg) * ex["reg_norm"], {"loss": s, "moe": st}
+                                              segments=mb.get("seg"), positions=mb.get("pos"),
+                                              head=lambda hp, x: self.objective.head(fwd, hp, x, mb))
+                return s * ex["norm"] + moe.regulariser(st, fwd.cfg) * ex["reg_norm"], {"loss": s, "moe": st,
+                                                                                        "count": n}
 
             g, sums = jax.grad(f, has_aux=True)(trained)
             return dp.reduce_microbatch(jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), self.fetch(g))), sums
@@ -84,22 +88,27 @@ class Accumulate:
             (grads, sums), _ = jax.lax.scan(body, jax.tree.map(zeros, shapes), xs)
         return sums, grads
 
-    def loss(self, params, xs):
+    def loss(self, params, xs, objective=None):
+        objective = objective or self.objective
         if CONTEXT not in self.dp.manual:
-            return self._loss(params, xs)
+            return self._loss(params, xs, objective)
         # context parallel: each device runs its piece of every sequence, under the same manual region as training
         with activation_rules(self.rules, None, manual=self.dp.manual):
-            return self.dp.run_forward(lambda p, x: self._loss(p, x, self.dp.gather_shared, self.gather_layer),
-                                       params, xs)
+            return self.dp.run_forward(
+                lambda p, x: self._loss(p, x, objective, self.dp.gather_shared, self.gather_layer), params, xs)
 
-    def _loss(self, params, xs, gather=lambda p: p, prepare=None):
+    def _loss(self, params, xs, objective, gather=lambda p: p, prepare=None):
+        def one(mb):
+            return self.fwd.loss_and_stats(gather(params), mb["x"], mb["y"], mb["w"], prepare=prepare,
+                                           segments=mb.get("seg"), positions=mb.get("pos"),
+                                           head=lambda hp, x: objective.head(self.fwd, hp, x, mb))[:2]
+
         def body(acc, mb):
-            s, n = self.fwd.loss(gather(params), mb["x"], mb["y"], mb["w"], prepare=prepare, segments=mb.get("seg"),
-                                 positions=mb.get("pos"))
-            return (acc[0] + s, acc[1] + n), None
+            return jax.tree.map(jnp.add, acc, one(mb)), None
 
-        (s, n), _ = jax.lax.scan(body, vary((jnp.zeros(()), jnp.zeros(()))), xs)
-        return s, n
+        shapes = jax.eval_shape(one, jax.tree.map(lambda a: a[0], xs))
+        zeros = vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
+        return jax.lax.scan(body, zeros, xs)[0]
 
 
 class PipelineAutodiff:
@@ -110,8 +119,9 @@ class PipelineAutodiff:
     gathers the stage's params once, before the loop; ZeRO-2 scatters after it): a `data` collective that the
     compiler would place inside a stage's `cond` is one the devices of other stages never join."""
 
-    def __init__(self, fwd: gpt.Forward, forward_table, mesh, rules, unsharded, remat: bool, skip_bubbles: bool):
-        self.fwd, self.forward_table, self.mesh, self.rules = fwd, forward_table, mesh, rules
+    def __init__(self, fwd: gpt.Forward, objective, forward_table, mesh, rules, unsharded, remat: bool,
+                 skip_bubbles: bool):
+        self.fwd, self.objective, self.forward_table, self.mesh, self.rules = fwd, objective, forward_table, mesh, rules
         self.unsharded, self.remat, self.skip_bubbles = unsharded, remat, skip_bubbles
         # manual with `stage`: the params' replica axes (`data` always; `expert`, `context` with > 1 device)
         self.batch_axes = ("data",) + tuple(a for a in replica_axes(mesh) if a != "data")
@@ -128,19 +138,20 @@ class PipelineAutodiff:
         grads = jax.tree.map(lambda a: a.astype(at_least_f32(a.dtype)), grads)
         return jax.lax.with_sharding_constraint(grads, gpt.trainable(self.unsharded, self.fwd.cfg))
 
-    def _ends(self, params, rng):
+    def _ends(self, params, rng, objective=None):
         """(shared params, layer params, the pipeline's first and last functions over one microbatch)."""
         shared, layers = gpt.split_params(params)
+        objective = objective or self.objective
         first = lambda sh, mb: self.fwd.embed(sh, mb["x"], rng, mb["ids"], segments=mb.get("seg"),  # noqa: E731
                                               positions=mb.get("pos"))
-        last = lambda sh, a, mb: self.fwd.head_loss(sh, a, mb["y"], mb["w"])
+        last = lambda sh, a, mb: objective.head(self.fwd, sh, a, mb)  # noqa: E731
         return shared, layers, first, last
 
-    def _forward(self, params, xs, rng):
+    def _forward(self, params, xs, rng, objective=None):
         """(loss_sum, count, per-microbatch sums) of all microbatches through the forward tick loop."""
         tab = self.forward_table
         Lc = self.fwd.cfg.layers // (tab.stages * tab.virtual)
-        shared, layers, first, last = self._ends(params, rng)
+        shared, layers, first, last = self._ends(params, rng, objective)
         cfg = self.fwd.cfg
 
         def stage(chunk, a, cid, mb):
@@ -157,21 +168,21 @@ class PipelineAutodiff:
         trained, frozen = gpt.split_trainable(params, self.fwd.cfg)
 
         def f(t):
-            lsum, _, _, reg, stats = self._forward(self.fence(gpt.merge_trainable(t, frozen)), xs, rng)
-            return lsum * norm + reg * reg_norm, (lsum, stats)
+            lsum, count, _, reg, stats = self._forward(self.fence(gpt.merge_trainable(t, frozen)), xs, rng)
+            return lsum * norm + reg * reg_norm, (lsum, stats, count)
 
-        grads, (lsum, stats) = jax.grad(f, has_aux=True)(trained)
-        return lsum, self.fence_grads(grads), stats
+        grads, (lsum, stats, count) = jax.grad(f, has_aux=True)(trained)
+        return lsum, self.fence_grads(grads), stats, count
 
-    def loss(self, params, xs):
-        return self._forward(self.fence(params), xs, None)[:2]
+    def loss(self, params, xs, objective=None):
+        return self._forward(self.fence(params), xs, None, objective)[:2]
 
 
 class PipelineLoop(PipelineAutodiff):
     """The pipeline with the backward pass inside the tick loop (1F1B, ZB-H1); `table` is its loop tick table."""
 
-    def __init__(self, fwd: gpt.Forward, table, forward_table, *args):
-        super().__init__(fwd, forward_table, *args)
+    def __init__(self, fwd: gpt.Forward, objective, table, forward_table, *args):
+        super().__init__(fwd, objective, forward_table, *args)
         self.table = table
 
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
@@ -186,8 +197,8 @@ class PipelineLoop(PipelineAutodiff):
             return y, moe.regulariser(st, cfg), st
 
         with activation_rules(self.rules, None, manual=self.manual):
-            lsum, _, _, dshared, dlayers, stats = pipeline.run_loop(
+            lsum, count, _, dshared, dlayers, stats = pipeline.run_loop(
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
                 remat=self.remat, reg_seed=reg_norm, batch_axes=self.batch_axes, stacked_specs=specs,
                 xs_specs=xs_specs(xs, self.mesh), frozen=(fshared, flayers, fspecs), join=gpt.merge_trainable)
-        return lsum, self.fence_grads(gpt.join_params(dshared, dlayers)), stats
+        return lsum, self.fence_grads(gpt.join_params(dshared, dlayers)), stats, count

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from jaxpar.train import gradients, loss_scale
+from jaxpar.train import gradients, loss_scale, objective as objectives
 from jaxpar import model as gpt
 from jaxpar.model import moe
 from jaxpar.train import spikes
@@ -59,6 +59,9 @@ class StepSettings:
     spike_threshold: float
     loss_scale: loss_scale.LossScaleConfig
     optim: OptimSettings
+    objective: object  # `jaxpar/train/objective.py`
+    reference: str  # DPO's reference model: "" (none), "copy" (frozen weights in the state), "adapters_off" (LoRA),
+    # "batch" (precomputed log-probs arrive with the batch, `ref`)
 
     @classmethod
     def from_config(cls, config, num_devices: int) -> "StepSettings":
@@ -69,7 +72,17 @@ class StepSettings:
                    skip_steps=tuple(int(s) for s in tr.skip_steps), skip_spikes=bool(tr.skip_spikes),
                    spike_window=int(tr.spike_window), spike_threshold=float(tr.spike_threshold),
                    loss_scale=loss_scale.from_config(config),
-                   optim=OptimSettings.from_config(config))
+                   optim=OptimSettings.from_config(config), objective=objectives.from_config(config),
+                   reference=reference_kind(config))
+
+
+def reference_kind(config) -> str:
+    """Where DPO's reference model comes from (`StepSettings.reference`)."""
+    if config.train.objective != "dpo":
+        return ""
+    if config.dpo.precompute_reference:
+        return "batch"
+    return "adapters_off" if int(config.lora.rank) > 0 else "copy"
 
 
 def split_batch(batch):
@@ -96,7 +109,8 @@ def microbatched(batch, m: int, context: int = 1):
     tokens' true positions come along (`pos`)."""
     inputs, targets, mask, seg = split_batch(batch)
     ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
-    xs = {"x": inputs, "y": targets, "w": mask} | ({} if seg is None else {"seg": seg})
+    xs = {"x": inputs, "y": targets, "w": mask} | ({} if seg is None else {"seg": seg}) | \
+        ({"ref": batch["ref"]} if "ref" in batch else {})  # DPO: the reference model's log-probs of the targets
     if context > 1:
         pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape) if seg is None \
             else gpt.segment_positions(seg)
@@ -131,6 +145,7 @@ class Steps:
     layer_order: tuple  # position p of the layer axis in this layout holds canonical layer layer_order[p]
     init_with: callable  # (params in this layout's order, seed) -> a fresh state holding them (donates them)
     init_adapters: callable  # (seed) -> the fresh params that train (LoRA: the adapters), in this layout's order
+    objective: object = objectives.LM()  # the training objective (`jaxpar/train/objective.py`)
 
     def abstract_state(self):
         """The state as `jax.ShapeDtypeStruct`s carrying this layout's shardings (an Orbax restore target)."""
@@ -153,13 +168,13 @@ def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
     if S == 1:
         dp = DataParallel(mesh, sh.base_specs, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names,
                           select=lambda tree: gpt.trainable(tree, fwd.cfg))
-        return gradients.Accumulate(fwd, dp, st.rules, mesh, fetch=layerwise_fetch(lo, fwd.cfg))
+        return gradients.Accumulate(fwd, st.objective, dp, st.rules, mesh, fetch=layerwise_fetch(lo, fwd.cfg))
     M, v = lo.microbatches, lo.virtual_stages
     common = (pipeline.forward_table(lo.schedule, S, M, v), mesh, st.rules, sh.unsharded, lo.pipeline_remat,
               st.skip_bubbles)
     if pipeline.SCHEDULES[lo.schedule].engine == "loop":
-        return gradients.PipelineLoop(fwd, pipeline.table(lo.schedule, S, M, v), *common)
-    return gradients.PipelineAutodiff(fwd, *common)
+        return gradients.PipelineLoop(fwd, st.objective, pipeline.table(lo.schedule, S, M, v), *common)
+    return gradients.PipelineAutodiff(fwd, st.objective, *common)
 
 
 def apply_update(state, loss, grads, optimizer, st: StepSettings, lr_at, cfg: gpt.ModelConfig):
@@ -227,7 +242,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     optimizer = make_optimizer(st.optim, cfg)
     lr_at = schedule(st.optim)
     lo = st.layout
-    sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage, lo.offload)
+    sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage, lo.offload, reference=st.reference == "copy")
     dev = lambda tree, group=None: on_device(tree, sh, lo.offload, group)  # host-resident state to the device
     grad_fn = strategy(st, fwd, sh, mesh)
     S = lo.stage
@@ -235,17 +250,37 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     canonical = lambda tree: map_blocks(tree, lambda a: pipeline.from_stage_major(a, S, v))
     stage_major = lambda tree: map_blocks(tree, lambda a: pipeline.to_stage_major(a, S, v))
 
-    def loss_and_grads(params, batch, rng, scale=1.0):
-        """Mean loss (nats/token) over the global batch, its grads (float32, sharded as `sh.grads`) and the MoE
-        layers' stats summed over the batch (None for a dense model).
+    obj = st.objective
 
-        The objective is the loss plus the MoE regularisers' mean over the batch's sequences (`moe.regulariser`);
-        the backward pass runs on it times `scale` (fp16 loss scaling); the grads returned are unscaled."""
+    def loss_and_grads(params, batch, rng, scale=1.0):
+        """Mean loss over the global batch (nats/token; DPO: per pair), its grads (float32, sharded as `sh.grads`),
+        the MoE layers' stats summed over the batch (None for a dense model) and the objective's metrics.
+
+        Differentiated: the loss plus the MoE regularisers' mean over the batch's sequences (`moe.regulariser`),
+        times `scale` (fp16 loss scaling); the grads returned are unscaled."""
         mask, xs = microbatched(batch, lo.microbatches, lo.context)
-        total = jnp.maximum(mask.sum(dtype=at_least_f32(cfg.compute_dtype)), 1.0)  # float64 in float64 runs
-        lsum, grads, stats = grad_fn.loss_and_grads(params, xs, scale / total, rng, scale / mask.shape[0])
+        seg = xs.get("seg")
+        total = obj.total(mask.astype(at_least_f32(cfg.compute_dtype)),  # float64 in float64 runs
+                          None if seg is None else split_batch(batch)[3])
+        total = jnp.maximum(total, 1.0)
+        lsum, grads, stats, count = grad_fn.loss_and_grads(params, xs, scale / total, rng, scale / mask.shape[0])
         grads = jax.lax.with_sharding_constraint(grads, sh.grads)
-        return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats
+        return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats, obj.metrics(count, total)
+
+    def with_reference(state_or_none, params, batch):
+        """DPO: the batch with the reference model's log-probs of its targets (`ref`), from a forward pass of the
+        reference (the frozen copy, or with LoRA the params with the adapters zeroed) unless precomputed."""
+        if st.reference in ("", "batch"):
+            return batch
+        if st.reference == "copy":
+            ref_params = state_or_none["reference"]
+        else:
+            trained, frozen = gpt.split_trainable(params, cfg)
+            ref_params = gpt.merge_trainable(jax.tree.map(jnp.zeros_like, trained), frozen)
+        xs = microbatched(batch, lo.microbatches, lo.context)[1]
+        rows = batch["tokens"].shape[0]
+        ref = grad_fn.loss(ref_params, xs, objectives.TokenLogps(rows))[1]
+        return {**batch, "ref": jax.lax.stop_gradient(ref)}
 
     def train_with_grads(state, batch):
         """`train`, also returning the gradients it applied, in canonical layer order."""
@@ -255,9 +290,12 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         params = host_params if layerwise_fetch(lo, cfg) else state["params"]
         with activation_rules(st.rules, mesh):
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-            loss, grads, stats = loss_and_grads(params, batch, rng if gpt.has_dropout(cfg) else None,
-                                                state["loss_scale"].scale if st.float16 else 1.0)
+            batch = with_reference(state, params, batch)
+            loss, grads, stats, extra = loss_and_grads(params, batch, rng if gpt.has_dropout(cfg) else None,
+                                                       state["loss_scale"].scale if st.float16 else 1.0)
             new, metrics = apply_update(state, loss, grads, optimizer, st, lr_at, cfg)
+            new, metrics = new | ({"reference": state["reference"]} if "reference" in state else {}), \
+                metrics | extra
             if stats is not None:
                 new, metrics = balance_experts(new, metrics, stats, cfg, batch["tokens"].shape[0])
             return new, metrics, canonical(grads)
@@ -265,36 +303,42 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     def train(state, batch):
         return train_with_grads(state, batch)[:2]  # (the gradients are dropped before jit: no output, no transfer)
 
-    def evaluate(params, batch):
-        """(loss_sum, token_count) over a batch, microbatched like training."""
+    def evaluate(params, batch, reference=None):
+        """(loss_sum, count) over a batch, microbatched like training (count: the tokens; DPO: its metric sums,
+        the pairs first); `reference`: DPO's reference weights when they are a copy (`state["reference"]`)."""
         with activation_rules(st.rules, mesh):
-            return grad_fn.loss(dev(params, "params"), microbatched(batch, lo.microbatches, lo.context)[1])
+            params = dev(params, "params")
+            batch = with_reference({"reference": reference}, params, batch)
+            return grad_fn.loss(params, microbatched(batch, lo.microbatches, lo.context)[1])
 
     def grads(params, batch):
         """(mean loss, grads in canonical layer order): for tests and tools, no update."""
         with activation_rules(st.rules, mesh):
-            loss, g, _ = loss_and_grads(dev(params, "params"), batch, None)
+            loss, g, _, _ = loss_and_grads(dev(params, "params"), batch, None)
         return loss, canonical(g)
 
     state_sh, repl = sh.state, sh.replicated
+    copy = st.reference == "copy"
     jit_state = lambda f: jax.jit(lambda s: f(dev(s)), in_shardings=(state_sh,), out_shardings=state_sh) \
         if v > 1 else (lambda s: s)
     return Steps(
-        layout=lo, cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh,
+        layout=lo, cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh, objective=obj,
         grad_shardings=sh.grads,
         batch_sharding=sh.batch,
         init=jax.jit(lambda seed: stage_major(init_state(cfg, optimizer, seed, st.loss_scale,
-                                                         spike_window=st.spike_window)), static_argnums=0,
+                                                         spike_window=st.spike_window, reference=copy)),
+                     static_argnums=0,
                      out_shardings=state_sh),
         train=jax.jit(train, in_shardings=(state_sh, sh.batch), out_shardings=(state_sh, repl), donate_argnums=0),
         train_with_grads=jax.jit(train_with_grads, in_shardings=(state_sh, sh.batch),
                                  out_shardings=(state_sh, repl, sh.grads), donate_argnums=0),
-        evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], sh.batch), out_shardings=(repl, repl)),
+        evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], sh.batch, state_sh.get("reference")),
+                         out_shardings=(repl, repl)),
         grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
         layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
         init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=dev(p, "params"),
-                                                    spike_window=st.spike_window),
+                                                    spike_window=st.spike_window, reference=copy),
                           static_argnums=1, out_shardings=state_sh, donate_argnums=0),
         init_adapters=jax.jit(lambda seed: stage_major(gpt.trainable(fresh_params(cfg, seed), cfg)), static_argnums=0,
                               out_shardings=gpt.trainable(state_sh["params"], cfg)),

@@ -97,7 +97,7 @@ class _Ticks:
         self.first = jax.checkpoint(lambda shared, mb, x, pred: jax.lax.cond(
             pred, lambda: vary(first_fn(shared, mb)), lambda: x), prevent_cse=False)
         self.last = jax.checkpoint(lambda shared, y, mb, pred: jax.lax.cond(
-            pred, lambda: vary(last_fn(shared, y, mb)), lambda: _zeros(self.out_dtypes)), prevent_cse=False)
+            pred, lambda: vary(last_fn(shared, y, mb)), lambda: _zeros(self.out_shapes)), prevent_cse=False)
         self.first_fn, self.last_fn = first_fn, last_fn
 
     def _work(self, chunks, r, x, cid, mb, ok):
@@ -118,8 +118,8 @@ class _Ticks:
         # other stages would never join it)
         chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), vary(stacked))  # [v, Lc, ...]
         shared = vary(shared)
-        self.out_dtypes = tuple(a.dtype for a in jax.eval_shape(
-            lambda sh, mb: self.last_fn(sh, vary(jnp.zeros(act.shape, act.dtype)), mb), shared, take(xs, 0)))
+        self.out_shapes = jax.eval_shape(
+            lambda sh, mb: self.last_fn(sh, vary(jnp.zeros(act.shape, act.dtype)), mb), shared, take(xs, 0))
         self.side = jax.eval_shape(lambda: self.stage_fn(take(chunks, 0), vary(jnp.zeros(act.shape, act.dtype)),
                                                          0, take(xs, 0))[1:])  # (aux, stats) shapes
 
@@ -145,7 +145,8 @@ class _Ticks:
         fill = lambda *lead: vary(jnp.full(lead + act.shape, self.fill_value, act.dtype))
         zero_side = vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.side[0]))
         zero_stats = vary(jax.tree.map(lambda a: jnp.zeros((v,) + a.shape, a.dtype), self.side[1]))
-        init = (fill(), fill(M if v > 1 else 1), *_zeros(self.out_dtypes), vary(jnp.zeros((M,), self.out_dtypes[0])),
+        init = (fill(), fill(M if v > 1 else 1), *_zeros(self.out_shapes),
+                vary(jnp.zeros((M,), self.out_shapes[0].dtype)),
                 zero_side, zero_stats)
         (_, _, loss, count, per_mb, aux, stats), _ = jax.lax.scan(tick, init, tables)
         every = (AXIS, *self.batch_axes)
@@ -153,6 +154,6 @@ class _Ticks:
         return (*(jax.lax.psum(t, every) for t in (loss, count, per_mb, aux)), stats)
 
 
-def _zeros(dtypes):
-    """Per-device zeros of (loss_sum, count) in `last_fn`'s dtypes."""
-    return tuple(vary(jnp.zeros((), d)) for d in dtypes)
+def _zeros(shapes):
+    """Per-device zeros of (loss_sum, count) in `last_fn`'s shapes and dtypes (a count may be any array: summed)."""
+    return tuple(vary(jnp.zeros(a.shape, a.dtype)) for a in shapes)

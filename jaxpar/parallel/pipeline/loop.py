@@ -114,9 +114,8 @@ class _Engine:
         self.chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), stacked)  # [v, Lc, ...]
         self.Lc = jax.tree.leaves(stacked)[0].shape[0] // v
         self.act = jax.eval_shape(self.first_fn, self.shared, take(xs, 0))
-        self.out_dtypes = tuple(a.dtype for a in jax.eval_shape(
-            lambda sh, mb: self.last_fn(sh, self._zact(), mb), self.shared, take(xs, 0)))
-        self.seed = self.seed.astype(self.out_dtypes[0])  # the cotangent of a loss sum has its dtype
+        self.out_shapes = jax.eval_shape(lambda sh, mb: self.last_fn(sh, self._zact(), mb), self.shared, take(xs, 0))
+        self.seed = self.seed.astype(self.out_shapes[0].dtype)  # the cotangent of a loss sum has its dtype
         aux, self.stats = jax.eval_shape(lambda: self._stage(take(self.chunks, 0), self._zact(), 0, take(xs, 0),
                                                              fchunk=take(self.fchunks, 0))[2:])
         self.reg_seed = vary(reg_seed.astype(aux.dtype))  # the cotangent of the layers' aux has its dtype
@@ -125,7 +124,7 @@ class _Engine:
                 lambda: self._fwd_vjp(self._zact(), take(self.chunks, 0), self.s, take(xs, 0),
                                       take(self.fchunks, 0)))[1]
         init = (self._buffers(), _zeros_like(self.chunks), _zeros_like(self.shared), *self._zeros(),
-                vary(jnp.zeros((sc.microbatches,), self.out_dtypes[0])),
+                vary(jnp.zeros((sc.microbatches,), self.out_shapes[0].dtype)),
                 vary(jax.tree.map(lambda a: jnp.zeros((v,) + a.shape, a.dtype), self.stats)))
         (_, dchunks, dshared, loss, count, per_mb, stats), _ = jax.lax.scan(self._tick, init, tables)
         flat = lambda t: jax.tree.map(lambda a: a.reshape(v * self.Lc, *a.shape[2:]), t)  # noqa: E731
@@ -136,8 +135,9 @@ class _Engine:
 
     # ---- pieces -------------------------------------------------------------------------------------------------
     def _zeros(self):
-        """Per-device zero (loss_sum, count) in the dtypes `last_fn` returns (float64 loss sums in float64 runs)."""
-        return tuple(vary(jnp.zeros((), d)) for d in self.out_dtypes)
+        """Per-device zero (loss_sum, count) in the shapes and dtypes `last_fn` returns (float64 loss sums in float64
+        runs; a count may be any array: summed)."""
+        return tuple(vary(jnp.zeros(a.shape, a.dtype)) for a in self.out_shapes)
 
     def _zact(self):
         return vary(jnp.zeros(self.act.shape, self.act.dtype))

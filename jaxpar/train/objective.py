@@ -1,0 +1,107 @@
+"""Training objectives (`train.objective`): what the last layer's output becomes a loss of, for every engine.
+
+An objective's `head(fwd, params, x, mb) -> (loss_sum, count)` runs where the loss runs (the last pipeline stage, or
+after the layer scan) on one microbatch `mb` (x, y, w, seg, ids, and `ref` for DPO: see `jaxpar/train/step.py`);
+`count` is an array of sums the step adds over microbatches and data shards; `total(mask, seg)` is what the step's
+loss sum is divided by (the same on every layout and accumulation); `metrics(count, total)` names what is logged.
+
+- `LM`: next-token cross-entropy over the loss mask; divided by the step's masked tokens.
+- `DPO` (Rafailov et al. 2023): on preference pairs packed as segments (pair k of a row: segment 2k its chosen
+  sequence, 2k + 1 its rejected one, `jaxpar/data/packing.py`); a sequence's log-prob is the sum over its response
+  tokens (the loss mask) of its tokens' log-probs, as TRL; the loss of a pair, with margin
+  m = (log pi(chosen) - log pi_ref(chosen)) - (log pi(rejected) - log pi_ref(rejected)),
+      sigmoid: -(1 - eps) log sigmoid(beta m) - eps log sigmoid(-beta m)   (eps: `dpo.label_smoothing`)
+      ipo:     (m / 1 - 1 / (2 beta))^2, on log-probs averaged over the response tokens (TRL's IPO);
+  divided by the step's pairs. Its metrics are TRL's: rewards/chosen, rewards/rejected (beta (log pi - log pi_ref)),
+  rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, means over the step's pairs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+class LM:
+    reference = False
+
+    def head(self, fwd, params, x, mb):
+        return fwd.head_loss(params, x, mb["y"], mb["w"])
+
+    def total(self, mask, seg):
+        return mask.sum()
+
+    def metrics(self, count, total) -> dict:
+        return {}
+
+
+def pair_sums(values, w, seg):
+    """values, w `[batch, seq]`, seg `[batch, seq]` (pair k's chosen segment 2k, rejected 2k + 1; -1 padding) ->
+    `[batch, seq // 2 + 1, 2]`: sum of values x w over each pair's chosen ([..., 0]) and rejected ([..., 1])."""
+    n = 2 * (seg.shape[1] // 2 + 1)
+    one = lambda v, s: jax.ops.segment_sum(v, jnp.clip(s, 0, n - 1), num_segments=n)  # noqa: E731
+    return jax.vmap(one)(values * w, seg).reshape(seg.shape[0], n // 2, 2)
+
+
+_METRICS = ("pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPO:
+    beta: float
+    loss: str  # sigmoid | ipo
+    label_smoothing: float
+    reference = True
+
+    def head(self, fwd, params, x, mb):
+        lp = fwd.token_logps(params, x, mb["y"])
+        w, seg = mb["w"], mb["seg"]
+        n = pair_sums(jnp.ones_like(lp), w, seg)
+        valid = ((n[..., 0] > 0) & (n[..., 1] > 0)).astype(lp.dtype)
+        pol, ref = pair_sums(lp, w, seg), pair_sums(mb["ref"].astype(lp.dtype), w, seg)
+        if self.loss == "ipo":
+            pol, ref = pol / jnp.maximum(n, 1), ref / jnp.maximum(n, 1)
+        reward = self.beta * (pol - ref)  # [b, P, 2]
+        margin = (pol[..., 0] - pol[..., 1]) - (ref[..., 0] - ref[..., 1])
+        if self.loss == "ipo":
+            per_pair = (margin - 1 / (2 * self.beta)) ** 2
+        else:
+            eps = self.label_smoothing
+            per_pair = -(1 - eps) * jax.nn.log_sigmoid(self.beta * margin) - eps * jax.nn.log_sigmoid(
+                -self.beta * margin)
+        s = lambda a: (a * valid).sum()  # noqa: E731
+        count = jnp.stack([valid.sum(), s(reward[..., 0]), s(reward[..., 1]),
+                           s((reward[..., 0] > reward[..., 1]).astype(lp.dtype)), s(pol[..., 0]), s(pol[..., 1])])
+        return s(per_pair), count
+
+    def total(self, mask, seg):
+        n = pair_sums(jnp.ones_like(mask), mask, seg)
+        return ((n[..., 0] > 0) & (n[..., 1] > 0)).sum(dtype=mask.dtype)
+
+    def metrics(self, count, total) -> dict:
+        m = {k: count[i] / jnp.maximum(count[0], 1) for i, k in enumerate(_METRICS) if i}
+        return {**m, "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
+
+
+def from_config(config):
+    """The objective `train.objective` names, with its settings."""
+    if config.train.objective == "dpo":
+        d = config.dpo
+        return DPO(float(d.beta), str(d.loss), float(d.label_smoothing))
+    return LM()
+
+
+class TokenLogps:
+    """The reference model's pass: no loss; its count is every row's per-position log-probs of its targets,
+    `[global batch, seq]`, each microbatch writing its rows (`ids`) and zeros elsewhere, so that summing over
+    microbatches and data shards assembles them (what DPO's `ref` is)."""
+    reference = False
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def head(self, fwd, params, x, mb):
+        lp = fwd.token_logps(params, x, mb["y"])
+        out = jnp.zeros((self.rows, lp.shape[1]), lp.dtype).at[mb["ids"]].set(lp)
+        return jnp.zeros((), lp.dtype), out
