@@ -270,6 +270,11 @@ def start_adapters(config, steps, abstract) -> dict:
 AHEAD = 2
 
 
+def reference_of(state) -> tuple:
+    """The evaluation step's extra argument: DPO's frozen reference weights when the state holds them."""
+    return (state["reference"],) if "reference" in state else ()
+
+
 class Loop:
     """The train loop of one run: steps, and at their cadences logs, evaluation and checkpoints; SIGTERM stops it at
     a step boundary with a checkpoint; the step watchdog is armed while it runs."""
@@ -297,7 +302,7 @@ class Loop:
         # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
         batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
                  for k, (shape, dt) in data.batch_shapes(self.B, self.T, config.data.packing).items()}
-        self.eval_step = steps.evaluate.lower(abstract["params"], batch, abstract.get("reference")).compile()
+        self.eval_step = steps.evaluate.lower(abstract["params"], batch, *reference_of(abstract)).compile()
         # read ahead while the devices run
         self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch), self.total)
 
@@ -316,7 +321,7 @@ class Loop:
         """
         tot, n = 0.0, 0.0
         for i in range(int(self.config.eval.batches)):
-            s, c = self.eval_step(state["params"], self.batch_at(self.val_data.val_batch, i), state.get("reference"))
+            s, c = self.eval_step(state["params"], self.batch_at(self.val_data.val_batch, i), *reference_of(state))
             tot, n = tot + float(s), n + np.asarray(c, np.float64)
         if np.ravel(n)[0] <= 0:
             raise data.DataError(f"the {int(self.config.eval.batches)} validation batches (eval.batches) hold no "

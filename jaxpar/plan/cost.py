@@ -133,7 +133,7 @@ class Model:
     def host_bytes(self, lay: Layout) -> float:
         """Per-device bytes in pinned host memory between steps (`optim.offload`: `train_state.OFFLOADED`)."""
         groups = self.state_bytes(lay)
-        return sum(groups[g] for g in OFFLOADED[lay.offload])
+        return sum(groups.get(g, 0.0) for g in OFFLOADED[lay.offload])  # no DPO reference here: 0
 
 
 def activation_bytes(model: Model, lay: Layout) -> float:

@@ -42,7 +42,7 @@ def placed(compiled: dict, offload: str) -> dict:
     """A compile without offload, as the same layout with `offload`: the groups `train_state.OFFLOADED` names leave
     the device bytes (`peak`) for the host (`host`); XLA's own figure stays under `xla_peak`. On XLA:CPU this is
     what compiling with offload reports (`compile_report.placement`: one memory, the transfers dropped)."""
-    host = sum(compiled["state_bytes"][g] for g in OFFLOADED[offload])
+    host = sum(compiled["state_bytes"].get(g, 0) for g in OFFLOADED[offload])
     return {**compiled, "xla_peak": compiled["peak"], "peak": compiled["peak"] - host, "host": host}
 
 

@@ -228,6 +228,37 @@ def balance_experts(state, metrics, stats, cfg: gpt.ModelConfig, rows: int):
     return {**state, "params": params}, {**metrics, **out}
 
 
+def mean_loss_and_grads(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Shardings, params, batch, rng,
+                        scale=1.0):
+    """Mean loss over the global batch (nats/token; DPO: per pair), its grads (float32, sharded as `sh.grads`), the
+    MoE layers' stats summed over the batch (None for a dense model) and the objective's metrics.
+
+    Differentiated: the loss plus the MoE regularisers' mean over the batch's sequences (`moe.regulariser`), times
+    `scale` (fp16 loss scaling); the grads returned are unscaled."""
+    lo, obj = st.layout, st.objective
+    mask, xs = microbatched(batch, lo.microbatches, lo.context)
+    seg = xs.get("seg")
+    total = obj.total(mask.astype(at_least_f32(cfg.compute_dtype)),  # float64 in float64 runs
+                      None if seg is None else split_batch(batch)[3])
+    total = jnp.maximum(total, 1.0)
+    lsum, grads, stats, count = grad_fn.loss_and_grads(params, xs, scale / total, rng, scale / mask.shape[0])
+    grads = jax.lax.with_sharding_constraint(grads, sh.grads)
+    return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats, obj.metrics(count, total)
+
+
+def with_reference(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, reference, params, batch):
+    """DPO: the batch with the reference model's log-probs of its targets (`ref`), from a forward pass of the
+    reference (`reference`: the frozen copy; with LoRA the params with the adapters zeroed) unless precomputed."""
+    if st.reference in ("", "batch"):
+        return batch
+    if st.reference == "adapters_off":
+        trained, frozen = gpt.split_trainable(params, cfg)
+        reference = gpt.merge_trainable(jax.tree.map(jnp.zeros_like, trained), frozen)
+    xs = microbatched(batch, st.layout.microbatches, st.layout.context)[1]
+    ref = grad_fn.loss(reference, xs, objectives.TokenLogps(batch["tokens"].shape[0]))[1]
+    return {**batch, "ref": jax.lax.stop_gradient(ref)}
+
+
 def build(config, mesh, vocab_real: int) -> Steps:
     """Shardings and jitted steps for `config` on `mesh` (call `validate.validate` first, or use
     `jaxpar.compiled.steps_for`, which does both)."""
@@ -250,38 +281,6 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     canonical = lambda tree: map_blocks(tree, lambda a: pipeline.from_stage_major(a, S, v))
     stage_major = lambda tree: map_blocks(tree, lambda a: pipeline.to_stage_major(a, S, v))
 
-    obj = st.objective
-
-    def loss_and_grads(params, batch, rng, scale=1.0):
-        """Mean loss over the global batch (nats/token; DPO: per pair), its grads (float32, sharded as `sh.grads`),
-        the MoE layers' stats summed over the batch (None for a dense model) and the objective's metrics.
-
-        Differentiated: the loss plus the MoE regularisers' mean over the batch's sequences (`moe.regulariser`),
-        times `scale` (fp16 loss scaling); the grads returned are unscaled."""
-        mask, xs = microbatched(batch, lo.microbatches, lo.context)
-        seg = xs.get("seg")
-        total = obj.total(mask.astype(at_least_f32(cfg.compute_dtype)),  # float64 in float64 runs
-                          None if seg is None else split_batch(batch)[3])
-        total = jnp.maximum(total, 1.0)
-        lsum, grads, stats, count = grad_fn.loss_and_grads(params, xs, scale / total, rng, scale / mask.shape[0])
-        grads = jax.lax.with_sharding_constraint(grads, sh.grads)
-        return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats, obj.metrics(count, total)
-
-    def with_reference(state_or_none, params, batch):
-        """DPO: the batch with the reference model's log-probs of its targets (`ref`), from a forward pass of the
-        reference (the frozen copy, or with LoRA the params with the adapters zeroed) unless precomputed."""
-        if st.reference in ("", "batch"):
-            return batch
-        if st.reference == "copy":
-            ref_params = state_or_none["reference"]
-        else:
-            trained, frozen = gpt.split_trainable(params, cfg)
-            ref_params = gpt.merge_trainable(jax.tree.map(jnp.zeros_like, trained), frozen)
-        xs = microbatched(batch, lo.microbatches, lo.context)[1]
-        rows = batch["tokens"].shape[0]
-        ref = grad_fn.loss(ref_params, xs, objectives.TokenLogps(rows))[1]
-        return {**batch, "ref": jax.lax.stop_gradient(ref)}
-
     def train_with_grads(state, batch):
         """`train`, also returning the gradients it applied, in canonical layer order."""
         # optim.offload: on the device only inside the step (out_shardings send it back); offloaded params without a
@@ -290,9 +289,10 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         params = host_params if layerwise_fetch(lo, cfg) else state["params"]
         with activation_rules(st.rules, mesh):
             rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-            batch = with_reference(state, params, batch)
-            loss, grads, stats, extra = loss_and_grads(params, batch, rng if gpt.has_dropout(cfg) else None,
-                                                       state["loss_scale"].scale if st.float16 else 1.0)
+            batch = with_reference(st, cfg, grad_fn, state.get("reference"), params, batch)
+            loss, grads, stats, extra = mean_loss_and_grads(st, cfg, grad_fn, sh, params, batch,
+                                                            rng if gpt.has_dropout(cfg) else None,
+                                                            state["loss_scale"].scale if st.float16 else 1.0)
             new, metrics = apply_update(state, loss, grads, optimizer, st, lr_at, cfg)
             new, metrics = new | ({"reference": state["reference"]} if "reference" in state else {}), \
                 metrics | extra
@@ -308,13 +308,13 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         the pairs first); `reference`: DPO's reference weights when they are a copy (`state["reference"]`)."""
         with activation_rules(st.rules, mesh):
             params = dev(params, "params")
-            batch = with_reference({"reference": reference}, params, batch)
+            batch = with_reference(st, cfg, grad_fn, reference, params, batch)
             return grad_fn.loss(params, microbatched(batch, lo.microbatches, lo.context)[1])
 
     def grads(params, batch):
         """(mean loss, grads in canonical layer order): for tests and tools, no update."""
         with activation_rules(st.rules, mesh):
-            loss, g, _, _ = loss_and_grads(dev(params, "params"), batch, None)
+            loss, g, _, _ = mean_loss_and_grads(st, cfg, grad_fn, sh, dev(params, "params"), batch, None)
         return loss, canonical(g)
 
     state_sh, repl = sh.state, sh.replicated
@@ -322,7 +322,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     jit_state = lambda f: jax.jit(lambda s: f(dev(s)), in_shardings=(state_sh,), out_shardings=state_sh) \
         if v > 1 else (lambda s: s)
     return Steps(
-        layout=lo, cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh, objective=obj,
+        layout=lo, cfg=cfg, fwd=fwd, optimizer=optimizer, mesh=mesh, state_shardings=state_sh, objective=st.objective,
         grad_shardings=sh.grads,
         batch_sharding=sh.batch,
         init=jax.jit(lambda seed: stage_major(init_state(cfg, optimizer, seed, st.loss_scale,
@@ -332,8 +332,8 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         train=jax.jit(train, in_shardings=(state_sh, sh.batch), out_shardings=(state_sh, repl), donate_argnums=0),
         train_with_grads=jax.jit(train_with_grads, in_shardings=(state_sh, sh.batch),
                                  out_shardings=(state_sh, repl, sh.grads), donate_argnums=0),
-        evaluate=jax.jit(evaluate, in_shardings=(state_sh["params"], sh.batch, state_sh.get("reference")),
-                         out_shardings=(repl, repl)),
+        evaluate=jax.jit(evaluate, out_shardings=(repl, repl),
+                         in_shardings=(state_sh["params"], sh.batch) + ((state_sh["reference"],) if copy else ())),
         grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
         layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
