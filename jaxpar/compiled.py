@@ -43,7 +43,15 @@ def abstract_batch(config, steps: Steps) -> dict:
     """A global batch of `jax.ShapeDtypeStruct`s with the steps' batch sharding (nothing allocated)."""
     B, T = int(config.train.global_batch_size), int(config.model.seq_len)
     return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
-            for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing).items()}
+            for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing, ref_dtype(config)).items()}
+
+
+def ref_dtype(config):
+    """The dtype of DPO's precomputed reference sums in a batch (`dpo.precompute_reference`), or None without them:
+    float64 in float64 runs, else float32."""
+    if config.train.objective != "dpo" or not config.dpo.precompute_reference:
+        return None
+    return np.float64 if config.train.compute_dtype == "float64" else np.float32
 
 
 def report_for(config, vocab: int = 0, devices=None) -> dict:

@@ -326,6 +326,12 @@ def get(config, key: str):
     return config
 
 
+def changed(config, section: str) -> list[str]:
+    """The keys of `section` whose values differ from their defaults (names without the section)."""
+    return [k.name.split(".", 1)[1] for k in KEYS if k.name.startswith(section + ".")
+            and get(config, k.name) != k.default]
+
+
 def key_errors(config) -> list[str]:
     """One line for each key whose value has the wrong type or lies outside its range (`Key.error`)."""
     return [e for k in KEYS if (e := k.error(get(config, k.name))) is not None]

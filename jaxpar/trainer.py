@@ -19,10 +19,10 @@ from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
 from jaxpar.cluster.preemption import Preempted, PreemptionWatch
 from jaxpar.interop import hf, peft
-from jaxpar.train import loss_scale, monitor
+from jaxpar.train import loss_scale, monitor, reference
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
-from jaxpar.compiled import report_for, steps_for
+from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
 from jaxpar.config import ConfigError
 from jaxpar.export import check_export, init_from_export
 from jaxpar.train.step import model_config
@@ -157,6 +157,11 @@ def run(config, workdir: str, devices=None) -> dict:
     try:
         abstract = steps.abstract_state()
         state, start = restore_or_init(config, steps, ckpt, train_data, abstract)
+        if ref_dtype(config) is not None:  # DPO's reference sums, computed from the initial weights, kept in workdir
+            run_batch = lambda rows: steps.reference_sums(state["params"], to_global(rows, steps, B, ref_dtype(config)))
+            reference.attach(workdir, (train_data, val_data), start,
+                             lambda rows: np.asarray(jax.device_get(run_batch(rows))),
+                             data.process_rows(steps.batch_sharding, B))
         loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, start)
         return loop.run(state, start)
     finally:
@@ -270,6 +275,13 @@ def start_adapters(config, steps, abstract) -> dict:
 AHEAD = 2
 
 
+def to_global(rows: dict, steps, global_batch: int, ref=None) -> dict:
+    """This process's rows of a batch -> the global batch on the steps' sharding (`ref`: the dtype of DPO's
+    precomputed reference sums)."""
+    rows = rows if ref is None or "ref" not in rows else {**rows, "ref": rows["ref"].astype(ref)}
+    return {k: data.to_global(v, steps.batch_sharding, global_batch) for k, v in rows.items()}
+
+
 def reference_of(state) -> tuple:
     """The evaluation step's extra argument: DPO's frozen reference weights when the state holds them."""
     return (state["reference"],) if "reference" in state else ()
@@ -283,7 +295,7 @@ class Loop:
         self.config, self.steps, self.ckpt, self.fp = config, steps, ckpt, fp
         self.train_data, self.val_data = train_data, val_data
         self.B, self.T = int(config.train.global_batch_size), int(config.model.seq_len)
-        self.total = int(config.train.steps)
+        self.total, self.ref_dtype = int(config.train.steps), ref_dtype(config)
         self.rows = data.process_rows(steps.batch_sharding, self.B)
         self.spikes_said = 0  # spikes skipped when last said (`run` starts it at the resumed state's count)
         self.flops_tok = gpt.flops_per_token(steps.cfg)
@@ -300,8 +312,7 @@ class Loop:
                 f"jaxpar: mesh {dict(steps.mesh.shape)} on {self.ndev} {devices[0].platform} devices, "
                 f"{counts['total']:,} params{trained}, start step {start}, workdir {workdir}")
         # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
-        batch = {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
-                 for k, (shape, dt) in data.batch_shapes(self.B, self.T, config.data.packing).items()}
+        batch = abstract_batch(config, steps)
         self.eval_step = steps.evaluate.lower(abstract["params"], batch, *reference_of(abstract)).compile()
         # read ahead while the devices run
         self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch), self.total)
@@ -310,7 +321,7 @@ class Loop:
         return self.to_global(source(i, *self.rows))
 
     def to_global(self, rows: dict) -> dict:
-        return {k: data.to_global(v, self.steps.batch_sharding, self.B) for k, v in rows.items()}
+        return to_global(rows, self.steps, self.B, self.ref_dtype)
 
     def evaluate(self, state) -> dict:
         """{"val_loss": the mean loss over the weighted tokens (DPO: the pairs) of the `eval.batches` validation

@@ -13,7 +13,7 @@ from jaxpar.train import loss_scale
 from jaxpar.kernels.attention import IMPLEMENTATIONS, choose
 from jaxpar.config import (DEFAULT_RULES, DTYPES, MESH_AXES, ConfigError, flat_keys, mlp_width, nearest_multiples,
                            unknown_keys)
-from jaxpar.config_keys import key_errors
+from jaxpar.config_keys import changed, key_errors
 from jaxpar.kernels.cross_entropy import chunk_size
 from jaxpar.layout import Layout
 from jaxpar.model import ARCHS, ROPE_SCALINGS, block_weights, config_from, lora
@@ -67,6 +67,23 @@ def _check_lora(config) -> list[str]:
         errs.append(f"lora.dropout={lo.dropout} with adapters on the routed experts (lora.targets={lo.targets!r}): "
                     f"their inputs are dispatched buffers, whose dropout jaxpar cannot key by sequence; set "
                     f"lora.dropout=0 or leave the experts' projections out of lora.targets.")
+    return errs
+
+
+def _check_objective(config, lay: Layout) -> list[str]:
+    """DPO's needs: pairs packed whole into rows (data.packing=bfd), no context parallelism; its keys only with it."""
+    if config.train.objective != "dpo":
+        given = changed(config, "dpo")
+        return [f"dpo.{given[0]}={config.dpo[given[0]]!r} with train.objective={config.train.objective!r}: set "
+                f"--config.train.objective=dpo to train on preference pairs, or drop dpo.{given[0]}."] if given else []
+    errs = []
+    if config.data.packing != "bfd":
+        errs.append(f"train.objective='dpo' with data.packing={config.data.packing!r}: a preference pair's chosen and "
+                    f"rejected sequences must sit whole in one row; set --config.data.packing=bfd.")
+    if lay.context > 1:
+        errs.append(f"train.objective='dpo' with mesh.context={lay.context}: DPO's per-sequence sums are not "
+                    f"context-parallel yet; set mesh.context=1 (sequences up to model.seq_len fit one device's "
+                    f"row; use tensor or sequence parallelism for memory).")
     return errs
 
 
@@ -247,7 +264,7 @@ def validate(config, num_devices: int) -> Layout:
     errs += _check_kernels(config, t)
     errs += _check_float64(tr)
     errs += _check_loss_scale(config)
-    errs += _check_lora(config)
+    errs += _check_lora(config) + _check_objective(config, lay)
     if o.warmup_steps < 0 or o.decay_steps < o.warmup_steps:
         errs.append(f"optim.warmup_steps={o.warmup_steps}, optim.decay_steps={o.decay_steps}: need "
                     f"0 <= warmup_steps <= decay_steps.")

@@ -230,3 +230,39 @@ def chat_tokenizer(directory, template: str = CHATML, bos: str | None = "<|endof
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config | ({"bos_token": bos} if bos else {}), f)
     return tok
+
+
+def float64_oracle(model):
+    """`model` computing in float64 throughout. transformers computes RoPE's cos/sin, RMSNorm and the router's
+    softmax in float32 whatever the model's dtype (relative errors of 1e-7 in the loss), which would make no float64
+    oracle: those three run in float64 here (the same formulas; RoPE's inverse frequencies stay the float32 numbers
+    both libraries define them as), attention through SDPA (no float32 softmax), experts one by one."""
+    import torch
+
+    model.set_attn_implementation("sdpa")
+    if getattr(model.config, "num_experts", 0):
+        model.set_experts_implementation("eager")  # (grouped_mm runs in float32 only)
+    inv = model.model.rotary_emb.inv_freq.double()
+
+    def rope(x, position_ids):
+        freqs = position_ids[:, :, None].double() * inv[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def rms_norm(norm):
+        return lambda x: norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    def router(gate):
+        def forward(x):
+            logits = torch.nn.functional.linear(x.reshape(-1, gate.hidden_dim), gate.weight)
+            top, idx = torch.topk(torch.softmax(logits, dim=-1), gate.top_k, dim=-1)
+            return logits, top / top.sum(-1, keepdim=True) if gate.norm_topk_prob else top, idx
+        return forward
+
+    model.model.rotary_emb.forward = rope
+    for m in model.modules():
+        if type(m).__name__.endswith("RMSNorm"):
+            m.forward = rms_norm(m)
+        elif type(m).__name__.endswith("TopKRouter"):
+            m.forward = router(m)
+    return model

@@ -1,6 +1,7 @@
 """DPO (`train.objective=dpo`): the loss, TRL's metrics and the gradients against DPO's formula on `transformers`
 log-probs of the same tiny model in float64, on one device and on pipeline and ZeRO layouts; the reference model
 stays bitwise unchanged."""
+import json
 import os
 import sys
 
@@ -12,36 +13,20 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import float64_config, steps_for, tiny_config  # noqa: E402
+from helpers import chat_tokenizer, float64_config, float64_oracle, steps_for, tiny_config  # noqa: E402
+from jaxpar import data, model, trainer  # noqa: E402
+from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_dpo")
 
 V, T, ROWS = 300, 48, 8
-# float64 on both sides (transformers' float32 RMSNorm statistics and RoPE angles are made float64 by `float64_torch`)
+# float64 on both sides (transformers' float32 RMSNorm statistics and RoPE angles made float64: `float64_oracle`)
 RTOL = 1e-9
 COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=V, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
               bos_token_id=0, eos_token_id=0)
-
-
-@pytest.fixture(autouse=True)
-def float64_torch(monkeypatch):
-    """transformers' Llama computes RMSNorm's statistics and RoPE's angles in float32 even in a float64 model: here
-    in float64 (RoPE's inverse frequencies stay float32 values, as both libraries store them)."""
-    from transformers.models.llama import modeling_llama as ml
-
-    def norm(self, h):
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rope(self, x, position_ids):
-        freqs = position_ids[..., None].double() * self.inv_freq.double()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    monkeypatch.setattr(ml.LlamaRMSNorm, "forward", norm)
-    monkeypatch.setattr(ml.LlamaRotaryEmbedding, "forward", rope)
 
 
 def make_pairs(seed=0, n=2 * ROWS):
@@ -86,7 +71,7 @@ def models(tmp_path_factory):
         d = tmp_path_factory.mktemp(f"m{seed}")
         m.save_pretrained(d)
         ByteTokenizer.to_hf().save(str(d / "tokenizer.json"))
-        out.append((d, m.eval()))
+        out.append((d, float64_oracle(m.eval())))
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
@@ -176,3 +161,172 @@ def test_dpo_on_layouts_with_accumulation_equals_the_formula(models, name):
     np.testing.assert_allclose(grads["lm_head"][:, :V], want_dw, rtol=RTOL, atol=1e-12)
     for a, b in zip(jax.tree.leaves(jax.device_get(new["reference"])), jax.tree.leaves(before)):
         assert np.array_equal(a, b)
+
+
+# ---- preference records through the data pipeline and the trainer ---------------------------------------------------
+
+WORDS = "the quick brown fox jumps over lazy dog what is it answer be brief hello world".split()
+
+
+def preference_records(n=48, seed=0):
+    """TRL's two explicit-prompt forms alternating: strings, and messages (`prompt` a conversation, `chosen` and
+    `rejected` the assistant's reply)."""
+    rng = np.random.default_rng(seed)
+    say = lambda k: " ".join(rng.choice(WORDS, k))  # noqa: E731
+    out = []
+    for i in range(n):
+        p, c, r = say(rng.integers(2, 7)), say(rng.integers(1, 6)), say(rng.integers(1, 6))
+        if i % 2:
+            out.append({"prompt": p + "?", "chosen": " " + c, "rejected": " " + r})
+        else:
+            msg = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+            out.append({"prompt": msg("user", p), "chosen": msg("assistant", c), "rejected": msg("assistant", r)})
+    return out
+
+
+def write_jsonl(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """(root, a random float64 Llama with a ChatML tokenizer) and pairs.jsonl."""
+    root = tmp_path_factory.mktemp("dpo_chat")
+    d = root / "model"
+    tok = chat_tokenizer(d)
+    torch.manual_seed(2)
+    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "vocab_size": tok.vocab_size,
+                                                                  "max_position_embeddings": 128})).double()
+    m.save_pretrained(d)
+    write_jsonl(root / "pairs.jsonl", preference_records())
+    return root, d
+
+
+def chat_dpo_config(root, d, source="pairs.jsonl", **over):
+    c = tiny_config(**{"mesh.data": 1, "train.global_batch_size": 4, "model.seq_len": 64, "train.objective": "dpo",
+                       "data.packing": "bfd", **over})
+    c.init_from = f"hf:{d}"
+    c.data.update(sources=str(root / source), cache_dir=str(root / "cache"), val_fraction=0.2)
+    return hf.apply(c, say=False)
+
+
+def documents(info):
+    """Every document of a prepared source: (ids, mask values)."""
+    s = info.streams()[0]
+    b = s.doc_bounds
+    return [(s.read(int(b[i]), int(b[i + 1])), s.read(int(b[i]), int(b[i + 1]), masks=True))
+            for i in range(len(b) - 1)]
+
+
+def test_a_pair_is_its_prompt_and_chosen_then_its_prompt_and_rejected_as_sft_renders_them(chat_model, capsys):
+    """A preference document is SFT's rendering of (prompt, chosen) then of (prompt, rejected) as prompt/completion
+    records (the response tokens: SFT's completion mask), the rejected half marked; packed rows keep each pair in one
+    row as segments 2k, 2k + 1; chosen identical to rejected is counted and said."""
+    root, d = chat_model
+    recs = preference_records() + [{"prompt": "same?", "chosen": " yes", "rejected": " yes"}]
+    write_jsonl(root / "with_identical.jsonl", recs)
+    sft = [{"prompt": r["prompt"], "completion": r[k]} for r in recs for k in ("chosen", "rejected")]
+    write_jsonl(root / "as_sft.jsonl", sft)
+    pairs = documents(data.prepare(chat_dpo_config(root, d, "with_identical.jsonl")))
+    assert "1 preference records have `chosen` identical to `rejected`" in capsys.readouterr().err
+    singles = documents(data.prepare(chat_dpo_config(root, d, "as_sft.jsonl", **{"train.objective": "lm"})))
+    assert len(pairs) == len(recs) and len(singles) == 2 * len(recs)
+    for (ids, m), (ci, cm), (ri, rm) in zip(pairs, singles[0::2], singles[1::2]):
+        np.testing.assert_array_equal(ids, np.concatenate([ci, ri]))
+        np.testing.assert_array_equal(m, np.concatenate([cm, rm | 2]))
+        assert cm.any() and rm.any()
+    c = chat_dpo_config(root, d)
+    b = data.Batches(data.prepare(c), "train", 64, 4, pairs=True, packing="bfd")
+    for r in range(4):
+        rows = b.rows(0)
+        seg = rows["segments"][r]
+        n = seg.max() + 1
+        assert n % 2 == 0 and all(((seg == s).sum() > 0) for s in range(n))
+
+
+@pytest.mark.parametrize("case", ["missing_rejected", "no_response_left", "text_source", "packing", "beta", "keys"])
+def test_bad_preference_input_is_one_line(chat_model, tmp_path, case):
+    root, d = chat_model
+    recs = preference_records(8)
+    over, source = {}, "bad.jsonl"
+    if case == "missing_rejected":
+        recs[5] = {"prompt": "hi?", "chosen": " yes"}
+        want = "bad.jsonl, line 6: a preference record needs `chosen` and `rejected`; `rejected` is missing"
+    elif case == "no_response_left":
+        recs[3]["prompt"] = " ".join(WORDS * 8) + "?"
+        want = "1 preference pairs have no response token left"
+    elif case == "text_source":
+        (root / "plain.txt").write_text("hello world " * 400)
+        source, want = "plain.txt", "holds no preference pairs"
+    elif case == "packing":
+        over, want = {"data.packing": "concat"}, "set --config.data.packing=bfd"
+    elif case == "beta":
+        over, want = {"dpo.beta": 0.0}, "dpo.beta=0.0 must be a finite number > 0"
+    else:
+        over, want = {"train.objective": "lm", "dpo.beta": 0.5}, "dpo.beta=0.5 with train.objective='lm'"
+    write_jsonl(root / "bad.jsonl", recs)
+    with pytest.raises((data.DataError, ConfigError)) as e:
+        trainer.run(chat_dpo_config(root, d, source, **{"train.steps": 1, **over}), str(tmp_path / "run"),
+                    jax.devices()[:1])
+    assert want in str(e.value) and "\n" not in str(e.value).replace("invalid config:\n", ""), str(e.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def run_losses(config, workdir):
+    with jax.enable_x64(True):
+        trainer.run(config, str(workdir), jax.devices()[:2])
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
+
+
+def test_precomputed_reference_gives_the_live_reference_losses(chat_model, tmp_path):
+    """The same float64 DPO run with the reference live (a frozen copy) and precomputed (`dpo.precompute_reference`:
+    no reference in the state): the same losses, metrics and evaluation; resumed, the precomputed run reads its
+    reference back."""
+    root, d = chat_model
+    runs = {}
+    for name, pre, stops in (("live", False, (3,)), ("precomputed", True, (2, 3))):
+        for steps in stops:  # the precomputed run stopped after step 2 and resumed
+            c = float64_config(chat_dpo_config(root, d, **{"train.steps": steps, "dpo.precompute_reference": pre,
+                                                          "mesh.data": 2, "optim.lr": 1e-2, "optim.warmup_steps": 0}))
+            c.log.update(every_steps=1, progress=False)
+            c.eval.update(every_steps=3, batches=2)
+            c.checkpoint.update(every_steps=2, async_save=False)
+            runs[name] = run_losses(c, tmp_path / name)
+    (live, live_val), (pre, pre_val) = runs["live"], runs["precomputed"]
+    assert len(live) == 3
+    keys = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+            "logps/rejected"]
+    for a, b in zip(live, pre):
+        np.testing.assert_allclose([b[k] for k in keys], [a[k] for k in keys], rtol=1e-12, atol=1e-15)
+    for k in ["val_loss", "val_rewards/accuracies", "val_logps/chosen"]:  # at step 3
+        np.testing.assert_allclose(pre_val[-1][k], live_val[-1][k], rtol=1e-12)
+    assert sorted(p.name for p in (tmp_path / "precomputed" / "reference_logps").iterdir()) == \
+        ["train-0.npy", "val-0.npy"]
+    assert live[0]["rewards/chosen"] == 0 and live[1]["rewards/chosen"] != 0  # the policy starts as the reference
+
+
+def test_with_lora_the_reference_is_the_base_model(chat_model):
+    """With LoRA the reference is the policy with its adapters off: its sums equal the base model's (no LoRA), while
+    the adapted policy's rewards are not zero."""
+    root, d = chat_model
+    with jax.enable_x64(True):
+        plain = float64_config(chat_dpo_config(root, d))
+        lora = float64_config(chat_dpo_config(root, d, **{"lora.rank": 4, "lora.targets": "all-linear"}))
+        batch = data.Batches(data.prepare(plain), "train", 64, 4, pairs=True, packing="bfd").rows(0)
+        out = {}
+        for name, c in (("plain", plain), ("lora", lora)):
+            s = steps_for(c, data.model_vocab(c), jax.devices()[:1])
+            params = hf.load_params(str(d), s.cfg, s.state_shardings["params"], s.layer_order)
+            if name == "lora":
+                adapters = jax.tree.map(lambda a: jax.random.normal(jax.random.key(1), a.shape, a.dtype) * 0.1,
+                                        s.init_adapters(0))
+                params = model.merge_trainable(adapters, params)
+            b = jax.tree.map(lambda a: jax.device_put(a, s.batch_sharding), batch)
+            out[name] = np.asarray(s.reference_sums(params, b))
+            if name == "lora":
+                metrics = s.train(s.init_with(params, 0), b)[1]
+        assert np.abs(out["plain"]).sum() > 0
+        np.testing.assert_allclose(out["lora"], out["plain"], rtol=1e-12)
+        assert abs(float(metrics["rewards/chosen"])) > 1e-6

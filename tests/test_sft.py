@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import assert_params_exact, chat_tokenizer, float64_config, place, steps_for, tiny_config  # noqa: E402
+from helpers import (assert_params_exact, chat_tokenizer, float64_config, float64_oracle, place, steps_for,  # noqa: E402
+                     tiny_config)
 from jaxpar import data, trainer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
@@ -73,40 +74,6 @@ def checkpoints(tmp_path_factory):
         model.save_pretrained(d)
         out[kind] = (float64_oracle(model.double().eval()), d)
     return root, out
-
-
-def float64_oracle(model):
-    """`model` computing in float64 throughout. transformers computes RoPE's cos/sin, RMSNorm and the router's
-    softmax in float32 whatever the model's dtype (relative errors of 1e-7 in the loss), which would make no float64
-    oracle: those three run in float64 here (the same formulas; RoPE's inverse frequencies stay the float32 numbers
-    both libraries define them as), attention through SDPA (no float32 softmax), experts one by one."""
-    model.set_attn_implementation("sdpa")
-    if getattr(model.config, "num_experts", 0):
-        model.set_experts_implementation("eager")  # (grouped_mm runs in float32 only)
-    inv = model.model.rotary_emb.inv_freq.double()
-
-    def rope(x, position_ids):
-        freqs = position_ids[:, :, None].double() * inv[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    def rms_norm(norm):
-        return lambda x: norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-    def router(gate):
-        def forward(x):
-            logits = torch.nn.functional.linear(x.reshape(-1, gate.hidden_dim), gate.weight)
-            top, idx = torch.topk(torch.softmax(logits, dim=-1), gate.top_k, dim=-1)
-            return logits, top / top.sum(-1, keepdim=True) if gate.norm_topk_prob else top, idx
-        return forward
-
-    model.model.rotary_emb.forward = rope
-    for m in model.modules():
-        if type(m).__name__.endswith("RMSNorm"):
-            m.forward = rms_norm(m)
-        elif type(m).__name__.endswith("TopKRouter"):
-            m.forward = router(m)
-    return model
 
 
 def sft_config(root, d, **over):

@@ -312,7 +312,8 @@ def preference(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[
     prompt/completion record; the rejected sequence's mask values carry `tokens.REJECTED`."""
     for field in ("chosen", "rejected"):
         if obj.get(field) is None:
-            raise DataError(f"{where}: a preference record needs `chosen` and `rejected`; `{field}` is missing.")
+            raise DataError(f"{where}: a preference record needs `chosen` and `rejected`; `{field}` is missing: add "
+                            f"it (the {'preferred' if field == 'chosen' else 'dispreferred'} reply) or drop the record.")
     if obj.get("prompt") is None:
         raise DataError(f"{where}: a preference record needs its `prompt` (TRL's explicit-prompt form: `prompt`, "
                         f"`chosen`, `rejected`).")

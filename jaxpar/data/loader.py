@@ -10,7 +10,7 @@ import numpy as np
 
 from jaxpar.data import tokens
 from jaxpar.data.common import DataError, check_split
-from jaxpar.data.packing import Packed
+from jaxpar.data.packing import Packed, pairs_per_row
 from jaxpar.data.preprocess import DataInfo
 
 
@@ -159,16 +159,20 @@ class Batches:
 
     def _packed_rows(self, step: int, samples: np.ndarray) -> dict:
         """Packed rows (`data.packing = "bfd"`); the mask per target (`mask[:, 1:]`, what the step reads)."""
-        L = self.seq_len
-        out = {k: np.zeros((len(samples), L + 1), np.int32) for k in ("tokens", "segments", "mask")}
+        out = {}
         for k in np.unique(samples[:, 0]):
             rows = np.nonzero(samples[:, 0] == k)[0]
-            for key, v in self.packed[k].rows(samples[rows, 1]).items():
-                out[key][rows] = v
+            for key, v in self.source_rows(k, samples[rows, 1]).items():
+                out.setdefault(key, np.zeros((len(samples), *v.shape[1:]), v.dtype))[rows] = v
         if out["tokens"].max(initial=0) >= self.vocab_size:
             raise DataError(f"batch {step}: a record holds an id outside [0, {self.vocab_size}): it was tokenized "
                             f"with another tokenizer; give that one (data.tokenizer).")
-        return {"tokens": out["tokens"], "segments": out["segments"], "mask": out["mask"][:, 1:]}
+        return out
+
+    def source_rows(self, k: int, indices) -> dict:
+        """Packed rows `indices` of source k as a batch holds them (the mask per target, `mask[:, 1:]`)."""
+        rows = self.packed[k].rows(indices)
+        return {**rows, "mask": rows["mask"][:, 1:]}
 
     def packing_counts(self) -> dict:
         """{truncated, skipped, sequences, rows} of the packed sources (zeros without `bfd`)."""
@@ -243,13 +247,16 @@ def real_tokens(rows: dict) -> int:
     return int(np.count_nonzero(seg[:, :-1] >= 0))
 
 
-def batch_shapes(global_batch: int, seq_len: int, packing: str) -> dict:
-    """{name: (shape, dtype)} of a global batch as `Batches.rows` gives it."""
+def batch_shapes(global_batch: int, seq_len: int, packing: str, ref_dtype=None) -> dict:
+    """{name: (shape, dtype)} of a global batch as `Batches.rows` gives it; `ref_dtype`: with DPO's precomputed
+    reference sums (`ref`) in that dtype."""
     out = {"tokens": ((global_batch, seq_len + 1), np.int32)}
     if packing != "concat":
         out["segments"] = ((global_batch, seq_len + 1), np.int32)
     if packing == "bfd":
         out["mask"] = ((global_batch, seq_len), np.int32)
+    if ref_dtype is not None:
+        out["ref"] = ((global_batch, pairs_per_row(seq_len), 2), ref_dtype)
     return out
 
 

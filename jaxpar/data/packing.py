@@ -17,6 +17,11 @@ from jaxpar.data.common import DataError
 from jaxpar.data.tokens import REJECTED, Split
 
 
+def pairs_per_row(seq_len: int) -> int:
+    """The length of a row's pair axis: more preference pairs than a row of `seq_len` inputs can hold."""
+    return seq_len // 2 + 1
+
+
 def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Item indices per bin: items longest first (stable), each into the bin with the least room that fits it.
 
@@ -87,15 +92,18 @@ class Packed:
                             f"({int(long.sum())} of {sizes.size} are longer than model.seq_len + 1 = {length}); "
                             f"raise model.seq_len or use data.truncate='right'.")
         self.bins = best_fit_decreasing(self.sizes, self.length)
+        self.reference = None  # DPO's precomputed reference sums, float64 [documents, 2] (`train/reference.py`)
         self.num_samples = len(self.bins)
         self.num_tokens = int(self.sizes.sum())
 
     def rows(self, indices) -> dict:
-        """Rows `indices` (int `[n]`): {"tokens", "segments", "mask"} int32 `[n, length]`."""
+        """Rows `indices` (int `[n]`): {"tokens", "segments", "mask"} int32 `[n, length]`, and with a precomputed
+        reference {"ref"} float64 `[n, pairs_per_row(length - 1), 2]` (pair k of a row: its k-th document)."""
         n = len(indices)
         tokens = np.zeros((n, self.length), np.int32)
         segments = np.full((n, self.length), -1, np.int32)
         mask = np.zeros((n, self.length), np.int32)
+        ref = None if self.reference is None else np.zeros((n, pairs_per_row(self.length - 1), 2))
         for r, b in enumerate(np.asarray(indices, np.int64).tolist()):
             at = 0
             for seg, d in enumerate(self.bins[b]):
@@ -104,7 +112,9 @@ class Packed:
                     mask[r, at:at + size] = self.stream.read(start, start + size, masks=True) & 1
                     segments[r, at:at + size] = 2 * seg + k if self.pairs else seg
                     at += size
-        return {"tokens": tokens, "segments": segments, "mask": mask}
+                if ref is not None:
+                    ref[r, seg] = self.reference[d]
+        return {"tokens": tokens, "segments": segments, "mask": mask} | ({} if ref is None else {"ref": ref})
 
     # ---- preference pairs: a pair is one document (chosen, then rejected), two segments in its row ----------------
     def _pieces(self, d: int) -> list[tuple[int, int]]:

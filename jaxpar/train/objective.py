@@ -22,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpar.data.packing import pairs_per_row
+
 
 class LM:
     reference = False
@@ -38,8 +40,8 @@ class LM:
 
 def pair_sums(values, w, seg):
     """values, w `[batch, seq]`, seg `[batch, seq]` (pair k's chosen segment 2k, rejected 2k + 1; -1 padding) ->
-    `[batch, seq // 2 + 1, 2]`: sum of values x w over each pair's chosen ([..., 0]) and rejected ([..., 1])."""
-    n = 2 * (seg.shape[1] // 2 + 1)
+    `[batch, pairs_per_row(seq), 2]`: sum of values x w over each pair's chosen ([..., 0]) and rejected ([..., 1])."""
+    n = 2 * pairs_per_row(seg.shape[1])
     one = lambda v, s: jax.ops.segment_sum(v, jnp.clip(s, 0, n - 1), num_segments=n)  # noqa: E731
     return jax.vmap(one)(values * w, seg).reshape(seg.shape[0], n // 2, 2)
 
@@ -59,7 +61,7 @@ class DPO:
         w, seg = mb["w"], mb["seg"]
         n = pair_sums(jnp.ones_like(lp), w, seg)
         valid = ((n[..., 0] > 0) & (n[..., 1] > 0)).astype(lp.dtype)
-        pol, ref = pair_sums(lp, w, seg), pair_sums(mb["ref"].astype(lp.dtype), w, seg)
+        pol, ref = pair_sums(lp, w, seg), mb["ref"].astype(lp.dtype)  # ref: the reference's sums, `ReferenceSums`
         if self.loss == "ipo":
             pol, ref = pol / jnp.maximum(n, 1), ref / jnp.maximum(n, 1)
         reward = self.beta * (pol - ref)  # [b, P, 2]
@@ -92,16 +94,16 @@ def from_config(config):
     return LM()
 
 
-class TokenLogps:
-    """The reference model's pass: no loss; its count is every row's per-position log-probs of its targets,
-    `[global batch, seq]`, each microbatch writing its rows (`ids`) and zeros elsewhere, so that summing over
-    microbatches and data shards assembles them (what DPO's `ref` is)."""
+class ReferenceSums:
+    """The reference model's pass: no loss; its count is every row's sums of its response tokens' log-probs per pair
+    (`pair_sums`), `[global batch, pairs_per_row(seq), 2]`, each microbatch writing its rows (`ids`) and zeros
+    elsewhere, so that summing over microbatches and data shards assembles them (what DPO's `ref` is)."""
     reference = False
 
     def __init__(self, rows: int):
         self.rows = rows
 
     def head(self, fwd, params, x, mb):
-        lp = fwd.token_logps(params, x, mb["y"])
-        out = jnp.zeros((self.rows, lp.shape[1]), lp.dtype).at[mb["ids"]].set(lp)
-        return jnp.zeros((), lp.dtype), out
+        sums = pair_sums(fwd.token_logps(params, x, mb["y"]), mb["w"], mb["seg"])
+        out = jnp.zeros((self.rows, *sums.shape[1:]), sums.dtype).at[mb["ids"]].set(sums)
+        return jnp.zeros((), sums.dtype), out

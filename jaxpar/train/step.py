@@ -109,14 +109,14 @@ def microbatched(batch, m: int, context: int = 1):
     tokens' true positions come along (`pos`)."""
     inputs, targets, mask, seg = split_batch(batch)
     ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
-    xs = {"x": inputs, "y": targets, "w": mask} | ({} if seg is None else {"seg": seg}) | \
-        ({"ref": batch["ref"]} if "ref" in batch else {})  # DPO: the reference model's log-probs of the targets
+    xs = {"x": inputs, "y": targets, "w": mask} | ({} if seg is None else {"seg": seg})
     if context > 1:
         pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape) if seg is None \
             else gpt.segment_positions(seg)
         order = jnp.asarray(balanced_order(inputs.shape[1], context))
         xs = jax.tree.map(lambda a: a[:, order], {**xs, "pos": pos})
-    return mask, jax.tree.map(lambda a: to_microbatches(a, m), {**xs, "ids": ids})
+    ref = {"ref": batch["ref"]} if "ref" in batch else {}  # DPO: the reference's sums per pair (not per token)
+    return mask, jax.tree.map(lambda a: to_microbatches(a, m), {**xs, **ref, "ids": ids})
 
 
 def map_blocks(state, fn):
@@ -140,6 +140,7 @@ class Steps:
     train_with_grads: callable  # (state, batch) -> (state, metrics, grads applied, canonical order): tests
     evaluate: callable  # (params, batch) -> (loss_sum, token_count)
     grads: callable  # (params, batch) -> (loss, grads in canonical order); no update
+    reference_sums: callable  # (params, batch) -> DPO's reference sums per pair, the params as the reference
     to_canonical: callable  # state in this layout's layer order -> canonical order (what checkpoints hold)
     from_canonical: callable  # the inverse
     layer_order: tuple  # position p of the layer axis in this layout holds canonical layer layer_order[p]
@@ -246,17 +247,43 @@ def mean_loss_and_grads(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Sha
     return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats, obj.metrics(count, total)
 
 
+def reference_weights(cfg: gpt.ModelConfig, params):
+    """DPO's reference from the policy's weights: with LoRA the adapters zeroed (the base model), else themselves."""
+    if cfg.lora_rank == 0:
+        return params
+    trained, frozen = gpt.split_trainable(params, cfg)
+    return gpt.merge_trainable(jax.tree.map(jnp.zeros_like, trained), frozen)
+
+
+def reference_sums(st: StepSettings, grad_fn, reference, batch):
+    """DPO: the reference model's (`reference`: its weights) sums of the batch's response log-probs per pair,
+    `[global batch, pairs_per_row(seq), 2]` (`objective.ReferenceSums`)."""
+    xs = microbatched(batch, st.layout.microbatches, st.layout.context)[1]
+    return jax.lax.stop_gradient(grad_fn.loss(reference, xs, objectives.ReferenceSums(batch["tokens"].shape[0]))[1])
+
+
 def with_reference(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, reference, params, batch):
-    """DPO: the batch with the reference model's log-probs of its targets (`ref`), from a forward pass of the
-    reference (`reference`: the frozen copy; with LoRA the params with the adapters zeroed) unless precomputed."""
+    """DPO: the batch with its reference sums (`ref`) from a pass of the reference (`reference`: the frozen copy; with
+    LoRA the params with the adapters zeroed), unless they came with the batch (`dpo.precompute_reference`)."""
     if st.reference in ("", "batch"):
         return batch
-    if st.reference == "adapters_off":
-        trained, frozen = gpt.split_trainable(params, cfg)
-        reference = gpt.merge_trainable(jax.tree.map(jnp.zeros_like, trained), frozen)
-    xs = microbatched(batch, st.layout.microbatches, st.layout.context)[1]
-    ref = grad_fn.loss(reference, xs, objectives.TokenLogps(batch["tokens"].shape[0]))[1]
-    return {**batch, "ref": jax.lax.stop_gradient(ref)}
+    reference = reference_weights(cfg, params) if st.reference == "adapters_off" else reference
+    return {**batch, "ref": reference_sums(st, grad_fn, reference, batch)}
+
+def train_update(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Shardings, optim, state, params, batch):
+    """One training step on the state (on the device; `params`: its params, or offloaded ones fetched layer by
+    layer), `optim` = (optimizer, lr schedule) -> (new state, metrics, the gradients applied)."""
+    rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+    batch = with_reference(st, cfg, grad_fn, state.get("reference"), params, batch)
+    loss, grads, stats, extra = mean_loss_and_grads(st, cfg, grad_fn, sh, params, batch,
+                                                    rng if gpt.has_dropout(cfg) else None,
+                                                    state["loss_scale"].scale if st.float16 else 1.0)
+    new, metrics = apply_update(state, loss, grads, optim[0], st, optim[1], cfg)
+    new = new | ({"reference": state["reference"]} if "reference" in state else {})  # frozen: passes through
+    metrics = metrics | extra
+    if stats is not None:
+        new, metrics = balance_experts(new, metrics, stats, cfg, batch["tokens"].shape[0])
+    return new, metrics, grads
 
 
 def build(config, mesh, vocab_real: int) -> Steps:
@@ -288,16 +315,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         host_params, state = state["params"], dev(state)
         params = host_params if layerwise_fetch(lo, cfg) else state["params"]
         with activation_rules(st.rules, mesh):
-            rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-            batch = with_reference(st, cfg, grad_fn, state.get("reference"), params, batch)
-            loss, grads, stats, extra = mean_loss_and_grads(st, cfg, grad_fn, sh, params, batch,
-                                                            rng if gpt.has_dropout(cfg) else None,
-                                                            state["loss_scale"].scale if st.float16 else 1.0)
-            new, metrics = apply_update(state, loss, grads, optimizer, st, lr_at, cfg)
-            new, metrics = new | ({"reference": state["reference"]} if "reference" in state else {}), \
-                metrics | extra
-            if stats is not None:
-                new, metrics = balance_experts(new, metrics, stats, cfg, batch["tokens"].shape[0])
+            new, metrics, grads = train_update(st, cfg, grad_fn, sh, (optimizer, lr_at), state, params, batch)
             return new, metrics, canonical(grads)
 
     def train(state, batch):
@@ -310,6 +328,11 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
             params = dev(params, "params")
             batch = with_reference(st, cfg, grad_fn, reference, params, batch)
             return grad_fn.loss(params, microbatched(batch, lo.microbatches, lo.context)[1])
+
+    def reference_pass(params, batch):
+        """DPO's reference sums of a batch, the reference being `params` (with LoRA: adapters off)."""
+        with activation_rules(st.rules, mesh):
+            return reference_sums(st, grad_fn, reference_weights(cfg, dev(params, "params")), batch)
 
     def grads(params, batch):
         """(mean loss, grads in canonical layer order): for tests and tools, no update."""
@@ -335,6 +358,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         evaluate=jax.jit(evaluate, out_shardings=(repl, repl),
                          in_shardings=(state_sh["params"], sh.batch) + ((state_sh["reference"],) if copy else ())),
         grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
+        reference_sums=jax.jit(reference_pass, in_shardings=(state_sh["params"], sh.batch), out_shardings=repl),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
         layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
         init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=dev(p, "params"),
