@@ -7,10 +7,14 @@
                     lamp" -> "pmal" (a system message in some), 3 to 6 random letters; held-out words in val.jsonl
         DIR/sort_train.jsonl, DIR/sort_val.jsonl   the LoRA step's new skill, the same words: "Sort the letters:
                     lamp" -> "almp"
+        DIR/noisy_train.jsonl   the DPO quickstart's SFT data: train.jsonl with half the replies wrong, the word
+                    echoed ("lamp" -> "lamp"), as noisy labels leave a model answering either way
+        DIR/prefs_train.jsonl, DIR/prefs_val.jsonl   preference pairs for DPO, TRL's conversational form: "Reverse the
+                    word: lamp", chosen "pmal", rejected "lamp" (palindromes left out)
     python scripts/finetune_demo.py score --model hf:DIR/base --data DIR/val.jsonl
     python scripts/finetune_demo.py score --model runs/finetune_demo --data DIR/val.jsonl
         the exact-match accuracy of the greedy replies (the chat template, the KV cache, the reply up to the
-        end-of-turn token), printed as JSON
+        end-of-turn token) and the fraction that echo the instruction's word, printed as JSON
 """
 import argparse
 import json
@@ -45,6 +49,14 @@ def conversation(word: str, system: bool, task: str = "reverse") -> dict:
                                     {"role": "assistant", "content": answer(word)}]}
 
 
+def preference(word: str) -> dict:
+    """A DPO pair: the reverse instruction (no system message: a pair fits a row of 129 tokens), the reversed word
+    chosen over the word echoed."""
+    prompt = conversation(word, False)["messages"][:-1]
+    reply = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    return {"prompt": prompt, "chosen": reply(word[::-1]), "rejected": reply(word)}
+
+
 def make(out: str, n_train: int, n_val: int) -> None:
     import torch
     import transformers
@@ -59,6 +71,16 @@ def make(out: str, n_train: int, n_val: int) -> None:
             with open(os.path.join(out, f"{name}.jsonl" if task == "reverse" else f"{task}_{name}.jsonl"), "w") as f:
                 for k, w in enumerate(ws):
                     f.write(json.dumps(conversation(w, system=k % 4 == 0, task=task)) + "\n")
+    with open(os.path.join(out, "noisy_train.jsonl"), "w") as f:
+        for k, w in enumerate(pool[:n_train]):
+            r = conversation(w, system=k % 4 == 0)
+            r["messages"][-1]["content"] = w if k % 2 else w[::-1]  # every other reply echoes the word
+            f.write(json.dumps(r) + "\n")
+    for name, ws in (("train", pool[:n_train]), ("val", pool[n_train:])):
+        with open(os.path.join(out, f"prefs_{name}.jsonl"), "w") as f:
+            for w in ws:
+                if w != w[::-1]:
+                    f.write(json.dumps(preference(w)) + "\n")
     base = os.path.join(out, "base")
     tok = BPETokenizer.train(["Reverse the word"], 257 + len(SPECIAL), SPECIAL)  # bytes and the specials, no merge
     tok.save(base)
@@ -89,7 +111,7 @@ def score(model: str, data: str, limit: int) -> dict:
     with open(data) as f:
         records = [json.loads(line) for line in f][:limit]
     run = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7))
-    right, shown = 0, []
+    right, echoed, shown = 0, 0, []
     for r in records:
         prompt, answer = r["messages"][:-1], r["messages"][-1]["content"]
         ids = chat.prompt(prompt).tolist()
@@ -98,9 +120,11 @@ def score(model: str, data: str, limit: int) -> dict:
         reply = out[len(ids):].tolist()
         reply = tok.decode(reply[:next((k for k, t in enumerate(reply) if t in chat.stop_ids), len(reply))])
         right += reply == answer
+        echoed += reply == prompt[-1]["content"].split()[-1]  # the word of the instruction, unchanged
         if len(shown) < 3:
             shown.append({"prompt": prompt[-1]["content"], "reply": reply, "answer": answer})
-    return {"model": model, "accuracy": right / len(records), "examples": len(records), "first": shown}
+    return {"model": model, "accuracy": right / len(records), "echoed": echoed / len(records),
+            "examples": len(records), "first": shown}
 
 
 def main(argv=None) -> int:

@@ -161,7 +161,7 @@ def test_throughput_leaves_out_saves():
 
 def test_validation_without_weighted_tokens_is_an_error(tmp_path):
     """A mean over no token is no loss: an error naming the fix, never a val_loss of 0.0."""
-    loop = types.SimpleNamespace(config=run_config(tmp_path, tmp_path), eval_step=lambda params, batch, ref: (0.0, 0.0),
+    loop = types.SimpleNamespace(config=run_config(tmp_path, tmp_path), eval_step=lambda params, batch, *ref: (0.0, 0.0),
                                  batch_at=lambda source, i: None, val_data=types.SimpleNamespace(val_batch=None))
     with pytest.raises(DataError, match=r"validation batches \(eval.batches\) hold no token the loss counts"):
         trainer.Loop.evaluate(loop, {"params": {}})

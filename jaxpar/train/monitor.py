@@ -3,6 +3,7 @@ terminal, plain lines elsewhere), and profiler traces of chosen steps (`StepProf
 
 Metric keys the console knows (all optional; every value is a Python number or None):
   loss, val_loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu (a fraction in [0, 1]),
+  DPO's rewards/margins, rewards/accuracies and val_rewards/accuracies (as margin, acc, val_acc),
   bytes_in_use, peak_bytes_in_use, bytes_limit (bytes, as returned by `throughput.device_memory_bytes`).
 Any other key is written to JSONL/TensorBoard but not printed on the console.
 """
@@ -142,6 +143,8 @@ def format_metrics(step: int, total_steps: int, metrics: Mapping[str, Any]) -> s
     """
     parts = [f"step {int(step)}/{int(total_steps)}"]
     for key, label, fmt in (("loss", "loss", "{:.4f}"), ("val_loss", "val_loss", "{:.4f}"),
+                            ("rewards/margins", "margin", "{:.3f}"), ("rewards/accuracies", "acc", "{:.2f}"),
+                            ("val_rewards/accuracies", "val_acc", "{:.2f}"),
                             ("lr", "lr", "{:.2e}"), ("grad_norm", "gnorm", "{:.3g}")):
         x = _num(metrics.get(key))
         if x is not None:
