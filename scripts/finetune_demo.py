@@ -9,8 +9,8 @@
                     lamp" -> "almp"
         DIR/noisy_train.jsonl   the DPO quickstart's SFT data: train.jsonl with half the replies wrong, the word
                     echoed ("lamp" -> "lamp"), as noisy labels leave a model answering either way
-        DIR/prefs_train.jsonl, DIR/prefs_val.jsonl   preference pairs for DPO, TRL's conversational form: "Reverse the
-                    word: lamp", chosen "pmal", rejected "lamp" (palindromes left out)
+        DIR/prefs_train.jsonl   preference pairs for DPO, TRL's conversational form: "Reverse the word: lamp",
+                    chosen "pmal", rejected "lamp" (palindromes left out; the held-out words of val.jsonl not used)
     python scripts/finetune_demo.py score --model hf:DIR/base --data DIR/val.jsonl
     python scripts/finetune_demo.py score --model runs/finetune_demo --data DIR/val.jsonl
         the exact-match accuracy of the greedy replies (the chat template, the KV cache, the reply up to the
@@ -76,11 +76,10 @@ def make(out: str, n_train: int, n_val: int) -> None:
             r = conversation(w, system=k % 4 == 0)
             r["messages"][-1]["content"] = w if k % 2 else w[::-1]  # every other reply echoes the word
             f.write(json.dumps(r) + "\n")
-    for name, ws in (("train", pool[:n_train]), ("val", pool[n_train:])):
-        with open(os.path.join(out, f"prefs_{name}.jsonl"), "w") as f:
-            for w in ws:
-                if w != w[::-1]:
-                    f.write(json.dumps(preference(w)) + "\n")
+    with open(os.path.join(out, "prefs_train.jsonl"), "w") as f:
+        for w in pool[:n_train]:
+            if w != w[::-1]:
+                f.write(json.dumps(preference(w)) + "\n")
     base = os.path.join(out, "base")
     tok = BPETokenizer.train(["Reverse the word"], 257 + len(SPECIAL), SPECIAL)  # bytes and the specials, no merge
     tok.save(base)

@@ -105,5 +105,7 @@ class ReferenceSums:
 
     def head(self, fwd, params, x, mb):
         sums = pair_sums(fwd.token_logps(params, x, mb["y"]), mb["w"], mb["seg"])
-        out = jnp.zeros((self.rows, *sums.shape[1:]), sums.dtype).at[mb["ids"]].set(sums)
-        return jnp.zeros((), sums.dtype), out
+        # placed by a one-hot product, a sum over the microbatch's rows (one all-reduce over data), not a scatter
+        # (which XLA partitions into all-gathers and collective permutes: XLA:CPU deadlocked on them)
+        place = (mb["ids"][:, None] == jnp.arange(self.rows)).astype(sums.dtype)  # [microbatch rows, rows]
+        return jnp.zeros((), sums.dtype), jnp.einsum("br,bpk->rpk", place, sums)
