@@ -7,16 +7,11 @@ before training (`dpo.precompute_reference`), so no second copy of the weights i
 The shape is Llama 3 8B's, so `--dry_run` needs no checkpoint; to train, point it at the SFT checkpoint and the pairs:
     --config.init_from=hf:/path/to/Llama-3.1-8B-Instruct --config.data.sources=/path/to/pairs.jsonl
 """
-import importlib.util
-import os
+from jaxpar.config import config_beside
 
 
 def get_config():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sft_llama3_8b.py")
-    spec = importlib.util.spec_from_file_location("sft_llama3_8b", path)
-    sft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sft)
-    c = sft.get_config()
+    c = config_beside(__file__, "sft_llama3_8b.py")
     c.name = "dpo_llama3_8b"
     c.train.update(objective="dpo", steps=1000)
     c.dpo.update(beta=0.1, loss="sigmoid", precompute_reference=True)

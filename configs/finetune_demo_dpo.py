@@ -4,16 +4,11 @@ exports/finetune_demo_noisy), then trained on preference pairs that prefer the r
 (`prefs_train.jsonl` of `python scripts/finetune_demo.py make`): beta 0.5, lr 1e-4, 100 steps of 32 pairs, the
 reference model the starting weights. The layout and data settings are configs/finetune_demo.py's.
 """
-import importlib.util
-import os
+from jaxpar.config import config_beside
 
 
 def get_config():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "finetune_demo.py")
-    spec = importlib.util.spec_from_file_location("finetune_demo", path)
-    sft = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sft)
-    c = sft.get_config()
+    c = config_beside(__file__, "finetune_demo.py")
     c.name = "finetune_demo_dpo"
     c.init_from = "hf:exports/finetune_demo_noisy"
     c.train.update(objective="dpo", steps=100)

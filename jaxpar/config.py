@@ -30,6 +30,19 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+def config_beside(config_file: str, name: str) -> ml_collections.ConfigDict:
+    """`get_config()` of the config file `name` in the folder of `config_file` (a config file's `__file__`): for a
+    config that starts from another one (ml_collections loads a config file without its folder on the path)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(config_file)), name)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(name)[0], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 def mlp_width(config) -> int:
     return config.model.mlp or 4 * config.model.embed
 

@@ -76,7 +76,7 @@ def models(tmp_path_factory):
 
 
 def torch_dpo(policy, reference, pairs, beta, loss="sigmoid", eps=0.0):
-    """DPO on transformers' log-probs (float64): the loss (mean over pairs), TRL's metrics, d loss / d lm_head."""
+    """DPO on transformers' log-probs (float64): the loss (mean over pairs), TRL's metrics, d loss / d every param."""
     policy.zero_grad()
 
     def logps(model, ids, m):
@@ -104,7 +104,7 @@ def torch_dpo(policy, reference, pairs, beta, loss="sigmoid", eps=0.0):
     total = total / len(pairs)
     total.backward()
     metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
-    return total.item(), metrics, policy.lm_head.weight.grad.numpy().T
+    return total.item(), metrics, {n: p.grad.numpy() for n, p in policy.named_parameters()}
 
 
 def dpo_config(policy_dir, **over):
@@ -123,23 +123,31 @@ def jaxpar_dpo(config, policy_dir, ref_dir, batch, devices=1):
     before = jax.device_get(state["reference"])
     new, metrics, grads = s.train_with_grads(state, jax.tree.map(lambda a: jax.device_put(a, s.batch_sharding),
                                                                  batch))
-    return float(metrics["loss"]), jax.device_get(metrics), jax.device_get(grads), new, before
+    return float(metrics["loss"]), jax.device_get(metrics), jax.device_get(grads), new, before, s.cfg
+
+
+def check_against_torch(models, pairs, beta, over, loss="sigmoid", eps=0.0, devices=1):
+    """jaxpar's first DPO step against `torch_dpo`: the loss, TRL's metrics, every gradient (by Hugging Face name),
+    and the reference bitwise unchanged."""
+    policy_dir, ref_dir, policy, reference = models
+    want, want_metrics, want_grads = torch_dpo(policy, reference, pairs, beta, loss, eps)
+    with jax.enable_x64(True):
+        c = dpo_config(policy_dir, **{"dpo.beta": beta, "dpo.loss": loss, "dpo.label_smoothing": eps, **over})
+        got, metrics, grads, new, before, cfg = jaxpar_dpo(c, policy_dir, ref_dir, rows_of(pairs), devices)
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    for k, v in want_metrics.items():
+        np.testing.assert_allclose(float(metrics[k]), v, rtol=RTOL, atol=1e-12, err_msg=k)
+    ours = dict(hf.hf_tensors(grads, cfg))
+    assert set(ours) == set(want_grads)
+    for name, g in want_grads.items():
+        np.testing.assert_allclose(ours[name], g, rtol=RTOL, atol=1e-12 * np.abs(g).max(), err_msg=name)
+    for a, b in zip(jax.tree.leaves(jax.device_get(new["reference"])), jax.tree.leaves(before)):
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("loss,eps", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0)])
 def test_dpo_equals_the_formula_on_transformers_logprobs(models, loss, eps):
-    policy_dir, ref_dir, policy, reference = models
-    pairs = make_pairs()
-    want, want_metrics, want_dw = torch_dpo(policy, reference, pairs, 0.2, loss, eps)
-    with jax.enable_x64(True):
-        c = dpo_config(policy_dir, **{"dpo.beta": 0.2, "dpo.loss": loss, "dpo.label_smoothing": eps})
-        got, metrics, grads, new, before = jaxpar_dpo(c, policy_dir, ref_dir, rows_of(pairs))
-    np.testing.assert_allclose(got, want, rtol=RTOL)
-    for k, v in want_metrics.items():
-        np.testing.assert_allclose(float(metrics[k]), v, rtol=RTOL, atol=1e-12, err_msg=k)
-    np.testing.assert_allclose(grads["lm_head"][:, :V], want_dw, rtol=RTOL, atol=1e-12)
-    for a, b in zip(jax.tree.leaves(jax.device_get(new["reference"])), jax.tree.leaves(before)):
-        assert np.array_equal(a, b)
+    check_against_torch(models, make_pairs(), 0.2, {}, loss, eps)
 
 
 LAYOUTS = {"1f1b_2x2x2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "pipeline.schedule": "1f1b",
@@ -149,18 +157,7 @@ LAYOUTS = {"1f1b_2x2x2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "pi
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_dpo_on_layouts_with_accumulation_equals_the_formula(models, name):
-    policy_dir, ref_dir, policy, reference = models
-    pairs = make_pairs(seed=1)
-    want, want_metrics, want_dw = torch_dpo(policy, reference, pairs, 0.1)
-    with jax.enable_x64(True):
-        c = dpo_config(policy_dir, **LAYOUTS[name])
-        got, metrics, grads, new, before = jaxpar_dpo(c, policy_dir, ref_dir, rows_of(pairs), devices=8)
-    np.testing.assert_allclose(got, want, rtol=RTOL)
-    for k, v in want_metrics.items():
-        np.testing.assert_allclose(float(metrics[k]), v, rtol=RTOL, atol=1e-12, err_msg=k)
-    np.testing.assert_allclose(grads["lm_head"][:, :V], want_dw, rtol=RTOL, atol=1e-12)
-    for a, b in zip(jax.tree.leaves(jax.device_get(new["reference"])), jax.tree.leaves(before)):
-        assert np.array_equal(a, b)
+    check_against_torch(models, make_pairs(seed=1), 0.1, LAYOUTS[name], devices=8)
 
 
 # ---- preference records through the data pipeline and the trainer ---------------------------------------------------

@@ -217,24 +217,27 @@ def load(directory: str, device=None, param_dtype: str = "float32"):
     return Forward(cfg), load_params(directory, cfg, shard), data.load_tokenizer(config.data.tokenizer)
 
 
+def hf_tensors(params, cfg):
+    """(Hugging Face name, host array in HF's layout) of every tensor of a params-shaped tree (canonical layer order):
+    what `save` writes; gradients map the same way."""
+    flat = dict(param_items(params))
+    for m in maps(cfg):
+        a = np.asarray(flat[m.ours])
+        for i, name in enumerate(layer_names(m, cfg.layers)):
+            part = a[i] if m.per_layer else a
+            for e, n in enumerate(expert_names(name, m, cfg.experts)):
+                yield n, keys.to_hf(m, part[e] if m.per_expert else part, cfg.vocab_real)
+
+
 def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> list[str]:
     """Write host params (canonical layer order) of `cfg` as an HF directory in `out` (which exists): config.json,
     the weights in `dtype`, tokenizer.json and tokenizer_config.json. Returns the names written."""
-    flat = dict(param_items(params))
     np_dtype = jnp.dtype(dtype)
     if cfg.experts and np.any(np.asarray(router_bias(params))):
         raise HFError("the model's expert choice bias (model.router_bias_rate) is not zero: Mixtral and Qwen3-MoE "
                       "checkpoints have none, so transformers would route differently; export with --format jaxpar.")
-
-    def tensors():
-        for m in maps(cfg):
-            a = np.asarray(flat[m.ours])
-            for i, name in enumerate(layer_names(m, cfg.layers)):
-                part = a[i] if m.per_layer else a
-                for e, n in enumerate(expert_names(name, m, cfg.experts)):
-                    yield n, keys.to_hf(m, part[e] if m.per_expert else part, cfg.vocab_real).astype(np_dtype)
-
-    names = files.write(out, tensors(), max_shard_bytes)
+    tensors = ((n, a.astype(np_dtype)) for n, a in hf_tensors(params, cfg))
+    names = files.write(out, tensors, max_shard_bytes)
     hf_tok = tokenizer.to_hf()
     hf_tok.save(os.path.join(out, TOKENIZER))
     # the end-of-text token by name, as config.json's bos/eos ids say (AutoTokenizer then knows it; generate stops);
@@ -254,4 +257,5 @@ def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> 
     return names + ["config.json", TOKENIZER, "tokenizer_config.json"]
 
 
-__all__ = ["HFError", "PREFIX", "apply", "check", "directory_of", "load", "load_params", "save", "settings"]
+__all__ = ["HFError", "PREFIX", "apply", "check", "directory_of", "hf_tensors", "load", "load_params", "save",
+           "settings"]
