@@ -174,7 +174,8 @@ def say_packing(train_data, val_data) -> None:
         return
     for split, d in (("train", train_data), ("val", val_data)):
         c = d.packing_counts()
-        print(f"jaxpar: {split}: {c['sequences']:,} sequences packed into {c['rows']:,} rows of {d.seq_len + 1} "
+        what = "preference pairs" if d.packed[0].pairs else "sequences"
+        print(f"jaxpar: {split}: {c['sequences']:,} {what} packed into {c['rows']:,} rows of {d.seq_len + 1} "
               f"tokens; {c['truncated']:,} cut to fit (data.truncate='right'), {c['skipped']:,} left out "
               f"(data.truncate='skip')", flush=True)
 

@@ -87,8 +87,8 @@ class Batches:
             if source.kind in ("megatron", "tokens"):
                 part.stream.check_ids(vocab_size or info.vocab_size)
         self.vocab_size = vocab_size or info.vocab_size
-        self.packed = [Packed(p, self.seq_len + 1, truncate, f"{n} ({split})", pairs)
-                       for p, n in zip(self.parts, self.names)] if packing == "bfd" else None
+        self.packed = [Packed(p, self.seq_len + 1, truncate, f"{n} ({src.path}, its {split} split)", pairs)
+                       for p, n, (src, _) in zip(self.parts, self.names, info.sources)] if packing == "bfd" else None
         self.num_samples = [p.num_samples for p in self.packed] if self.packed else \
             [(p.num_tokens - 1) // self.seq_len for p in self.parts]
         self.orders = []

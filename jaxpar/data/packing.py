@@ -157,8 +157,9 @@ def _check_pairs(stream, starts, ends, pairs: bool, name: str) -> bool:
     first = stream.masks is not None and len(starts) and \
         bool((stream.read(int(starts[0]), int(ends[0]), masks=True) & REJECTED).any())
     if pairs and not first:
-        raise DataError(f"source {name} holds no preference pairs (records with `prompt`, `chosen` and `rejected`); "
-                        f"train.objective='dpo' trains on those only.")
+        raise DataError(f"source {name} holds no preference pairs (records with `prompt`, `chosen` and `rejected`), "
+                        f"which train.objective='dpo' trains on; point data.sources at such records, or train with "
+                        f"train.objective='lm'.")
     if first and not pairs:
         raise DataError(f"source {name} holds preference pairs (`chosen`, `rejected`); train on them with "
                         f"--config.train.objective=dpo.")
