@@ -1,6 +1,7 @@
 """Follow the guides as a new user does: every CPU command of their ```bash blocks, in the guides' order, in a fresh
-clone of this repository, training runs shortened; then check that no command failed, none was refused because of
-another guide's run ("refusing to resume"), and `git status` in the clone is clean (everything the commands write is
+clone of this repository, training runs shortened; then check that no command failed (a refusal a guide shows must
+happen), none was refused or found nothing to do because of another guide's run ("refusing to resume", "nothing to
+run"), and `git status` in the clone is clean (everything the commands write is
 ignored by git). Slow (about half an hour on 2 cores): not part of the test suite; its last run is on the results
 page (docs/results/README.md).
 
@@ -29,16 +30,20 @@ GUIDES = ("README.md", "docs/getting-started.md", "docs/checkpoints.md", "docs/m
           "docs/pipeline.md", "docs/precision.md", "docs/moe.md", "docs/context.md", "docs/offload.md",
           "docs/planning.md", "docs/data.md", "docs/multihost.md", "docs/finetune.md", "docs/gpu.md",
           "docs/testing.md")
-SKIP = (r"^pip install\b", r"^python3 -m venv\b", r"-m pytest\b", r"^python train\.py --config configs/llama3_8b\.py", r"\bsbatch\b", r"\$EDITOR", r"\btail -f\b", r"^tensorboard\b",
-        r"^ssh\b", r"--coordinator\b", r"bench/gpu\.py", r"/path/to/", r"data/corpus", r"runs/llama3_8b\b",
+SKIP = (r"^pip install\b", r"^python3 -m venv\b", r"-m pytest\b", r"^python train\.py --config configs/llama3_8b\.py",
+        r"\bsbatch\b", r"\$EDITOR", r"\btail -f\b", r"^tensorboard\b", r"^ssh\b", r"--coordinator\b",
+        r"bench/gpu\.py", r"/path/to/", r"data/corpus", r"runs/llama3_8b\b",
         r"configs/(llama3_8b|qwen3_30b_a3b|gpt_small|sft_llama3_8b)\.py(?!.*--dry_run)")
+EXPECT_ERROR = "#expect-error: "
 SETUP = re.compile(r"^(python3 -m venv \.venv && \. \.venv/bin/activate && )?pip install [^&]+&& ")  # dropped
 
 
 def commands(text: str) -> list[str]:
-    """The commands of a guide's ```bash blocks: continuation lines joined, a heredoc kept whole, comments dropped."""
+    """The commands of a guide's ```bash blocks: continuation lines joined, a heredoc kept whole, comments dropped.
+    A block the guide follows with an output block starting `error:` shows a refusal: its last command is marked
+    `EXPECT_ERROR` + the message's last line."""
     out = []
-    for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M):
+    for block, shown in re.findall(r"^```bash\n(.*?)^```\n+(?:```\n(error:.*?)^```)?", text, re.S | re.M):
         lines, i = block.splitlines(), 0
         while i < len(lines):
             cmd = lines[i]
@@ -54,6 +59,8 @@ def commands(text: str) -> list[str]:
             cmd = re.sub(r"\s+#[^'\"\n]*$", "", cmd) if not end else cmd
             if cmd.strip():
                 out.append(cmd.strip())
+        if shown:
+            out[-1] = EXPECT_ERROR + shown.strip().splitlines()[-1].strip() + "\n" + out[-1]
     return out
 
 
@@ -71,9 +78,8 @@ def prepared(cmd: str, steps: int) -> str | None:
 
 def run(guide: str, cmds: list[str], clone: str, env: dict, log) -> list[dict]:
     """One bash session per guide (its `export`s and variables carry over between its commands)."""
-    script, marks = [], []
+    script = []
     for k, cmd in enumerate(cmds):
-        marks.append(f"@@guides {k}")
         script += [f"echo '@@start {k}'; SECONDS=0", cmd, f"echo \"@@guides {k} rc=$? s=$SECONDS\""]
     p = subprocess.run(["bash", "-c", "\n".join(script)], cwd=clone, env=env, capture_output=True, text=True)
     log.write(f"===== {guide}\n{p.stdout}\n{p.stderr}\n")
@@ -81,10 +87,14 @@ def run(guide: str, cmds: list[str], clone: str, env: dict, log) -> list[dict]:
     for k, cmd in enumerate(cmds):
         m = re.search(rf"@@guides {k} rc=(\d+) s=(\d+)", p.stdout)
         part = p.stdout.split(f"@@start {k}")[-1].split(f"@@guides {k}")[0]
-        rows.append({"guide": guide, "command": cmd[:160], "rc": int(m.group(1)) if m else None,
-                     "s": int(m.group(2)) if m else None, "refused": "refusing to resume" in part,
+        expect = cmd[len(EXPECT_ERROR):].split("\n")[0] if cmd.startswith(EXPECT_ERROR) else None
+        rc = int(m.group(1)) if m else None
+        # a refusal the guide shows must happen, with its message (printed on stderr)
+        ok = rc == 0 if expect is None else (rc not in (0, None) and expect in out)
+        rows.append({"guide": guide, "command": cmd.split("\n", 1)[-1][:160] if expect else cmd[:160], "rc": rc,
+                     "ok": ok, "s": int(m.group(2)) if m else None, "refused": "refusing to resume" in part,
+                     "nothing_to_run": "nothing to run" in part,
                      "last": part.strip().splitlines()[-1][:160] if part.strip() else ""})
-    rows[-1]["stderr_refused"] = "refusing to resume" in out
     return rows
 
 
@@ -117,8 +127,12 @@ def main(argv=None) -> int:
                     print(json.dumps(r), flush=True)
                     rows.append(r)
     status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True).stdout
-    summary = {"commands": len(rows), "failed": [r["command"] for r in rows if r["rc"] != 0],
-               "refused": [r["command"] for r in rows if r["refused"]], "git_status": status.splitlines(),
+    summary = {"commands": len(rows), "failed": [r["command"] for r in rows if not r["ok"]],
+               "refused": [r["command"] for r in rows if r["refused"]],
+               # a run that finds its work done, though no earlier guide gave the same command: another guide's run
+               "nothing_to_run": [r["command"] for i, r in enumerate(rows) if r["nothing_to_run"] and
+                                  r["command"] not in [q["command"] for q in rows[:i]]],
+               "git_status": status.splitlines(),
                "minutes": round((time.time() - t0) / 60, 1), "steps": a.steps}
     print(json.dumps(summary, indent=1))
     if a.out:
@@ -127,7 +141,8 @@ def main(argv=None) -> int:
             json.dump({"summary": summary, "commands": rows}, f, indent=1)
     if not a.keep:
         shutil.rmtree(clone, ignore_errors=True)
-    return 0 if not (summary["failed"] or summary["refused"] or summary["git_status"]) else 1
+    return 0 if not (summary["failed"] or summary["refused"] or summary["nothing_to_run"] or
+                     summary["git_status"]) else 1
 
 
 if __name__ == "__main__":

@@ -156,6 +156,14 @@ def test_console_plain_lines():
     assert "loss 2.5000" in lines[1] and "MFU 45.7%" in lines[1] and "val_loss" not in lines[1]
 
 
+def test_console_line_on_cpu_and_for_dpo():
+    """A CPU's rate in GFLOP/s (never "0.0 TFLOP/s"); DPO's reward margin and preference accuracies by short names."""
+    line = mon.format_metrics(5, 10, {"loss": 0.1, "tflops_per_device": 0.0043, "rewards/margins": 1.5,
+                                      "rewards/accuracies": 1.0, "val_rewards/accuracies": 0.9})
+    for s in ("4.3 GFLOP/s/dev", "margin 1.500", "acc 1.00", "val_acc 0.90"):
+        assert s in line, (s, line)
+
+
 def test_console_disabled_prints_nothing():
     out = io.StringIO()
     c = mon.Console(enabled=False, total_steps=10, start_step=0, stream=out)
