@@ -86,7 +86,7 @@ def run(guide: str, cmds: list[str], clone: str, env: dict, log) -> list[dict]:
     out, rows = p.stdout + "\n" + p.stderr, []
     for k, cmd in enumerate(cmds):
         m = re.search(rf"@@guides {k} rc=(\d+) s=(\d+)", p.stdout)
-        part = p.stdout.split(f"@@start {k}")[-1].split(f"@@guides {k}")[0]
+        part = p.stdout.split(f"@@start {k}\n")[-1].split(f"@@guides {k} ")[0]
         expect = cmd[len(EXPECT_ERROR):].split("\n")[0] if cmd.startswith(EXPECT_ERROR) else None
         rc = int(m.group(1)) if m else None
         # a refusal the guide shows must happen, with its message (printed on stderr)
