@@ -268,11 +268,7 @@ def with_reference(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, reference, p
     if st.reference in ("", "batch"):
         return batch
     reference = reference_weights(cfg, params) if st.reference == "adapters_off" else reference
-    ref = reference_sums(st, grad_fn, reference, batch)
-    # the policy's pass reads its tokens after the reference's pass is done: run side by side, their collectives
-    # deadlocked XLA:CPU's executor on 8 host devices over 2 cores (each device waiting in another collective)
-    ref, tokens = jax.lax.optimization_barrier((ref, batch["tokens"]))
-    return {**batch, "tokens": tokens, "ref": ref}
+    return {**batch, "ref": reference_sums(st, grad_fn, reference, batch)}
 
 
 def train_update(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Shardings, optim, state, params, batch):
