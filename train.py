@@ -58,6 +58,7 @@ def train(config):
     except (ConfigError, DataError) as e:
         distributed.stop_all(2, f"error: {e}")
     except CheckpointSaveError as e:  # a full disk, a lost mount: the message says what to do, no traceback
+        distributed.await_lost_peer(e)  # or a peer that failed while this process saved: its verdict first
         distributed.stop_all(1, f"error: {e}")
     except Preempted as e:
         print(f"jaxpar: {e}", file=sys.stderr)

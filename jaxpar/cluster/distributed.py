@@ -318,10 +318,17 @@ def fail_all(error: BaseException) -> None:
     if watchdog.peers_running():
         import traceback
 
-        if any(m in str(error) for m in LOST_PEER_MARKS):  # a collective lost its peer: let the peer watch name it
-            watchdog.await_verdict(f"a collective failed ({type(error).__name__}: {str(error)[:200]})")
+        await_lost_peer(error)
         traceback.print_exception(error)
         stop_all(1, f"{type(error).__name__}: {error}")
+
+
+def await_lost_peer(error: BaseException) -> None:
+    """With several processes, when `error` is a collective that lost its peer (in a step, or in a checkpoint save's
+    own collectives): let the peer watch name the process that is gone, or take the code a stuck peer posted (the
+    step watchdog's 4), before this process reports `error` as its own failure."""
+    if watchdog.peers_running() and any(m in str(error) for m in LOST_PEER_MARKS):
+        watchdog.await_verdict(f"a collective failed ({type(error).__name__}: {str(error)[:200]})")
 
 
 # What a collective's error says when the process on the other end is gone (gloo on CPU, NCCL/gRPC elsewhere)
