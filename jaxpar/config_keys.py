@@ -81,9 +81,9 @@ KEYS = (
     # top level
     K("name", "jaxpar", str, "the run's name (in messages and the planner's output; the workdir defaults to "
       "`runs/<config file name>`)"),
-    K("init_from", "", str, "weights to start from: an export directory (`python -m jaxpar.export`) or `hf:DIR` (a "
-      "Hugging Face directory; its shape and tokenizer replace the config's): "
-      "[models](models.md)"),
+    K("init_from", "", str, "weights to start from: an export directory (`python -m jaxpar.export`), `hf:DIR` (a "
+      "Hugging Face directory; its shape and tokenizer replace the config's) or `hf:ORG/NAME[@REVISION]` (a Hub "
+      "model, fetched into the Hugging Face cache): [models](models.md)"),
     K("rules", DEFAULT_RULES, None, "logical axis → mesh axis (below): [layouts](layouts.md)"),
     # mesh
     K("mesh.data", -1, int, "data-parallel size; -1: the devices left over by tensor and stage"),
@@ -174,7 +174,8 @@ KEYS = (
       "Mixtral's experts `w1`, `w2`, `w3`), `all-linear`, or `auto` (PEFT's default: `q_proj,v_proj`; GPT-2 "
       "`c_attn`)"),
     K("lora.rslora", False, bool, "rank-stabilised LoRA: scale alpha / sqrt(r) (PEFT's `use_rslora`)"),
-    K("lora.adapter", "", str, "a PEFT adapter directory to start the adapters from (its `r`, `lora_alpha`, targets "
+    K("lora.adapter", "", str, "a PEFT adapter directory (or `hf:ORG/NAME[@REVISION]`, a Hub adapter) to start the "
+      "adapters from (its `r`, `lora_alpha`, targets "
       "and rslora replace the keys above)"),
     K("lora.base_dtype", "", str, "the frozen base weights' dtype (`bfloat16` halves their memory); `\"\"`: "
       "`train.param_dtype`. The adapters and their AdamW moments keep `train.param_dtype`",
@@ -267,6 +268,10 @@ KEYS = (
       lambda v: v >= 1, "an integer >= 1 (MB of text the BPE tokenizer trains on)"),
     K("data.val_fraction", 0.05, float, "the last fraction of each source's documents is its validation split",
       lambda v: 0 < v < 1, "a number in (0, 1) (that last fraction of the documents is the validation split)"),
+    K("data.val_source", "", str, "a source (or blend) read whole as the validation split, e.g. "
+      "`hfds:ORG/NAME:test`; `\"\"`: the last `data.val_fraction` of each source (which is then ignored)"),
+    K("data.hf_data_files", "", str, "with an `hfds:` source: the glob of its files in the dataset repository (e.g. "
+      "`data/train_sft-*.parquet`); `\"\"`: the split's files by the README's `configs` or the usual names"),
     K("data.val_split", "documents", str, "`documents` or `tokens` (the last fraction of the tokens, as older runs "
       "split)",
       choices=('documents', 'tokens')),
@@ -303,6 +308,11 @@ KEYS = (
     K("log.every_steps", 10, int, "metrics every N steps", lambda v: v >= 1, "an integer >= 1"),
     K("log.profile_steps", (), None, "steps to capture a profiler trace of"),
     K("log.progress", True, bool, "a progress bar on the terminal"),
+    K("log.wandb_project", "", str, "a Weights & Biases project to log to (process 0; `pip install 'jaxpar[wandb]'`); "
+      "`\"\"`: off"),
+    K("log.wandb_entity", "", str, "the W&B entity (user or team); `\"\"`: wandb's default"),
+    K("log.wandb_name", "", str, "the W&B run's name; `\"\"`: the workdir's name"),
+    K("log.wandb_tags", (), None, "the W&B run's tags (a tuple of strings)"),
     # eval
     K("eval.every_steps", 100, int, "validation every N steps", lambda v: v >= 1, "an integer >= 1"),
     K("eval.batches", 8, int, "validation batches", lambda v: v >= 1, "an integer >= 1"),

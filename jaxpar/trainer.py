@@ -18,7 +18,7 @@ from jaxpar import data
 from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
 from jaxpar.cluster.preemption import Preempted, PreemptionWatch
-from jaxpar.interop import hf, peft
+from jaxpar.interop import hf, hub, peft
 from jaxpar.train import loss_scale, monitor, reference
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
@@ -112,7 +112,7 @@ def dry_run(config, workdir: str) -> dict:
     shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
-    rep = report_for(config)
+    rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=False)[0])
     hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
@@ -136,8 +136,11 @@ def run(config, workdir: str, devices=None) -> dict:
     `devices`: the devices to lay the mesh over (default: all, `jax.devices()`); a subset (e.g. one device of a
     process that has eight) is meant for tests and single-process runs."""
     devices = list(jax.devices() if devices is None else devices)
+    named = config  # hf:ORG/NAME, hfds:ORG/NAME -> where they are in the HF cache; the weights once validated
+    config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
     config = peft.apply(hf.apply(config))  # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...
     layout = validate(config, len(devices))
+    hub.resolve_once_per_host(named, workdir, weights=True, pins=pins)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
@@ -153,6 +156,7 @@ def run(config, workdir: str, devices=None) -> dict:
         return nothing_to_run(config, workdir, latest)
     if jax.process_index() == 0:
         write_run_files(config, workdir, info, latest or 0)
+        hub.record(workdir, pins)
     ckpt = Checkpointer.from_config(workdir, config)
     try:
         abstract = steps.abstract_state()
@@ -302,7 +306,9 @@ class Loop:
         self.flops_tok = gpt.flops_per_token(steps.cfg)
         self.peak, self.ndev = throughput.peak_flops(devices[0].device_kind), len(devices)
         is_main = jax.process_index() == 0
-        self.writer = monitor.MetricsWriter(workdir, is_main)
+        tracker = monitor.WandbRun(workdir, config.log, config.to_dict()) if is_main and config.log.wandb_project \
+            else None
+        self.writer = monitor.MetricsWriter(workdir, is_main, tracker)
         self.profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
         self.console = monitor.Console(is_main, self.total, start, bool(config.log.progress))
         if is_main:

@@ -5,6 +5,8 @@ owners of the rules; only entry points (trainer, planner, report, tools) import 
 """
 from __future__ import annotations
 
+import importlib.util
+
 import numbers
 
 import jax
@@ -90,6 +92,14 @@ def _check_objective(config, lay: Layout) -> list[str]:
 def _step_list(steps, least: int) -> bool:
     return isinstance(steps, (tuple, list)) and all(
         isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= least for s in steps)
+
+
+def _check_trackers(config) -> list[str]:
+    """`log.wandb_project` needs the `wandb` package (an optional extra), found before anything compiles."""
+    if config.log.wandb_project and importlib.util.find_spec("wandb") is None:
+        return [f"log.wandb_project={config.log.wandb_project!r} needs the wandb package, which is not installed: "
+                f"pip install 'jaxpar[wandb]' (or drop log.wandb_project)."]
+    return []
 
 
 def _check_kinds(config) -> list[str]:
@@ -264,7 +274,7 @@ def validate(config, num_devices: int) -> Layout:
     errs += _check_kernels(config, t)
     errs += _check_float64(tr)
     errs += _check_loss_scale(config)
-    errs += _check_lora(config) + _check_objective(config, lay)
+    errs += _check_lora(config) + _check_objective(config, lay) + _check_trackers(config)
     if o.warmup_steps < 0 or o.decay_steps < o.warmup_steps:
         errs.append(f"optim.warmup_steps={o.warmup_steps}, optim.decay_steps={o.decay_steps}: need "
                     f"0 <= warmup_steps <= decay_steps.")

@@ -14,6 +14,7 @@ which gives every process one GPU, is switched off), before anything touches a d
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import socket
@@ -290,6 +291,34 @@ def process_0_first(fn, name: str):
     out = fn() if jax.process_index() == 0 else None
     barrier(name)
     return out if jax.process_index() == 0 else fn()
+
+
+def from_process_0(fn, name: str):
+    """`fn()` on process 0; its result (JSON) given to every other process, which waits for it (the coordination
+    service's key-value store). One process: just `fn()`."""
+    import jax
+
+    if jax.process_count() == 1:
+        return fn()
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if jax.process_index() == 0:
+        out = fn()
+        client.key_value_set(name, json.dumps(out))
+        return out
+    return json.loads(client.blocking_key_value_get(name, 24 * 3600 * 1000))
+
+
+def first_on_node() -> bool:
+    """Whether this process has the lowest index of the processes on its node (True for one process)."""
+    import jax
+
+    nodes = process_nodes()
+    if not nodes:
+        return True
+    me = jax.process_index()
+    return me == min(p for p, n in nodes.items() if n == nodes[me])
 
 
 def barrier(name: str) -> None:

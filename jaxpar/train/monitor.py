@@ -15,6 +15,7 @@ import math
 import numbers
 import os
 import sys
+import uuid
 from typing import Any, Mapping
 
 import jax
@@ -64,10 +65,12 @@ class MetricsWriter:
     The file is opened in append mode, so a resumed run continues the same log.
 
     Pass ``enabled=(jax.process_index() == 0)``: when disabled every method is a no-op and nothing is created.
+    `wandb`: a `WandbRun` that gets the same numeric values at the same steps (closed with this writer).
     """
 
-    def __init__(self, workdir: str, enabled: bool):
+    def __init__(self, workdir: str, enabled: bool, wandb: "WandbRun | None" = None):
         self.enabled = bool(enabled)
+        self._wandb = wandb if self.enabled else None
         self.path = os.path.join(workdir, "metrics.jsonl")
         self.tb_dir = os.path.join(workdir, "tb")
         self._file = None
@@ -103,6 +106,8 @@ class MetricsWriter:
                 continue
             self._tb.add_scalar(k, v, global_step=step)
         self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, record)
 
     def close(self) -> None:
         if self._file is not None:
@@ -111,12 +116,53 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.close()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class WandbRun:
+    """A Weights & Biases run (`log.wandb_project`) that gets what `MetricsWriter` writes: the numbers, at the
+    same steps (per-layer lists as `key/layerI`), and the resolved config. Its id is kept in WORKDIR/wandb_id, so a
+    resumed or requeued job continues the same run (`resume="allow"`); its local files go to WORKDIR/wandb.
+    `WANDB_MODE=offline` (no network) and W&B's other environment settings apply as wandb reads them."""
+
+    ID_FILE = "wandb_id"
+
+    def __init__(self, workdir: str, log, config: dict):
+        import wandb
+
+        path = os.path.join(workdir, self.ID_FILE)
+        os.makedirs(workdir, exist_ok=True)
+        run_id = open(path).read().strip() if os.path.isfile(path) else uuid.uuid4().hex[:12]
+        with open(path, "w") as f:  # before the run starts: a job killed during `init` resumes the same id
+            f.write(run_id + "\n")
+        name = log.wandb_name or os.path.basename(os.path.abspath(workdir))
+        self.run = wandb.init(project=log.wandb_project, entity=log.wandb_entity or None, name=name,
+                              tags=[str(t) for t in log.wandb_tags] or None, id=run_id, resume="allow", dir=workdir,
+                              config=config)
+
+    def log(self, step: int, record: Mapping[str, Any]) -> None:
+        out = {}
+        for k, v in record.items():
+            if isinstance(v, list):
+                out.update({f"{k}/layer{i}": x for i, x in enumerate(v) if _scalar(x)})
+            elif k != "step" and _scalar(v):
+                out[k] = v
+        self.run.log(out, step=int(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # ---------------------------------------------------------------------------------------------------------------
