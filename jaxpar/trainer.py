@@ -140,7 +140,7 @@ def run(config, workdir: str, devices=None) -> dict:
     config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
     config = peft.apply(hf.apply(config))  # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...
     layout = validate(config, len(devices))
-    hub.resolve_once_per_host(named, workdir, weights=True, pins=pins)
+    hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
     B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)

@@ -214,3 +214,39 @@ def test_stalled_process_trips_the_step_watchdog(corpus, tmp_path):
     assert f"no training step finished within 5 s (dist.step_timeout_s): step {last + 1} has not finished" in out
     # 5 s without a step, + one 1 s poll, + 2.5 s that process 0 keeps the coordinator up; measured 8.2 s
     assert elapsed < 5 + 1 + 2.5 + 3.5, elapsed
+
+
+def test_two_processes_on_one_host_fetch_a_hub_name_once(corpus, tmp_path):
+    """`data.sources=hfds:ORG/NAME` with two processes on one node (HF cache built here, offline): process 0
+    resolves it (the only calls that may download), process 1 waits and then reads its host's cache
+    (`local_files_only`); both train on it."""
+    import hashlib
+
+    cache, commit = tmp_path / "hf", "c0ffee" * 6 + "beef"
+    snap = cache / "datasets--org--corpus" / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for f in sorted(corpus.glob("*.txt")):  # the corpus as a JSONL dataset (blobs linked from the snapshot)
+        blob = cache / "datasets--org--corpus" / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        blob.parent.mkdir(exist_ok=True)
+        blob.write_text(json.dumps({"text": f.read_text()}) + "\n")
+        (snap / f"train-{f.stem}.jsonl").symlink_to(os.path.relpath(blob, snap))
+    (cache / "datasets--org--corpus" / "refs").mkdir()
+    (cache / "datasets--org--corpus" / "refs" / "main").write_text(commit)
+    spy = tmp_path / "calls.jsonl"
+    base = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1", HUB_SPY_LOG=str(spy))
+    args = train_args(corpus, tmp_path / "cache", tmp_path / "run", 2)
+    args = [a if not a.startswith("--config.data.sources=") else "--config.data.sources=hfds:org/corpus" for a in args]
+    port, procs = launch.free_port(), []
+    for rank in range(2):  # one node for both (the launcher names one per process)
+        env = dict(launch.process_env(base, rank, 2, 4, port), JAXPAR_NODE="host-a")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "hub_spy.py"), *args], env=env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    calls = [json.loads(x) for x in spy.read_text().splitlines()]
+    zero, one = ([c for c in calls if c["process"] == p] for p in (0, 1))
+    assert zero and not any(c["local_files_only"] for c in zero), calls
+    assert one and all(c["local_files_only"] for c in one), calls
+    assert max(c["end"] for c in zero) <= min(c["start"] for c in one), calls
+    assert sorted(losses(tmp_path / "run")) == [1, 2]
+    assert json.loads((tmp_path / "run" / "hub.json").read_text()) == {"hfds:org/corpus": commit}

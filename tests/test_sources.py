@@ -288,3 +288,19 @@ def test_blend_with_packing_resumes_exactly_under_another_data_parallel_size(cor
         last = [json.loads(line) for line in f][-1]
     drawn = last["tokens/abc"] + last["tokens/def"]
     assert drawn == 4 * 16 * 16 and abs(last["tokens/abc"] / drawn - 0.3) <= 0.05  # 64 samples: 19 and 45
+
+
+def test_a_named_validation_source_is_read_whole_and_the_sources_train_whole(texts, tmp_path):
+    """data.val_source: the validation split is that source, every document of it; the training sources keep all of
+    theirs (data.val_fraction is ignored); the data's identity (what a resume compares) names it."""
+    d, docs = texts
+    info = data.prepare(config(tmp_path, f"text:{d}/doc[0-5].txt", val_source=f"text:{d}/doc[67].txt",
+                               val_fraction=0.5))
+    train, val = (data.Batches(info, split, seq_len=8, global_batch=2) for split in ("train", "val"))
+    whole = data.prepare(config(tmp_path, f"text:{d}/doc[0-5].txt", val_fraction=0.0))
+    assert [p.num_tokens for p in train.parts] == [whole.streams()[0].num_tokens]
+    alone = data.prepare(config(tmp_path, f"text:{d}/doc[67].txt"))
+    assert [(p.start, p.num_tokens) for p in val.parts] == [(0, alone.streams()[0].num_tokens)]
+    np.testing.assert_array_equal(val.rows(0)["tokens"][0], stream_of(alone)[:9])
+    assert info.identity not in (whole.identity, data.prepare(config(tmp_path, f"text:{d}/doc[0-5].txt",
+                                                                     val_source=f"text:{d}/doc7.txt")).identity)
