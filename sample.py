@@ -4,6 +4,7 @@ prompt; the reply up to the end-of-turn token).
 
 DIR is a run directory (its config, tokenizer and latest checkpoint are loaded, whatever layout trained it), an
 export written by `python -m jaxpar.export` (it holds model_config.json), or `hf:DIR`, a Hugging Face directory
+(or `hf:ORG/NAME[@REVISION]`, a Hub model, fetched into the Hugging Face cache)
 (GPT-2 or Llama; float32 on one device).
 
 Guide: docs/getting-started.md (sampling), docs/models.md (Hugging Face directories).
@@ -13,7 +14,7 @@ import sys
 
 from absl import app, flags, logging
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py, an export, or hf:DIR.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by train.py, an export, hf:DIR or hf:ORG/NAME.")
 _PROMPT = flags.DEFINE_string("prompt", "\n", "Text to continue.")
 _NEW = flags.DEFINE_integer("new_tokens", 200, "Tokens to generate (prompt + new <= the model's max_positions).")
 _TEMP = flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 = greedy.")
@@ -49,15 +50,16 @@ def main(argv):
     from jaxpar.model.generate import generate
     from jaxpar.interop.runs import load_params
 
-    from jaxpar.interop import hf
+    from jaxpar.interop import hf, hub
 
-    where = hf.directory_of(_WORKDIR.value)
-    if where is not None:
-        load = hf.load
-    else:
-        where = _WORKDIR.value
-        load = load_export if os.path.isfile(os.path.join(where, CONFIG_FILE)) else load_params
     try:
+        name = hub.model_name(_WORKDIR.value)  # hf:ORG/NAME[@REVISION]: into the Hugging Face cache
+        where = hf.directory_of("hf:" + hub.fetch(name)[0] if name else _WORKDIR.value)
+        if where is not None:
+            load = hf.load
+        else:
+            where = _WORKDIR.value
+            load = load_export if os.path.isfile(os.path.join(where, CONFIG_FILE)) else load_params
         fwd, params, tok = load(where)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

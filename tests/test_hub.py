@@ -277,3 +277,32 @@ def test_asking_for_wandb_without_the_package_is_one_line(corpus, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "pip install 'jaxpar[wandb]'" in res.stderr.strip().splitlines()[-1], res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_sample_takes_a_hub_name(hub_cache):
+    root, cache, _, _ = hub_cache
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--workdir", "hf:tiny-org/tiny-llama",
+                          "--prompt", "hello", "--new_tokens", "3", "--temperature", "0"], env=env(cache), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("hello"), res.stderr[-2000:]
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--workdir", "hf:tiny-org/none",
+                          "--prompt", "x"], env=env(cache), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "not in the Hugging Face cache" in res.stderr, res.stderr[-2000:]
+
+
+def test_a_peft_adapter_by_name_resolves_to_its_snapshot_and_a_dry_run_fetches_no_weights(hub_cache, monkeypatch):
+    _, cache, _, commits = hub_cache
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    adapter = put(cache, "model", "tiny-org/adapter", {"adapter_config.json": b"{}", "adapter_model.safetensors": b"x",
+                                                       "README.md": b"an adapter"})
+    c = base_config()
+    c.lora.adapter, c.init_from = "hf:tiny-org/adapter", "hf:tiny-org/tiny-llama"
+    out, pins = hub.resolve(c, {})
+    assert out.lora.adapter == str(cache / "models--tiny-org--adapter" / "snapshots" / adapter)
+    assert out.init_from == f"hf:{cache}/models--tiny-org--tiny-llama/snapshots/{commits['model']}"
+    calls = []
+    monkeypatch.setattr("huggingface_hub.snapshot_download", lambda repo, **kw: calls.append(kw["allow_patterns"])
+                        or str(cache / "models--tiny-org--tiny-llama" / "snapshots" / commits["model"]))
+    hub.resolve(c, {}, weights=False, datasets=False)
+    assert calls and not any("safetensors" in p for allow in calls for p in allow), calls

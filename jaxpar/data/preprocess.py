@@ -134,7 +134,8 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
     settings = {"field": d.text_field, "sep": sep.decode(), "tokenizer": tok_id, "eot": tok.eot_id}
     conversational = {i for i, s in enumerate(specs + val_specs) if i in units and records.holds_records(s, units[i])}
     chat_settings = records.conversation_settings(d, tok_dir, bool(conversational))
-    settings = [{**settings, **chat_settings} if i in conversational else settings for i in range(len(units) + len(files))]
+    settings = [{**settings, **chat_settings} if i in conversational else settings
+                for i in range(len(specs + val_specs))]
     out = [(s, _prefixes(root, s, units.get(i), files.get(i), tok_dir, settings[i], int(d.workers), say))
            for i, s in enumerate(specs + val_specs)]
     out, val_out = out[:len(specs)], out[len(specs):]
