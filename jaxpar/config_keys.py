@@ -150,6 +150,12 @@ KEYS = (
     K("model.capacity_factor", 0.0, float, "MoE: each expert takes at most ceil(factor × seq_len × k / experts) "
       "tokens of a sequence, the rest skip the layer; 0: dropless", lambda v: 0 <= v < _INF, "a number >= 0 "
       "(0: dropless)"),
+    K("model.moe_impl", "auto", str, "MoE: `buffers` (fixed slots per expert, one batched matmul), `ragged` (the "
+      "choices sorted by expert, grouped matmuls over their counts: the active cost) or `auto` (`ragged` on GPUs, "
+      "`buffers` elsewhere): [moe](moe.md#implementations)", choices=("auto", "buffers", "ragged")),
+    K("model.expert_buffer_factor", 0.0, float, "MoE `ragged` with expert parallelism: the rows a device sends to "
+      "each expert device are at most ceil(factor × its choices / mesh.expert), the rest dropped and counted; 0: "
+      "the worst case (all its choices), never dropping", lambda v: 0 <= v < _INF, "a number >= 0 (0: worst case)"),
     K("model.aux_loss", 0.0, float, "MoE: weight of the load-balancing loss (Switch/GShard, per sequence, summed over "
       "layers)", lambda v: 0 <= v < _INF, "a number >= 0"),
     K("model.router_z_loss", 0.0, float, "MoE: weight of the router z-loss (ST-MoE)", lambda v: 0 <= v < _INF,

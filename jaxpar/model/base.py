@@ -40,3 +40,22 @@ def swiglu(owner, h, spec_in="btd,df->btf", spec_out="btf,fd->btd", act_names=No
     a = jax.nn.silu(g) * u
     a = checkpoint_name(a if act_names is None else constrain(a, act_names), "mlp_act")
     return matmul(owner, "w_down", spec_out, a, drop)
+
+
+def ragged_matmul(owner, name: str, x, groups):
+    """`x @ W[e]` for each run of rows: `x` `[rows, in]` sorted by expert, `groups` `[E]` the rows of each expert (the
+    rows after their sum give zeros), `owner`'s weight `name` `[E, in, out]` (cast to x's dtype): one grouped
+    matmul (`jax.lax.ragged_dot`), plus its LoRA adapter's term, grouped the same way."""
+    y = jax.lax.ragged_dot(x, getattr(owner, name)[...].astype(x.dtype), groups)
+    adapter = getattr(getattr(owner, LORA, None), name, None)
+    if adapter is None:
+        return y
+    low = jax.lax.ragged_dot(x, adapter.a[...].astype(x.dtype), groups)
+    return y + jax.lax.ragged_dot(low, adapter.b[...].astype(x.dtype), groups) * jnp.asarray(adapter.scale, x.dtype)
+
+
+def ragged_swiglu(owner, x, groups):
+    """`swiglu` of each expert over its run of the sorted rows `x` `[rows, embed]` (`ragged_matmul`)."""
+    g, u = (checkpoint_name(ragged_matmul(owner, n, x, groups), "mlp_in") for n in ("w_gate", "w_up"))
+    a = checkpoint_name(jax.nn.silu(g) * u, "mlp_act")
+    return ragged_matmul(owner, "w_down", a, groups)

@@ -55,6 +55,8 @@ class ModelConfig:
     router_bias_rate: float = 0.0
     first_dense_layers: int = 0
     moe_every: int = 1
+    moe_impl: str = "auto"  # buffers | ragged | auto (ragged on GPUs)
+    expert_buffer_factor: float = 0.0  # ragged under expert parallelism: the rows per destination (0: worst case)
     # LoRA adapters (`jaxpar/model/lora.py`; config keys lora.*); lora_rank = 0: none
     lora_rank: int = 0
     lora_targets: tuple = ()  # the block paths of the adapted weights ("wq", "moe.experts.w_gate")
@@ -98,7 +100,8 @@ IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "
                    "rope_high_freq_factor", "rope_original_max_len", "experts", "experts_per_token", "expert_mlp",
                    "shared_experts", "router", "router_norm_topk", "first_dense_layers", "moe_every")
 MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "router", "router_norm_topk",
-              "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every")
+              "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every",
+              "moe_impl", "expert_buffer_factor")
 SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
 # the adapters' fields: a LoRA run's state, never an export's model (exports fold the adapters in)
 LORA_FIELDS = ("lora_rank", "lora_targets", "lora_alpha", "lora_rslora", "lora_dropout", "base_dtype")

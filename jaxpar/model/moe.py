@@ -28,14 +28,12 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.dtypes import at_least_f32
-from jaxpar.parallel import context
-from jaxpar.parallel.logical import constrain, context_rank, context_split, exchange_experts, gather_context
-from jaxpar.model import lora
+from jaxpar.parallel.logical import constrain, context_split
+from jaxpar.model import lora, moe_dispatch as dispatch
 from jaxpar.model.base import param, swiglu
 from jaxpar.parallel.shard_map_body import vary_like
 
@@ -79,31 +77,33 @@ def route(logits, bias, cfg):
 
 def slots(idx, experts: int, cap: int):
     """Chosen experts `[b, t, k]` -> (each choice's buffer slot `[b, t, k]` in [0, E x C], E x C meaning dropped;
-    each slot's token `[b, E x C]`, t for an empty slot; choices per expert `[b, E]`)."""
+    each slot's token `[b, E x C]`, t for an empty slot; choices per expert `[b, E]`), one device's sequences."""
     b, t, k = idx.shape
-    order = idx.transpose(0, 2, 1).reshape(b, k * t)  # priority: all first choices, then all second, ...
-    onehot = (order[..., None] == jnp.arange(experts)).astype(jnp.int32)  # [b, kt, E]
-    pos = jnp.sum((jnp.cumsum(onehot, 1) - 1) * onehot, -1)  # each choice's place in its expert's queue
-    dest = jnp.where(pos < cap, order * cap + pos, experts * cap)
-    rows = jnp.arange(b)[:, None]
-    token = jnp.full((b, experts * cap + 1), t, jnp.int32).at[rows, dest].set(jnp.arange(k * t, dtype=jnp.int32) % t)
-    return dest.reshape(b, k, t).transpose(0, 2, 1), token[:, :-1], onehot.sum(1)
+    order = dispatch.priority_order(idx)
+    pos, counts = dispatch.queue_positions(order, experts, k)
+    dest, token = dispatch._slots(order, pos < cap, experts, cap, t)
+    return dest.reshape(b, k, t).transpose(0, 2, 1), token, counts
 
 
-def _gather_rows(x, index):
-    """x `[b, n, d]`, index `[b, m]` in [0, n] (n: a zero row) -> `[b, m, d]`."""
-    padded = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-    return jnp.take_along_axis(padded, index[..., None], axis=1)
-
-
-def balance_stats(logits, scores, onehot_counts, cfg):
-    """The per-sequence auxiliary losses, summed over the rows: (aux, z) scalars in the logits' dtype."""
-    E, k, t = cfg.experts, cfg.experts_per_token, logits.shape[1]
+def balance_stats(logits, scores, counts, cfg, seq: int | None = None):
+    """The per-sequence auxiliary losses, summed over the rows: (aux, z) scalars in the logits' dtype. `counts`
+    `[b, E]`: each sequence's choices per expert; `seq`: its length (default: the logits'). Under context
+    parallelism (logits: this device's tokens; counts and seq: the whole sequence's) these are this device's terms,
+    whose sum over the context devices is the whole (aux is linear in the probabilities: counts carry no gradient)."""
+    E, k = cfg.experts, cfg.experts_per_token
+    seq = logits.shape[1] if seq is None else seq
     probs = scores if cfg.router == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
-    f = onehot_counts.astype(logits.dtype) / (k * t)  # [b, E]
-    aux = E * jnp.sum(f * jnp.mean(probs, 1))
-    z = jnp.sum(jnp.mean(jnp.square(jax.nn.logsumexp(logits, -1)), 1))
+    f = counts.astype(logits.dtype) / (k * seq)  # [b, E]
+    aux = E * jnp.sum(f * jnp.sum(probs, 1) / seq)
+    z = jnp.sum(jnp.sum(jnp.square(jax.nn.logsumexp(logits, -1)), 1) / seq)
     return aux, z
+
+
+def implementation(cfg) -> str:
+    """`buffers` or `ragged`: `model.moe_impl`, `auto` being `ragged` on GPUs."""
+    if cfg.moe_impl == "auto":
+        return "ragged" if jax.default_backend() == "gpu" else "buffers"
+    return cfg.moe_impl
 
 
 class SwiGLU(nnx.Module):
@@ -142,39 +142,29 @@ class MoE(nnx.Module):
     def __call__(self, h, cfg):
         """h `[b, t, d]` (normed) -> (out `[b, t, d]` in h's dtype, stats {name: float32}: `STATS`).
 
-        Under context parallelism (h: this device's piece of each sequence, in the balanced order of
-        `jaxpar/parallel/context.py`) the layer runs on the whole sequences, gathered over `context`, so that capacity and
-        the sequence-wise statistics see every token: exact, at context x the layer's work; each device keeps its
-        own tokens' outputs and 1 / context of the statistics (every device computed the same sums)."""
-        cp = context_split()
-        if cp == 1:
-            return self._whole(h, cfg)
-        t = h.shape[1]
-        order = context.permutation(t * cp, cp)
-        full = gather_context(h)[:, jnp.asarray(np.argsort(order))]  # the sequences in token order
-        out, stats = self._whole(full, cfg)
-        mine = jax.lax.dynamic_slice_in_dim(out[:, jnp.asarray(order)], context_rank() * t, t, axis=1)
-        return mine, jax.tree.map(lambda a: a / cp, stats)
-
-    def _whole(self, h, cfg):
+        Under context parallelism (h: this device's piece of each sequence, `jaxpar/parallel/context.py`) routing,
+        top-k and combine stay per token; the capacity positions and the sequence-wise statistics come from
+        all-gathered per-chunk counts (`moe_dispatch.queue_positions`): exact, each device doing its own tokens'
+        expert work, its stats its share of the whole."""
         b, t, _ = h.shape
-        E, cap = cfg.experts, capacity(cfg, t)
+        E, k, seq = cfg.experts, cfg.experts_per_token, t * context_split()
         h = constrain(h, ("batch", "seq", "embed"))
         f32 = at_least_f32(h.dtype)
         logits = jnp.einsum("btd,de->bte", h.astype(f32), self.router[...].astype(f32))
         scores, idx, w = route(logits, self.router_bias[...], cfg)
-        dest, token, counts = slots(idx, E, cap)
-        buf = _gather_rows(h, token).reshape(b, E, cap, -1)
-        buf = checkpoint_name(exchange_experts(buf, split_axis=1, concat_axis=0), "moe_dispatch")
-        y = self.experts(buf)
-        y = exchange_experts(y, split_axis=0, concat_axis=1).reshape(b, E * cap, -1)
-        picked = _gather_rows(y, dest.reshape(b, -1)).reshape(b, t, cfg.experts_per_token, -1)
-        out = jnp.einsum("btkd,btk->btd", picked, w.astype(h.dtype))
+        order = dispatch.priority_order(idx)
+        pos, counts = dispatch.queue_positions(order, E, k)
+        keep = pos < capacity(cfg, seq)
+        if implementation(cfg) == "ragged":
+            y, lost = dispatch.ragged(self.experts, h, order, keep, E, cfg.expert_buffer_factor)
+        else:
+            y, lost = dispatch.buffers(self.experts, h, order, keep, E, capacity(cfg, seq)), 0
+        out = jnp.einsum("bktd,btk->btd", y, w.astype(h.dtype))
         if cfg.shared_experts:
             out = out + self.shared(h)
-        aux, z = balance_stats(logits, scores, counts, cfg)
-        stats = {"load": counts.sum(0).astype(f32), "dropped": jnp.sum(dest == E * cap).astype(f32), "aux": aux,
-                 "z": z}
+        aux, z = balance_stats(logits, scores, counts, cfg, seq)
+        load = jnp.sum((order[..., None] == jnp.arange(E)).astype(f32), (0, 1))  # this device's choices
+        stats = {"load": load, "dropped": (jnp.sum(~keep) + lost).astype(f32), "aux": aux, "z": z}
         return checkpoint_name(out, "moe_out"), stats
 
 

@@ -102,6 +102,13 @@ def exchange_experts(x: jax.Array, split_axis: int, concat_axis: int) -> jax.Arr
     return jax.lax.all_to_all(x, EXPERT, split_axis, concat_axis, tiled=True)
 
 
+def expert_split() -> int:
+    """Devices the experts are split over here: the `expert` axis's size inside a `shard_map` manual over it (the
+    step's data-parallel region), else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape[EXPERT] if EXPERT in mesh.manual_axes else 1
+
+
 CONTEXT = "context"  # the mesh axis of context parallelism
 
 
@@ -115,6 +122,11 @@ def context_split() -> int:
 def context_rank():
     """This device's index along `context` (inside a region manual over it)."""
     return jax.lax.axis_index(CONTEXT)
+
+
+def sum_context(x: jax.Array) -> jax.Array:
+    """`x` summed over the `context` devices (inside a region manual over it; else `x`): for integer counts."""
+    return jax.lax.psum(x, CONTEXT) if context_split() > 1 else x
 
 
 def gather_context(x: jax.Array, axis: int = 1) -> jax.Array:
