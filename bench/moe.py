@@ -2,6 +2,15 @@
 formula; prints JSON (and writes it with --out).
 
     python bench/moe.py [--experts 8] [--top_k 2] [--expert_mlp 512] [--capacity_factor 1.25] [--steps 5]
+    python bench/moe.py --lower cuda --out DIR     # no GPU needed: DIR/moe_lowered.json
+
+`--lower cuda` lowers the train step of each `model.moe_impl` (buffers, ragged) at capacity factor 0 (dropless) and
+`--capacity_factor` for CUDA (`jax.export`, one device, bf16, no recompute) and writes rows
+`{impl, capacity_factor, expert_flops, active_expert_flops}`: the routed experts' matmul FLOPs counted from the
+StableHLO module (`analysis.hlo_flops.stablehlo_flops`: the `experts` scope's dot_generals, and each
+`chlo.ragged_dot` grouped matmul from its operand shapes, every row of its left operand counted, the group sizes'
+bound), against the active count 3 x 2 x tokens x k x 3 x embed x expert_mlp (forward and backward of the layer
+body, which the module holds once). With a GPU present the timed rows compare the two implementations too.
 
 Both models are llama blocks of width `--embed` over `--layers` layers; the MoE one routes each token to k of E SwiGLU
 experts of width F (expert parallel over `mesh.expert` = min(devices, E), the batch over data x expert), the dense
@@ -22,7 +31,9 @@ import jax
 from absl import app, flags, logging
 
 from jaxpar.model import moe
-from jaxpar.compiled import report_for
+from jaxpar.analysis.hlo_flops import stablehlo_flops
+from jaxpar.compiled import abstract_batch, report_for, steps_for
+from jaxpar.model.moe_dispatch import SCOPE
 from jaxpar.config import base_config
 from jaxpar.layout import Layout
 from jaxpar.model import config_from, flops_per_token
@@ -41,11 +52,12 @@ _T = flags.DEFINE_integer("seq_len", 256, "sequence length")
 _B = flags.DEFINE_integer("batch", 16, "global batch (sequences)")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "compute dtype (bfloat16 on GPU)")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed steps")
-_OUT = flags.DEFINE_string("out", "", "directory for moe.json / moe.md")
+_OUT = flags.DEFINE_string("out", "", "directory for moe.json / moe.md (moe_lowered.json with --lower)")
+_LOWER = flags.DEFINE_string("lower", "", "`cuda`: lower for CUDA and count the expert FLOPs instead of timing")
 VOCAB = 256
 
 
-def model_config(moe_layer: bool):
+def model_config(moe_layer: bool, impl: str = "auto"):
     c = base_config()
     n = jax.device_count()
     e = min(n, _E.value) if moe_layer else 1
@@ -54,7 +66,7 @@ def model_config(moe_layer: bool):
                    vocab_size=VOCAB, remat="full", mlp=_K.value * _F.value)
     if moe_layer:
         c.model.update(experts=_E.value, experts_per_token=_K.value, expert_mlp=_F.value,
-                       capacity_factor=_CF.value, aux_loss=0.01)
+                       capacity_factor=_CF.value, aux_loss=0.01, moe_impl=impl)
     c.train.update(global_batch_size=_B.value, microbatches=1, compute_dtype=_DTYPE.value)
     c.log.progress = False
     return c
@@ -71,11 +83,12 @@ def all_to_all_formula(config) -> float:
     return buf * n_moe * lay.microbatches * (6 if cfg.remat == "full" else 4)
 
 
-def one(moe_layer: bool) -> dict:
-    config = model_config(moe_layer)
+def one(moe_layer: bool, impl: str = "auto") -> dict:
+    config = model_config(moe_layer, impl)
     got = time_step(config, VOCAB, steps=_STEPS.value)
     fpt = flops_per_token(got["steps"].cfg)
-    row = {"kind": "moe" if moe_layer else "dense", "mesh": got["mesh"], "step_s": got["step_s"],
+    row = {"kind": f"moe {moe.implementation(got['steps'].cfg)}" if moe_layer else "dense", "mesh": got["mesh"],
+           "step_s": got["step_s"],
            "model_flops_per_token": fpt, "tokens_per_s": _B.value * _T.value / got["step_s"],
            "peak_bytes": got["memory"].get("peak")}
     if moe_layer and config.mesh.expert > 1:
@@ -85,10 +98,39 @@ def one(moe_layer: bool) -> dict:
     return row
 
 
+def lowered_row(impl: str, capacity_factor: float, platform: str) -> dict:
+    """The expert FLOPs of the train step lowered for `platform` on one device (see the module docstring)."""
+    config = model_config(True, impl)
+    config.mesh.update(data=1, expert=1)
+    config.model.update(capacity_factor=capacity_factor, remat="none")
+    config.train.update(compute_dtype="bfloat16", global_batch_size=max(1, _B.value // jax.device_count()))
+    steps = steps_for(config, VOCAB, jax.devices()[:1])
+    text = jax.export.export(steps.train, platforms=[platform])(steps.abstract_state(),
+                                                                abstract_batch(config, steps)).mlir_module()
+    tokens = int(config.train.global_batch_size) * _T.value
+    return {"impl": impl, "capacity_factor": capacity_factor, "expert_flops": stablehlo_flops(text, SCOPE)["total"],
+            "active_expert_flops": 3 * 2 * tokens * _K.value * 3 * _D.value * _F.value}
+
+
+def lower(platform: str) -> None:
+    rows = [lowered_row(impl, cf, platform) for cf in (0.0, _CF.value) for impl in ("buffers", "ragged")]
+    for r in rows:
+        r["over_active"] = r["expert_flops"] / r["active_expert_flops"]
+    print(json.dumps(rows, indent=1))
+    table = "| impl | capacity factor | expert FLOPs | active | ratio |\n|---|---|---|---|---|\n" + "\n".join(
+        f"| {r['impl']} | {r['capacity_factor']} | {r['expert_flops']:.3g} | {r['active_expert_flops']:.3g} | "
+        f"{r['over_active']:.2f} |" for r in rows)
+    write_results(_OUT.value, "moe_lowered", rows, table)
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    if _LOWER.value:
+        return lower(_LOWER.value)
     rows = [one(False), one(True)]
+    if jax.default_backend() == "gpu":  # the two implementations timed
+        rows += [one(True, "buffers"), one(True, "ragged")]
     out = {"devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind, "experts": _E.value,
            "top_k": _K.value, "expert_mlp": _F.value, "capacity_factor": _CF.value, "rows": rows,
            "moe_over_dense_step": rows[1]["step_s"] / rows[0]["step_s"]}

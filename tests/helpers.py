@@ -92,8 +92,10 @@ LOSS_F64_RTOL = 1e-12
 
 
 def reference_config(config):
-    """The same run on 1 device, unpipelined, one microbatch, ZeRO 0: layout settings change only the order of sums."""
+    """The same run on 1 device, unpipelined, one microbatch, ZeRO 0, a MoE through its fixed buffers: layout
+    settings (and the MoE implementation) change only the order of sums."""
     c = config.copy_and_resolve_references()
+    c.model.moe_impl = "buffers"
     c.mesh.update(data=1, tensor=1, stage=1, expert=1, context=1)
     c.train.microbatches = 1
     c.optim.zero_stage = 0

@@ -1,6 +1,8 @@
 """Context parallelism (`mesh.context`): every layout with the sequence split over `context` computes the 1-device
 run (float64 on both sides: loss, gradients, params after AdamW steps), packed documents included; the causal work
 per device is balanced (the blockwise kernel's own tile count against the formula); bad settings fail in validate."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ import pytest
 
 from helpers import (VOCAB, assert_equals_one_device, batch, float64_config, place, reference_config, steps_for,
                      tiny_config)
+from jaxpar.analysis.hlo_flops import hlo_flops
 from jaxpar.kernels import blockwise
 from jaxpar.parallel import context
 from jaxpar.errors import ConfigError
@@ -41,11 +44,14 @@ CASES = {
                                                                     "train.microbatches": 2}),
     "context 4 x data 2, zero 3": config(2, ctx=4, **{"optim.zero_stage": 3, "train.microbatches": 2}),
     "gpt2, context 4 x data 2": tiny_config(**{"mesh.data": 2, "mesh.context": 4}),
-    # a mixture of experts: capacity factor 1 (choices dropped by the per-sequence rule), and with expert
-    # parallelism, sigmoid routing and the choice bias's update
-    "moe, context 4 x data 2, capacity 1": config(2, ctx=4, **MOE, **{"model.capacity_factor": 1.0}),
+    # a mixture of experts, never gathering the sequences: capacity factor 1 (choices dropped by the per-sequence
+    # rule, from all-gathered chunk counts) through `ragged`'s grouped matmuls; and with expert parallelism, sigmoid
+    # routing and the choice bias's update through `buffers` (local slots)
+    "moe, context 4 x data 2, capacity 1, ragged": config(2, ctx=4, **MOE, **{"model.capacity_factor": 1.0,
+                                                                             "model.moe_impl": "ragged"}),
     "moe, context 2 x expert 2 x data 2, bias": config(2, ctx=2, **MOE, **{"mesh.expert": 2, "model.router": "sigmoid",
-                                                                        "model.router_bias_rate": 0.01}),
+                                                                        "model.router_bias_rate": 0.01,
+                                                                        "model.moe_impl": "buffers"}),
 }
 
 
@@ -189,3 +195,24 @@ def test_the_planner_chooses_a_context_size_for_128k_tokens():
     expected = lay.microbatches * m.layers * (2 * gather + scatter)
     assert best.time["cp_comm_s"] == pytest.approx(expected, rel=1e-9)
     assert cost.step_time(m, lay, cl)["cp_comm_s"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("impl", ["buffers", "ragged"])
+def test_moe_under_context_parallelism_does_each_devices_own_tokens_work(impl):
+    """A dropless MoE llama at (data 2, context 4) against (data 8, context 1), the same global batch and tokens per
+    device: the compiled train step's matmul FLOPs per device within 1.15x (gathering the sequences made each
+    context device do the whole sequence's expert work: about context x the MoE part), and no all-gather of an
+    activation `[.., seq, embed]` (the attention's K/V gathers are `[.., seq, kv heads, head_dim]`)."""
+    over = {**MOE, "model.moe_impl": impl, "model.seq_len": 32, "model.embed": 64, "model.expert_mlp": 128,
+            "train.global_batch_size": 16}
+    flops, texts = [], []
+    for d, cp in ((2, 4), (8, 1)):
+        s = steps_for(config(d, ctx=cp, **over), VOCAB, jax.devices()[:8])
+        state = s.abstract_state()
+        b = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s.batch_sharding)
+             for k, v in place(s, batch(16, 32, VOCAB)).items()}
+        texts.append(s.train.lower(state, b).compile().as_text())
+        flops.append(hlo_flops(texts[-1])["total"])
+    assert flops[0] <= 1.15 * flops[1], flops
+    gathers = [ln for ln in texts[0].splitlines() if re.search(r"= \S+\[[^\]]*,64\]\S* all-gather(-start)?\(", ln)]
+    assert not gathers, gathers[:3]

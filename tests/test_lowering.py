@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import steps_for, tiny_config
+from jaxpar.analysis.hlo_flops import stablehlo_flops
 from jaxpar.kernels import attention as kernels
 from jaxpar import launch
 from jaxpar.data.loader import batch_shapes
@@ -101,6 +102,28 @@ def test_context_parallel_steps_lower_for_cuda_without_whole_score_matrices(layo
     assert "all_gather" in train and "reduce_scatter" in train and "all_gather" in evaluate
     local = SEQ // config.mesh.context
     assert not SCORES.search(train) and not re.search(rf"\dx{local}x{SEQ}x(f32|bf16)", train)  # [.., q, k] scores
+
+
+def test_a_dropless_ragged_moe_lowers_for_cuda_to_grouped_matmuls():
+    """`model.moe_impl=ragged`, dropless, (expert 4, data 2): the CUDA program's routed experts are `ragged_dot`
+    grouped matmuls (XLA's `chlo.ragged_dot` composite), forward and backward, and no dense expert matmul of the
+    buffers `[.., experts, slots, embed]` is left (every `dot_general` of the `experts` scope counts 0 FLOPs)."""
+    c = gpu_config((2, 1, 1), {**MOE, "mesh.expert": 4, "model.capacity_factor": 0.0, "model.moe_impl": "ragged"})
+    train, _ = lowered(c)
+    assert train.count('stablehlo.composite "chlo.ragged_dot"') >= 9  # 3 matmuls forward, 6 backward
+    flops = stablehlo_flops(train, "experts")
+    assert flops["dot_general"] == 0 and flops["ragged_dot"] > 0, flops
+
+
+@pytest.mark.parametrize("impl,ratio", [("ragged", 1.0), ("buffers", 2.0)])
+def test_the_lowered_expert_flops_are_the_active_ones_for_ragged(impl, ratio):
+    """One device, dropless, experts 4 of which k = 2: the CUDA program's expert matmul FLOPs (`stablehlo_flops`)
+    are the active count 3 x 2 x tokens x k x 3 x embed x expert_mlp for `ragged`, experts / k times it for
+    `buffers` (`bench/moe.py --lower cuda` writes the same rows for a bigger model)."""
+    c = gpu_config((1, 1, 1), {**MOE, "model.capacity_factor": 0.0, "model.moe_impl": impl})
+    train, _ = lowered(c)
+    active = 3 * 2 * 16 * SEQ * 2 * 3 * 64 * 64
+    assert stablehlo_flops(train, "experts")["total"] == ratio * active
 
 
 def test_the_checks_see_xla_attention():

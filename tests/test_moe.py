@@ -169,6 +169,103 @@ def test_capacity_drops_the_same_tokens_on_every_layout():
         np.testing.assert_array_equal(a["moe_load"], b["moe_load"])
 
 
+# ---- ragged: the choices sorted by expert, grouped matmuls (`model.moe_impl=ragged`) ---------------------------
+
+@pytest.mark.parametrize("over", [{}, {"router": "sigmoid", "shared_experts": 1, "capacity_factor": 1.0}])
+def test_ragged_equals_buffers_and_the_per_token_reference(over):
+    """One device, float64: the sorted rows through grouped matmuls give the buffers' outputs, stats and gradients
+    (dropless: also each token's k experts' sum)."""
+    cfg, buf = tiny_cfg(moe_impl="ragged", **over), tiny_cfg(moe_impl="buffers", **over)
+    with jax.enable_x64(True):
+        layer = moe.MoE(cfg, nnx.Rngs(params=0))
+        layer.router_bias[...] = jnp.asarray([0.0, 0.3, -0.2, 0.1])
+        h = jnp.asarray(jax.random.normal(jax.random.key(1), (3, cfg.seq_len, cfg.embed), jnp.float64))
+        (out, stats), (want, want_stats) = layer(h, cfg), layer(h, buf)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-12, atol=1e-15)
+        for k in moe.STATS:
+            np.testing.assert_allclose(np.asarray(stats[k]), np.asarray(want_stats[k]), rtol=1e-12)
+        if not over:
+            np.testing.assert_allclose(np.asarray(out), reference_moe(layer, np.asarray(h), cfg), rtol=1e-12,
+                                       atol=1e-14)
+        else:
+            assert float(stats["dropped"]) > 0
+        grad = lambda c: nnx.grad(lambda m: jnp.sum(jnp.sin(m(h, c)[0])))(layer)  # noqa: E731
+        for a, b in zip(jax.tree.leaves(grad(cfg)), jax.tree.leaves(grad(buf))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-15)
+
+
+RAGGED = {"model.moe_impl": "ragged"}
+
+
+@needs8
+@pytest.mark.parametrize("over", [
+    {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2, "model.sequence_parallel": True},
+    {"mesh.expert": 2, "mesh.stage": 2, "mesh.data": 2, "train.microbatches": 4, "pipeline.schedule": "1f1b",
+     "optim.zero_stage": 3},
+], ids=["e2t2d2-SP", "e2s2d2-1f1b-zero3"])
+def test_ragged_expert_parallel_layouts_equal_the_one_device_buffers_run(over):
+    """`ragged` on expert-parallel layouts against the 1-device run of `buffers` (`helpers.reference_config`), so
+    the one comparison shows both equalities."""
+    assert_equals_one_device(moe_config(**RAGGED, **over), VOCAB, BATCHES)
+
+
+@needs8
+def test_ragged_drops_the_same_choices_on_packed_documents():
+    """capacity factor 1.0 and packed documents at (expert 4, data 2): `ragged` drops the same choices as the
+    1-device `buffers` run (counted per layer) and computes the same losses, gradients and params."""
+    c = moe_config(**RAGGED, **{"model.capacity_factor": 1.0, "mesh.expert": 4, "mesh.data": 2})
+    batches = [packed(s) for s in range(3)]
+    (got, params, grads, m), (want, r_params, r_grads, r_m) = float64_run(c, VOCAB, batches), \
+        reference_run(c, VOCAB, batches)
+    assert_params_exact(grads, r_grads)
+    assert_params_exact(params, r_params)
+    np.testing.assert_allclose(got, want, rtol=LOSS_F64_RTOL)
+    for a, b in zip(m, r_m):
+        assert np.asarray(a["moe_dropped"]).min() > 0
+        np.testing.assert_array_equal(a["moe_dropped"], b["moe_dropped"])
+        np.testing.assert_array_equal(a["moe_load"], b["moe_load"])
+
+
+@needs8
+@pytest.mark.parametrize("factor", [0.0, 1.0])
+def test_the_expert_parallel_send_buffer_drops_what_overflows_it(factor):
+    """`moe_dispatch` under expert parallelism (4 devices, 8 experts), against numpy: each row comes back as its
+    expert's SwiGLU; with `expert_buffer_factor` f each device sends at most R = ceil(f x rows / 4) rows to each
+    device, the last rows of a longer run come back as zeros and are counted; f = 0 (the worst case) drops none."""
+    from types import SimpleNamespace
+
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.model import moe_dispatch
+
+    ep, E, n, d, f = 4, 8, 24, 6, 5
+    rng = np.random.default_rng(0)
+    experts = np.sort(rng.choice(E, (ep, n), p=[0.4, 0.3] + [0.05] * 6), axis=1)  # skewed: some runs overflow
+    groups = np.stack([np.bincount(e, minlength=E) for e in experts]).astype(np.int32)
+    xs, w = rng.normal(size=(ep, n, d)), [rng.normal(size=s) for s in ((E, d, f), (E, d, f), (E, f, d))]
+
+    def body(x, g, wg, wu, wd):
+        ys, lost = moe_dispatch._expert_parallel(SimpleNamespace(w_gate=wg, w_up=wu, w_down=wd), x[0], g[0], factor)
+        return ys[None], lost[None]
+
+    mesh = jax.make_mesh((ep,), ("expert",), devices=jax.devices()[:ep])
+    with jax.enable_x64(True):
+        args = [jax.device_put(a, jax.sharding.NamedSharding(mesh, P("expert"))) for a in (xs, groups, *w)]
+        ys, lost = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("expert"),) * 5, out_specs=(P("expert"),) * 2))(
+            *args)
+        ys, lost = np.asarray(ys), np.asarray(lost)
+    R = moe_dispatch.send_rows(n, ep, factor)
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    for dev in range(ep):
+        dst = experts[dev] // (E // ep)
+        rank = np.array([np.sum(dst[:i] == dst[i]) for i in range(n)])  # place in its destination's run
+        for i, e in enumerate(experts[dev]):
+            want = (silu(xs[dev, i] @ w[0][e]) * (xs[dev, i] @ w[1][e])) @ w[2][e] if rank[i] < R else np.zeros(d)
+            np.testing.assert_allclose(np.asarray(ys[dev, i]), want, rtol=1e-12, atol=1e-12)
+        assert int(lost[dev]) == sum(max(0, int(np.sum(dst == k)) - R) for k in range(ep))
+    assert (int(np.sum(lost)) > 0) == (factor > 0)
+
+
 @needs8
 def test_resume_onto_another_expert_size(corpus, tmp_path):
     """A run at (expert 4, data 2) stopped at step 3 resumes at (expert 2, data 4): its step-4 loss (a forward pass

@@ -51,3 +51,69 @@ def hlo_flops(text: str, scopes=("embed", "head")) -> dict:
                 if name and re.search(r"(^|[/(])" + re.escape(s) + r"([/)]|$)", name.group(1)):
                     by[s] += f
     return {"total": total, "by_scope": by}
+
+
+_LOC_DEF = re.compile(r"^(#loc\d+) = (.*)$")
+_LOC_REF = re.compile(r"#loc\d+")
+_TENSOR = re.compile(r"tensor<([^>]*)>")
+
+
+def _tensor_dims(t: str) -> list[int]:
+    return [int(x) for x in t.split("x")[:-1]]
+
+
+def _signature(line: str) -> tuple[list, list]:
+    """The operand and result shapes of an op's `: (tensor<..>, ...) -> tensor<..>` type."""
+    sig = line.rsplit(" : ", 1)[-1]
+    ins, _, outs = sig.partition("->")
+    return [_tensor_dims(t) for t in _TENSOR.findall(ins)], [_tensor_dims(t) for t in _TENSOR.findall(outs)]
+
+
+def _scoped(line: str, defs: dict, scope: str) -> bool:
+    """Whether the op's location (its `loc(#locN)`, callsites followed) names `scope/` in a scope path."""
+    todo, seen = _LOC_REF.findall(line.rsplit("loc(", 1)[-1]), set()
+    while todo:
+        ref = todo.pop()
+        if ref in seen or ref not in defs:
+            continue
+        seen.add(ref)
+        if re.search(r"[\"/(]" + re.escape(scope) + "/", defs[ref]):
+            return True
+        todo += _LOC_REF.findall(defs[ref])
+    return False
+
+
+def stablehlo_flops(text: str, scope: str) -> dict:
+    """Matmul FLOPs of the ops a `jax.named_scope(scope)` holds in a StableHLO module (`jax.export`'s, e.g. lowered
+    for CUDA), each op counted once (a loop body once): `dot_general` as 2 x result elements x contracted elements,
+    a `chlo.ragged_dot` composite (the grouped matmul a GPU runs as a kernel) from its operand shapes with every
+    row of its left operand counted (the group sizes' bound: rows past their sum cost a kernel nothing, but the
+    program does not say how many), 2 x rows x in x out. Ops inside a composite's decomposition are not counted.
+    -> {"dot_general": FLOPs, "ragged_dot": FLOPs, "total": their sum}."""
+    defs = {m.group(1): m.group(2) for m in map(_LOC_DEF.match, text.splitlines()) if m}
+    out, inside = {"dot_general": 0, "ragged_dot": 0}, False
+    for line in text.splitlines():
+        if line.lstrip().startswith("func.func"):
+            inside = "@chlo." in line  # a composite's decomposition
+            continue
+        if inside or not _scoped(line, defs, scope):
+            continue
+        if "stablehlo.dot_general" in line:
+            (lhs, _), (result,) = _signature(line)
+            m = re.search(r"contracting_dims = \[([\d, ]*)\]", line)
+            contracted = 1
+            for i in (int(x) for x in m.group(1).split(",") if x.strip()) if m else ():
+                contracted *= lhs[i]
+            out["dot_general"] += 2 * contracted * _prod(result)
+        elif 'stablehlo.composite "chlo.ragged_dot"' in line:
+            (lhs, rhs, _), _ = _signature(line)
+            inner = rhs[1] * rhs[2] if len(rhs) == 3 else lhs[1] * rhs[1]
+            out["ragged_dot"] += 2 * lhs[0] * inner
+    return {**out, "total": out["dot_general"] + out["ragged_dot"]}
+
+
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out

@@ -30,6 +30,8 @@ import numpy as np
 from jaxpar.model.base import ragged_swiglu
 from jaxpar.parallel.logical import context_rank, context_split, exchange_experts, expert_split, gather_context
 
+SCOPE = "experts"  # the routed experts' matmuls, as named in the HLO (`analysis.hlo_flops.stablehlo_flops` reads it)
+
 
 def priority_order(idx):
     """Chosen experts `[b, t, k]` -> `[b, k·t]`: all first choices, then all second choices, ... (token order)."""
@@ -75,7 +77,8 @@ def buffers(experts_mlp, h, order, keep, experts: int, capacity: int):
     dest, token = _slots(order, keep, experts, slots, t)
     buf = _gather_rows(h, token).reshape(b, experts, slots, d)
     buf = jax.ad_checkpoint.checkpoint_name(exchange_experts(buf, split_axis=1, concat_axis=0), "moe_dispatch")
-    y = experts_mlp(buf)
+    with jax.named_scope(SCOPE):
+        y = experts_mlp(buf)
     y = exchange_experts(y, split_axis=0, concat_axis=1).reshape(b, experts * slots, d)
     return _gather_rows(y, dest).reshape(b, k, t, d)
 
@@ -139,7 +142,8 @@ def ragged(experts_mlp, h, order, keep, experts: int, buffer_factor: float = 0.0
     groups = jnp.sum((key[:, None] == jnp.arange(experts)).astype(jnp.int32), 0)
     xs = jax.ad_checkpoint.checkpoint_name(_permute(x, perm, inv), "moe_dispatch")
     if expert_split() == 1:
-        ys, lost = ragged_swiglu(experts_mlp, xs, groups), jnp.zeros((), jnp.int32)
+        with jax.named_scope(SCOPE):
+            ys, lost = ragged_swiglu(experts_mlp, xs, groups), jnp.zeros((), jnp.int32)
     else:
         ys, lost = _expert_parallel(experts_mlp, xs, groups, buffer_factor)
     return _permute(ys, inv, perm).reshape(b, k, t, d), lost
@@ -175,6 +179,8 @@ def _expert_parallel(experts_mlp, xs, groups, factor: float):
     expert_of = jnp.sum(i[None, :, None] >= ends[:, None, :], -1).reshape(-1)  # local expert; `local`: padding
     perm, inv = _sort(expert_of)
     zs = jax.ad_checkpoint.checkpoint_name(_permute(got, perm, inv), "moe_dispatch")
-    zs = _permute(ragged_swiglu(experts_mlp, zs, got_per.sum(0)), inv, perm).reshape(ep, R, d)
+    with jax.named_scope(SCOPE):
+        zs = ragged_swiglu(experts_mlp, zs, got_per.sum(0))
+    zs = _permute(zs, inv, perm).reshape(ep, R, d)
     back = exchange_experts(zs, split_axis=0, concat_axis=0).reshape(ep * R, d)
     return move(back, slot, slot_ok, src, src_ok), jnp.sum(per.sum(1) - sent)
