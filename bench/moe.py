@@ -91,7 +91,7 @@ def one(moe_layer: bool, impl: str = "auto") -> dict:
            "step_s": got["step_s"],
            "model_flops_per_token": fpt, "tokens_per_s": _B.value * _T.value / got["step_s"],
            "peak_bytes": got["memory"].get("peak")}
-    if moe_layer and config.mesh.expert > 1:
+    if moe_layer and config.mesh.expert > 1 and moe.implementation(got["steps"].cfg) == "buffers":  # the formula's
         rep = report_for(config, VOCAB)
         row["all_to_all_bytes"] = rep["collectives_by_kind"].get("all-to-all", {}).get("bytes", 0)
         row["all_to_all_formula"] = all_to_all_formula(config)
@@ -135,7 +135,8 @@ def main(argv):
            "top_k": _K.value, "expert_mlp": _F.value, "capacity_factor": _CF.value, "rows": rows,
            "moe_over_dense_step": rows[1]["step_s"] / rows[0]["step_s"]}
     print(json.dumps(out, indent=1))
-    table = "| kind | mesh | step s | tokens/s | all-to-all bytes (HLO / formula) |\n|---|---|---|---|---|\n" + "\n".join(
+    table = "| kind | mesh | step s | tokens/s | all-to-all bytes (HLO / formula) |\n|---|---|---|---|---|\n" + \
+        "\n".join(
         f"| {r['kind']} | {r['mesh']} | {r['step_s']:.4f} | {r['tokens_per_s']:.0f} | "
         f"{r.get('all_to_all_bytes', '-')} / {r.get('all_to_all_formula', '-')} |" for r in rows)
     write_results(_OUT.value, "moe", [out], table)

@@ -174,6 +174,11 @@ def check_experts(m, lay: Layout) -> list[str]:
         return [] if e == 1 else [f"mesh.expert={e} but model.experts=0 (a dense model has no experts to split); set "
                                   f"--config.model.experts to a multiple of {e}, or mesh.expert=1."]
     errs = []
+    if m.expert_buffer_factor and (m.moe_impl == "buffers" or e == 1):
+        why = "model.moe_impl='buffers' sends fixed buffers" if m.moe_impl == "buffers" else \
+            "mesh.expert=1 sends no rows"
+        errs.append(f"model.expert_buffer_factor={m.expert_buffer_factor} bounds the rows `ragged` sends to each "
+                    f"expert device, but {why}; drop it, or use model.moe_impl='ragged' with mesh.expert > 1.")
     if k > E:
         errs.append(f"model.experts_per_token={k} > model.experts={E}: a token picks k different experts; use k <= "
                     f"{E}.")

@@ -288,6 +288,10 @@ def test_resume_onto_another_expert_size(corpus, tmp_path):
     ({"mesh.expert": 4, "mesh.data": 2, "train.global_batch_size": 12},
      r"global_batch_size=12 is not divisible by mesh.data=2 x mesh.expert=4 x train.microbatches=1 = 8"),
     ({"model.experts": 0, "mesh.expert": 2}, r"mesh.expert=2 but model.experts=0"),
+    ({"model.moe_impl": "buffers", "mesh.expert": 4, "mesh.data": 2, "model.expert_buffer_factor": 1.5},
+     r"model.expert_buffer_factor=1.5 bounds the rows `ragged` sends .* but model.moe_impl='buffers' sends fixed"),
+    ({"model.moe_impl": "ragged", "model.expert_buffer_factor": 1.5}, r"but mesh.expert=1 sends no rows"),
+    ({"model.moe_impl": "grouped"}, r"model.moe_impl='grouped'"),
 ])
 def test_bad_moe_config_is_one_clear_error(over, match):
     with pytest.raises(ConfigError, match=match):

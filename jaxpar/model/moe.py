@@ -1,5 +1,6 @@
 """A mixture-of-experts feed-forward layer (Flax NNX, mesh-free): router, top-k choice, per-sequence capacity,
-dispatch to fixed-size expert buffers, SwiGLU experts as one batched matmul, combine; optional shared experts.
+dispatch to the experts (`jaxpar/model/moe_dispatch.py`: fixed-size buffers and one batched matmul, or the choices
+sorted by expert and grouped matmuls, `model.moe_impl`), combine; optional shared experts.
 
 Routing (float32): scores = softmax or sigmoid of the router logits `[batch, seq, experts]`; each token takes the k
 experts with the highest score + `router_bias` (DeepSeek-V3's aux-loss-free balancing: the bias only chooses, it never
@@ -11,9 +12,10 @@ experts). Slots fill in priority order, all first choices of the sequence before
 choice in token order; a choice that finds its expert full is dropped: it adds nothing (the token keeps its
 residual and its other choices).
 
-Expert parallelism: the buffers `[batch, experts, C, embed]` go to the devices that hold their experts and come back
-through `logical.exchange_experts` (an all-to-all over the `expert` mesh axis inside the step's `shard_map`, the
-identity elsewhere); the local experts run as one batched matmul.
+Expert parallelism: the buffers, or the sorted rows, go to the devices that hold their experts and come back
+through `logical.exchange_experts` (all-to-alls over the `expert` mesh axis inside the step's `shard_map`, the
+identity elsewhere). Context parallelism: each device routes and computes its own tokens; capacity and the
+sequence-wise statistics count the whole sequence from all-gathered per-chunk counts.
 
 Per layer it reports (sums over the batch rows it saw, float32): `load` `[experts]` (choices per expert, before
 capacity), `dropped` (choices dropped), `aux` (the load-balancing loss summed over sequences: per sequence

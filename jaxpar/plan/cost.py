@@ -9,9 +9,10 @@ Per microbatch and layer (b sequences of s tokens, width h, MLP width f, tensor 
   A backward pass is twice a forward pass; recompute adds forward passes (full layer or attention core only).
 Tensor parallelism: 2 all-reduces of [b, s, h] per layer per forward pass, 2 per backward (Megatron-LM; sequence
   parallel: an all-gather + reduce-scatter pair each, the same bytes), ring time 2(t-1)/t·X / busbw, exposed.
-Mixture of experts: a MoE layer computes its fixed-size buffers, E·C slots per sequence (C: `moe.capacity`), not k·s;
-  expert parallelism adds 2 all-to-alls of the buffer [b, E, C, h] per forward pass and 2 per backward over the
-  expert group, time (e-1)/e·X / busbw, exposed (jaxpar's program does not overlap them).
+Mixture of experts: a MoE layer computes its fixed-size buffers, E·C slots per sequence (C: `moe.capacity`), not k·s
+(`model.moe_impl=buffers`), or its k·s choices (`ragged`, and `auto`: the planner prices GPUs; `expert_rows`);
+  expert parallelism adds 2 all-to-alls of the buffer [b, E, C, h] (ragged: its send buffer) per forward pass and 2
+  per backward over the expert group, time (e-1)/e·X / busbw, exposed (jaxpar's program does not overlap them).
 Pipeline: the critical path of the schedule's own tick table (`Schedule.time` with per-microbatch stage costs f, b, w)
   plus the head on the last stage, and one [b, s, h] transfer per tick per direction over the stage link, exposed.
 Data parallelism / ZeRO: the float32 gradient all-reduce (ZeRO 0, 1) or per-microbatch reduce-scatter (2) or the
@@ -71,6 +72,8 @@ class Model:
     top_k: int = 0
     expert_mlp: int = 0
     capacity: int = 0  # slots per expert per sequence (`moe.capacity`)
+    ragged: bool = False  # `model.moe_impl` ragged (or auto: the planner prices GPUs): k·s rows, not E·C slots
+    buffer_factor: float = 0.0  # `model.expert_buffer_factor` (0: the worst case)
     moe_layers: int = 0
     expert_params: int = 0  # the routed experts' weights, all layers
     trained: float = 1.0  # the fraction of the parameters that trains (LoRA: the adapters'; no gradient, no AdamW)
@@ -88,7 +91,8 @@ class Model:
         moe_layers = sum(bool(moe.is_moe_layer(cfg, i)) for i in range(cfg.layers))
         experts = dict(experts=cfg.experts, top_k=cfg.experts_per_token, expert_mlp=cfg.expert_mlp,
                        capacity=moe.capacity(cfg, cfg.seq_len) if cfg.experts else 0, moe_layers=moe_layers,
-                       expert_params=counts["experts"])
+                       expert_params=counts["experts"], ragged=cfg.moe_impl in ("ragged", "auto"),
+                       buffer_factor=cfg.expert_buffer_factor)
         return cls(**experts, layers=cfg.layers, embed=cfg.embed, heads=cfg.heads, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
                    seq=cfg.seq_len, vocab=vocab, tied=cfg.tie_embeddings,
                    positions=cfg.max_positions if cfg.arch == "gpt2" else 0,
@@ -136,6 +140,18 @@ class Model:
         return sum(groups.get(g, 0.0) for g in OFFLOADED[lay.offload])  # no DPO reference here: 0
 
 
+def expert_rows(model: Model, lay: Layout) -> tuple[float, float]:
+    """(rows a MoE layer's experts compute, rows its buffers hold and its all-to-all sends) per sequence on one
+    device (s = seq / context tokens of it): `buffers` E·min(C, s) slots for both; `ragged` the k·s choices
+    computed, its padded send buffer k·s per expert device (the worst case: every choice to one device) or
+    `expert_buffer_factor` times that over them."""
+    s = model.seq // lay.context
+    if not model.ragged:
+        return model.experts * min(model.capacity, s), model.experts * min(model.capacity, s)
+    ep = lay.expert
+    return model.top_k * s, model.top_k * s * (ep if not model.buffer_factor else min(ep, model.buffer_factor))
+
+
 def activation_bytes(model: Model, lay: Layout) -> float:
     """One layer's activations for one microbatch (Korthikanti et al. 2022, Table 2, 2-byte values):
     s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallelism 34/t for the first terms; no a·s² scores under a fused
@@ -143,9 +159,9 @@ def activation_bytes(model: Model, lay: Layout) -> float:
     of the sequence (seq / context)."""
     b, s, h, t = lay.micro_batch(model.global_batch), model.seq // lay.context, model.embed, lay.tensor
     scores = 0 if model.fused_attention or lay.context > 1 else 5 * model.heads * s / (h * t)
-    # a MoE layer also keeps its buffers: the dispatched tokens and the experts' output [b, E, C, h], the gate, up and
-    # product [b, E, C, F / t] (2-byte values, as above), averaged over the layers
-    moe = model.moe_layers / model.layers * b * model.experts * model.capacity * (4 * h + 6 * model.expert_mlp / t)
+    # a MoE layer also keeps its buffers: the dispatched tokens and the experts' output [b, rows, h], the gate, up and
+    # product [b, rows, F / t] (2-byte values, as above), averaged over the layers (rows: `expert_rows`)
+    moe = model.moe_layers / model.layers * b * expert_rows(model, lay)[1] * (4 * h + 6 * model.expert_mlp / t)
     return s * b * h * ((34 / t if lay.sequence_parallel else 10 + 24 / t) + scores) + moe
 
 
@@ -199,14 +215,15 @@ def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
     t, b, s, h, c = lay.tensor, lay.micro_batch(model.global_batch), model.seq // lay.context, model.embed, lay.context
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     moe_share = model.moe_layers / model.layers
-    slots = b * (model.experts * model.capacity - model.top_k * s)  # buffer slots beyond the active k·s tokens
+    rows, held = expert_rows(model, lay)
+    slots = b * (rows - model.top_k * s)  # rows computed beyond the active k·s choices
     lin = 2 * b * s * model.layer_params() / t + moe_share * 2 * slots * 3 * h * model.expert_mlp / t
     core = 4 * b * s * (s * c) * h / t * (0.5 if model.fused_attention or c > 1 else 1.0)
     work = (lin + core) / rate + ELEMENTWISE_TRAFFIC * activation_bytes(model, lay) / cl.device.hbm_bw
     x = b * s * h * model.compute_bytes
     bw = cl.group_bw(t, 1)
     tp = collective_time("all-reduce", x, t, bw) + (bw[1] if lay.sequence_parallel else 0.0)  # SP: two collectives, one latency more
-    buf = b * model.experts * model.capacity * h * model.compute_bytes
+    buf = b * held * h * model.compute_bytes
     ep = moe_share * collective_time("all-to-all", buf, lay.expert, cl.group_bw(lay.expert, t))
     kv = 2 * b * (s * c) * h * model.kv_heads / model.heads / t  # K and V of the whole sequence, this device's heads
     cp = collective_time("all-gather", kv * model.compute_bytes, c, cl.group_bw(c, t))
