@@ -112,7 +112,8 @@ def dry_run(config, workdir: str) -> dict:
     shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
-    rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=False)[0])
+    needs_data = config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
+    rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0])
     hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)

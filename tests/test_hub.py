@@ -168,6 +168,8 @@ def test_a_resume_resolves_the_commit_the_first_start_recorded(hub_cache, tmp_pa
         f"jsonl:{cache}/datasets--tiny-org--moving/snapshots/{older}/**/train.jsonl"
     assert hub.resolve(c, {})[1] == {"hfds:tiny-org/moving": newer}
     assert hub.resolve(config_with(sources="hfds:tiny-org/moving@v1"), {})[1] == {"hfds:tiny-org/moving@v1": older}
+    branch = config_with(sources="hfds:tiny-org/moving@main")  # a branch is pinned like the default one
+    assert hub.resolve(branch, {"hfds:tiny-org/moving@main": older})[1] == {"hfds:tiny-org/moving@main": older}
 
 
 def test_a_splits_files_by_the_card_the_option_or_the_usual_names(hub_cache, monkeypatch):
@@ -190,6 +192,16 @@ def test_a_splits_files_by_the_card_the_option_or_the_usual_names(hub_cache, mon
         src(sources="hfds:tiny-org/chat:dev")
     with pytest.raises(ConfigError, match="is not a Hub dataset name"):
         src(sources="hfds:../x")
+    # data.hf_data_files is the training sources' pattern: the validation split keeps its own
+    c = hub.resolve(config_with(sources="hfds:tiny-org/chat", val_source="hfds:tiny-org/chat:test",
+                                hf_data_files="data/train-*.parquet"), {})[0]
+    assert c.data.val_source == f"parquet:{snap}/data/test-*.parquet"
+    # a card with two patterns for one split: one glob cannot read both, so it is refused, not cut short
+    card = CARD.replace("    path: data/test-*", "    path: [data/test-*, data/train-*]")
+    put(cache, "dataset", "tiny-org/two", {"README.md": card.encode(), "data/test-0.parquet": b"x",
+                                           "data/train-0.parquet": b"y"})
+    with pytest.raises(ConfigError, match=r"under 2 patterns \(data/test-\*, data/train-\*\)"):
+        src(sources="hfds:tiny-org/two:test")
 
 
 def test_a_local_directory_wins_over_a_hub_name(tmp_path, monkeypatch):

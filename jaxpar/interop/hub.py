@@ -53,9 +53,10 @@ class Name:
     split: str = "train"
 
     def pinned(self, pins: dict) -> "Name":
-        """This name at the commit `pins` recorded for it (an explicit @REVISION is kept)."""
+        """This name at the commit `pins` recorded for it (a branch or tag given as @REVISION too: the commit it
+        named at the first start)."""
         rev = pins.get(self.text)
-        return self if self.revision or not rev else dataclasses.replace(self, revision=rev)
+        return dataclasses.replace(self, revision=rev) if rev else self
 
 
 def model_name(value: str) -> Name | None:
@@ -105,8 +106,9 @@ def resolve(config, pins: dict, local_only: bool = False, weights: bool = True, 
       HubError: a name not on the Hub or not in the cache (offline), a revision that does not exist, no files of
         the split; nothing is written.
     """
-    found = {n.text: fetch(n.pinned(pins), str(config.data.hf_data_files), local_only, weights)
-             for n in names(config, datasets)}
+    sources = str(config.data.sources).split()  # `data.hf_data_files` is their pattern, not the validation's
+    found = {n.text: fetch(n.pinned(pins), str(config.data.hf_data_files) if n.text in sources else "", local_only,
+                           weights) for n in names(config, datasets)}
     if not found:
         return config, {}
     config = config.copy_and_resolve_references()
@@ -199,6 +201,10 @@ def split_source(snap: str, patterns: list[str], name: Name) -> str:
 
     Raises:
       HubError: no such files (the names of the files there in the message)."""
+    found = [p for p in patterns if _kind_glob(snap, p)]
+    if len(found) > 1 and not set(patterns) & set(default_patterns(name.split)):
+        raise HubError(f"{name.text}: the split's files are under {len(found)} patterns ({', '.join(found)}); a "
+                       f"source reads one glob: name one in data.hf_data_files, or blend the files as sources.")
     for pattern in patterns:
         for kind, exts in DATA_KINDS:
             for ext in exts:
@@ -213,6 +219,14 @@ def split_source(snap: str, patterns: list[str], name: Name) -> str:
     raise HubError(f"{name.text}: no Parquet or JSONL files of split {name.split!r} in the dataset (looked for "
                    f"{', '.join(patterns)}; it has {', '.join(have[:8]) or 'none fetched'}); name the split "
                    f"(hfds:{name.repo}:SPLIT) or its files (data.hf_data_files).")
+
+
+def _kind_glob(snap: str, pattern: str) -> bool:
+    """Whether `pattern` finds a data file of a kind jaxpar reads in snapshot `snap`."""
+    exts = [e for _, es in DATA_KINDS for e in es]
+    return any(os.path.isfile(f) for e in exts
+               for f in glob.glob(os.path.join(snap, pattern if pattern.endswith(f".{e}") else f"{pattern}.{e}"),
+                                  recursive=True))
 
 
 def _get(config, key: str):

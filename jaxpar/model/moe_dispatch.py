@@ -144,6 +144,7 @@ def ragged(experts_mlp, h, order, keep, experts: int, buffer_factor: float = 0.0
     if expert_split() == 1:
         with jax.named_scope(SCOPE):
             ys, lost = ragged_swiglu(experts_mlp, xs, groups), jnp.zeros((), jnp.int32)
+        ys = jnp.where((jnp.arange(ys.shape[0]) < groups.sum())[:, None], ys, jnp.zeros((), ys.dtype))  # dropped
     else:
         ys, lost = _expert_parallel(experts_mlp, xs, groups, buffer_factor)
     return _permute(ys, inv, perm).reshape(b, k, t, d), lost
