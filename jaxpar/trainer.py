@@ -307,9 +307,7 @@ class Loop:
         self.flops_tok = gpt.flops_per_token(steps.cfg)
         self.peak, self.ndev = throughput.peak_flops(devices[0].device_kind), len(devices)
         is_main = jax.process_index() == 0
-        tracker = monitor.WandbRun(workdir, config.log, config.to_dict()) if is_main and config.log.wandb_project \
-            else None
-        self.writer = monitor.MetricsWriter(workdir, is_main, tracker)
+        self.writer = monitor.writer_for(config, workdir, is_main)
         self.profiler = monitor.profile(workdir, tuple(config.log.profile_steps))
         self.console = monitor.Console(is_main, self.total, start, bool(config.log.progress))
         if is_main:

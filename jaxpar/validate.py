@@ -6,7 +6,6 @@ owners of the rules; only entry points (trainer, planner, report, tools) import 
 from __future__ import annotations
 
 import importlib.util
-
 import numbers
 
 import jax

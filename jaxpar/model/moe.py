@@ -82,8 +82,8 @@ def slots(idx, experts: int, cap: int):
     each slot's token `[b, E x C]`, t for an empty slot; choices per expert `[b, E]`), one device's sequences."""
     b, t, k = idx.shape
     order = dispatch.priority_order(idx)
-    pos, counts = dispatch.queue_positions(order, experts, k)
-    dest, token = dispatch._slots(order, pos < cap, experts, cap, t)
+    pos, counts, _ = dispatch.queue_positions(order, experts, k)
+    dest, token = dispatch.slots_of(order, pos < cap, experts, cap, t)
     return dest.reshape(b, k, t).transpose(0, 2, 1), token, counts
 
 
@@ -155,7 +155,7 @@ class MoE(nnx.Module):
         logits = jnp.einsum("btd,de->bte", h.astype(f32), self.router[...].astype(f32))
         scores, idx, w = route(logits, self.router_bias[...], cfg)
         order = dispatch.priority_order(idx)
-        pos, counts = dispatch.queue_positions(order, E, k)
+        pos, counts, mine = dispatch.queue_positions(order, E, k)
         keep = pos < capacity(cfg, seq)
         if implementation(cfg) == "ragged":
             y, lost = dispatch.ragged(self.experts, h, order, keep, E, cfg.expert_buffer_factor)
@@ -165,7 +165,7 @@ class MoE(nnx.Module):
         if cfg.shared_experts:
             out = out + self.shared(h)
         aux, z = balance_stats(logits, scores, counts, cfg, seq)
-        load = jnp.sum((order[..., None] == jnp.arange(E)).astype(f32), (0, 1))  # this device's choices
+        load = mine.sum(0).astype(f32)  # this device's choices per expert
         stats = {"load": load, "dropped": (jnp.sum(~keep) + lost).astype(f32), "aux": aux, "z": z}
         return checkpoint_name(out, "moe_out"), stats
 

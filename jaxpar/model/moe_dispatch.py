@@ -41,12 +41,12 @@ def priority_order(idx):
 
 def queue_positions(order, experts: int, k: int):
     """-> (each choice's place in its expert's queue over the whole sequence `[b, k·t]` int32, the sequence's choices
-    per expert `[b, E]` int32, counted over every `context` device)."""
+    per expert `[b, E]` int32 counted over every `context` device, and those of this device's tokens)."""
     b, kt = order.shape
     onehot = (order[..., None] == jnp.arange(experts)).astype(jnp.int32)  # [b, kt, E]
     cp = context_split()
     if cp == 1:
-        return jnp.sum((jnp.cumsum(onehot, 1) - 1) * onehot, -1), onehot.sum(1)
+        return jnp.sum((jnp.cumsum(onehot, 1) - 1) * onehot, -1), onehot.sum(1), onehot.sum(1)
     n = kt // k // 2  # tokens per chunk; this device holds chunks r and 2·cp - 1 - r
     oh = onehot.reshape(b, k, 2, n, experts)
     within = jnp.cumsum(oh, 3) - oh  # choices of the same (choice rank, expert) earlier in the chunk
@@ -60,7 +60,7 @@ def queue_positions(order, experts: int, k: int):
     r = context_rank()
     mine = jnp.take(before_chunk, jnp.stack([r, 2 * cp - 1 - r]), axis=2)  # [b, k, 2, E]
     pos = within + before_rank[:, :, None, None, :] + mine[:, :, :, None, :]
-    return jnp.sum(pos * oh, -1).reshape(b, kt), per_rank.sum(1)
+    return jnp.sum(pos * oh, -1).reshape(b, kt), per_rank.sum(1), onehot.sum(1)
 
 
 def _gather_rows(x, index):
@@ -74,7 +74,7 @@ def buffers(experts_mlp, h, order, keep, experts: int, capacity: int):
     b, t, d = h.shape
     k = order.shape[1] // t
     slots = min(capacity, t)  # a token never picks an expert twice: t slots per expert are always enough
-    dest, token = _slots(order, keep, experts, slots, t)
+    dest, token = slots_of(order, keep, experts, slots, t)
     buf = _gather_rows(h, token).reshape(b, experts, slots, d)
     buf = jax.ad_checkpoint.checkpoint_name(exchange_experts(buf, split_axis=1, concat_axis=0), "moe_dispatch")
     with jax.named_scope(SCOPE):
@@ -83,7 +83,7 @@ def buffers(experts_mlp, h, order, keep, experts: int, capacity: int):
     return _gather_rows(y, dest).reshape(b, k, t, d)
 
 
-def _slots(order, keep, experts: int, slots: int, t: int):
+def slots_of(order, keep, experts: int, slots: int, t: int):
     """-> (each choice's buffer slot `[b, k·t]` in [0, E·C], E·C meaning dropped; each slot's token `[b, E·C]`, t for
     an empty slot): the kept choices of each expert fill its C slots in priority order."""
     b, kt = order.shape

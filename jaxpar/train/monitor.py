@@ -95,19 +95,16 @@ class MetricsWriter:
             record[str(k)] = _to_python(v)
         self._file.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
         self._file.flush()
-        for k, v in record.items():
-            if isinstance(v, list):  # per layer (MoE): one scalar each, or one histogram each (a row per layer)
-                for i, x in enumerate(v):
-                    if isinstance(x, list):
-                        self._tb.add_histogram(f"{k}/layer{i}", np.asarray(x, float), global_step=step)
-                    elif isinstance(x, (int, float)) and not isinstance(x, bool):
-                        self._tb.add_scalar(f"{k}/layer{i}", x, global_step=step)
-            if k == "step" or isinstance(v, bool) or not isinstance(v, (int, float)):
-                continue
+        for k, v in record.items():  # per layer (MoE): a histogram each for a row per layer
+            for i, x in enumerate(v) if isinstance(v, list) else ():
+                if isinstance(x, list):
+                    self._tb.add_histogram(f"{k}/layer{i}", np.asarray(x, float), global_step=step)
+        scalars = _scalars(record)
+        for k, v in scalars.items():
             self._tb.add_scalar(k, v, global_step=step)
         self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log(step, record)
+            self._wandb.run.log(scalars, step=step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -148,21 +145,29 @@ class WandbRun:
                               tags=[str(t) for t in log.wandb_tags] or None, id=run_id, resume="allow", dir=workdir,
                               config=config)
 
-    def log(self, step: int, record: Mapping[str, Any]) -> None:
-        out = {}
-        for k, v in record.items():
-            if isinstance(v, list):
-                out.update({f"{k}/layer{i}": x for i, x in enumerate(v) if _scalar(x)})
-            elif k != "step" and _scalar(v):
-                out[k] = v
-        self.run.log(out, step=int(step))
-
     def close(self) -> None:
         self.run.finish()
 
 
+def writer_for(config, workdir: str, enabled: bool) -> MetricsWriter:
+    """The run's `MetricsWriter`, with its W&B run when `log.wandb_project` names one (process 0 only)."""
+    tracker = WandbRun(workdir, config.log, config.to_dict()) if enabled and config.log.wandb_project else None
+    return MetricsWriter(workdir, enabled, tracker)
+
+
 def _scalar(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _scalars(record: Mapping[str, Any]) -> dict:
+    """{tag: number} of a written record: its numbers, and each per-layer list's numbers as `key/layerI`."""
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, list):
+            out.update({f"{k}/layer{i}": x for i, x in enumerate(v) if _scalar(x)})
+        elif k != "step" and _scalar(v):
+            out[k] = v
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
