@@ -32,8 +32,11 @@ DEFAULT_RULES = (
     ("experts", "expert"),  # a MoE layer's routed experts (expert parallelism)
     ("router", None),  # the router's expert dimension (its weight is small: replicated)
     ("lora_rank", None),  # a LoRA adapter's rank axis (replicated: each adapter is sharded like its base matmul)
+    ("patch", None),  # ViT: a patch's rows and columns, its channels, its classes (small: replicated)
+    ("channels", None),
+    ("classes", None),
 )
-NEW_RULES = ("experts", "router", "lora_rank")  # added after configs with their own `rules` were written: defaulted if absent
+NEW_RULES = ("experts", "router", "lora_rank", "patch", "channels", "classes")  # added after configs with their own `rules` were written: defaulted if absent
 
 # order of the device grid: tensor last = neighbouring devices, then context (its K/V all-gathers) and expert (its
 # all-to-all) within a node where they fit
@@ -94,8 +97,15 @@ KEYS = (
     K("mesh.context", 1, int, "context-parallel size: every sequence split over it, load-balanced, attention gathering "
       "K/V: [long context](context.md)"),
     # model
-    K("model.arch", "gpt2", str, "`gpt2` (LayerNorm, learned positions, GELU MLP, biases) or `llama` (RMSNorm, RoPE, "
-      "GQA, SwiGLU)"),
+    K("model.arch", "gpt2", str, "`gpt2` (LayerNorm, learned positions, GELU MLP, biases), `llama` (RMSNorm, RoPE, "
+      "GQA, SwiGLU) or `vit` (a vision transformer: patches in, a classifier out: [vision](vision.md))"),
+    K("model.image_size", 224, int, "vit: the images' height and width in pixels (a multiple of `model.patch_size`); "
+      "`model.seq_len` is then the patches + 1", lambda v: v >= 1, "an integer >= 1"),
+    K("model.patch_size", 16, int, "vit: each patch's height and width in pixels", lambda v: v >= 1,
+      "an integer >= 1"),
+    K("model.channels", 3, int, "vit: colour channels (3: RGB, 1: grey)", lambda v: v in (1, 3), "1 or 3"),
+    K("model.num_classes", 0, int, "vit: the classifier's classes; 0: the data's (or the checkpoint's)",
+      lambda v: v >= 0, "an integer >= 0 (0: the data's classes)"),
     K("model.vocab_size", 0, int, "0: the tokenizer's; padded to a multiple of 128 and of `mesh.tensor`",
       lambda v: v >= 0, "an integer >= 0 (0: taken from the tokenizer)"),
     K("model.seq_len", 256, int, "tokens per sequence", lambda v: v >= 1, "an integer >= 1"),
@@ -293,6 +303,17 @@ KEYS = (
       choices=('auto', 'assistant', 'completion', 'all')),
     K("data.chat_template", "", str, "a Jinja chat template file for conversations; `\"\"`: the tokenizer's "
       "(`chat_template.jinja` or `tokenizer_config.json` beside its tokenizer.json)"),
+    K("data.image_field", "image", str, "vit: the Parquet column holding an image (Hugging Face's `{bytes, path}` "
+      "struct, or bytes)", _NONEMPTY, "the Parquet column holding the images"),
+    K("data.label_field", "label", str, "vit: the Parquet column holding an image's class (an integer)",
+      _NONEMPTY, "the Parquet column holding the labels"),
+    K("data.image_mean", "", str, "vit: each channel's mean, subtracted after rescaling to [0, 1], e.g. "
+      "`\"0.485,0.456,0.406\"`; `\"\"`: the checkpoint's `preprocessor_config.json`, else 0.5"),
+    K("data.image_std", "", str, "vit: each channel's standard deviation, divided by; `\"\"`: the checkpoint's, else "
+      "0.5"),
+    K("data.augment", "", str, "vit: training augmentation, `\"\"` (none), `crop` (pad by 1/8 of the size, crop a "
+      "random window back), `flip` (mirror half the images) or `crop,flip`; the same on every layout",
+      choices=("", "crop", "flip", "crop,flip")),
     K("data.workers", 1, int, "tokenizer processes", lambda v: v >= 1, "an integer >= 1 (tokenizer processes)"),
     K("data.unit_mb", 64, int, "MB of one big file per worker task",
       lambda v: v >= 1, "an integer >= 1 (MB of one file per worker task)"),

@@ -57,12 +57,12 @@ def _pallas_reason(seq: int, head_dim: int) -> str | None:
 
 
 def choose(implementation: str, dtype, seq: int, head_dim: int, segments: bool,
-           backend: str | None = None) -> tuple[str, str]:
+           backend: str | None = None, causal: bool = True) -> tuple[str, str]:
     """`model.attention` -> (the kernel that runs: xla | cudnn | pallas, why). An explicit choice that cannot run
     raises ValueError naming the reason; "pallas" off GPU runs in interpret mode (slow: for tests)."""
     backend = backend or jax.default_backend()
-    reasons = {"cudnn": _cudnn_reason(dtype, head_dim, segments, backend), "pallas": _pallas_reason(seq, head_dim),
-               "xla": None}
+    pallas = _pallas_reason(seq, head_dim) if causal else "jaxpar runs the Pallas kernel causal only"
+    reasons = {"cudnn": _cudnn_reason(dtype, head_dim, segments, backend), "pallas": pallas, "xla": None}
     if implementation == "auto":
         if backend != "gpu":
             return "xla", f"auto: no fused kernel off GPU (backend {backend})"
@@ -78,13 +78,16 @@ def choose(implementation: str, dtype, seq: int, head_dim: int, segments: bool,
     return implementation, "as configured"
 
 
-def xla(q, k, v, mask=None, segment_ids=None):
+def xla(q, k, v, mask=None, segment_ids=None, causal: bool = True):
     """XLA's attention: causal when `mask` is None, else `mask` (bool, broadcastable to `[batch, heads, t, s]`,
-    True = attend); with `segment_ids`, causal within each segment (a dense mask)."""
+    True = attend); with `segment_ids`, causal within each segment (a dense mask); `causal=False`: every position
+    attends to every other (a bidirectional encoder, ViT)."""
     dt = q.dtype
     if segment_ids is not None:
         same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-        mask = same & jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+        mask = same & (jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)) if causal else True)
+    elif not causal and mask is None:
+        mask = jnp.ones((1, 1, q.shape[1], k.shape[1]), bool)
     if dt == jnp.float64:
         return _float64(q, k, v, mask)
     attend = lambda q, k, v, mask: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=mask is None).astype(dt)
@@ -105,8 +108,8 @@ def _float64(q, k, v, mask):
     return jnp.einsum("bhts,bshd->bthd", probs, v)
 
 
-def _cudnn(q, k, v):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+def _cudnn(q, k, v, causal=True):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
 def _mha_args(q, interpret: bool):
@@ -187,11 +190,12 @@ def context_attention(q, k, v, segment_ids=None):
     return blockwise.attention(q, keys, values, q_idx, k_idx, segment_ids, k_seg, tile, tile)
 
 
-def attention(q, k, v, segment_ids=None, implementation: str = "xla"):
-    """Causal attention (within segments when given) with the kernel `implementation` (resolved by `choose`: xla |
-    cudnn | pallas); fused kernels run per shard of batch and heads."""
+def attention(q, k, v, segment_ids=None, implementation: str = "xla", causal: bool = True):
+    """Causal attention (within segments when given; bidirectional with `causal=False`) with the kernel
+    `implementation` (resolved by `choose`: xla | cudnn | pallas, which is causal only); fused kernels run per shard
+    of batch and heads."""
     if implementation == "xla":
-        return xla(q, k, v, None, segment_ids)
+        return xla(q, k, v, None, segment_ids, causal)
     if implementation == "cudnn":
-        return per_shard(_cudnn, (_QKV,) * 3, _QKV)(q, k, v)
+        return per_shard(lambda q, k, v: _cudnn(q, k, v, causal), (_QKV,) * 3, _QKV)(q, k, v)
     return _pallas(q, k, v, segment_ids)

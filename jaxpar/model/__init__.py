@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.model import lora, moe
+from jaxpar.model import lora, moe, vit
 from jaxpar.model.config import (IDENTITY_FIELDS, LORA_FIELDS, MOE_FIELDS, ROPE_SCALINGS, SHAPE_FIELDS,  # noqa: F401
                                  ZERO_COUNTS, ModelConfig, config_from, has_dropout, identity,
                                  identity_defaults)  # the spec's config, re-exported
@@ -43,7 +43,10 @@ class GPT(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.weight_dtype)
-        self.wte = param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt, "embedding")
+        if cfg.arch == "vit":  # patches, class token and positions in; a classifier out (`jaxpar/model/vit.py`)
+            vit.add_embedding(self, cfg, rngs, dt)
+        else:
+            self.wte = param(rngs.params(), (cfg.vocab_size, cfg.embed), 0.02, ("vocab", "embed"), dt, "embedding")
         if cfg.arch == "gpt2":
             self.wpe = param(rngs.params(), (cfg.max_positions, cfg.embed), 0.02, ("seq", "embed"), dt, "position")
 
@@ -54,7 +57,9 @@ class GPT(nnx.Module):
 
         self.blocks = make_blocks(rngs)
         self.ln_f = NORMS[cfg.arch](cfg.embed, dt, cfg.norm_eps)
-        if not cfg.tie_embeddings:
+        if cfg.arch == "vit":
+            vit.add_head(self, cfg, rngs, dt)
+        elif not cfg.tie_embeddings:
             self.lm_head = param(rngs.params(), (cfg.embed, cfg.vocab_size), 0.02, ("embed", "vocab"), dt)
 
 
@@ -186,6 +191,8 @@ def flops_per_token(cfg: ModelConfig) -> float:
     frozen weight and 6 per adapter parameter (as the compiled step runs them)."""
     counts = param_counts(cfg)
     full = model_flops_per_token(counts["matmul"], cfg.layers, cfg.heads * cfg.head_dim, cfg.seq_len)
+    if cfg.arch == "vit":  # the classifier runs on one token of each image's seq_len
+        full -= 6.0 * cfg.embed * cfg.num_classes * (1.0 - vit.head_share(cfg))
     return full - 2.0 * counts["matmul"] + 6.0 * counts["trainable"] if cfg.lora_rank else full
 
 
@@ -297,9 +304,11 @@ class Forward:
         """tokens `[batch, seq]` int32 -> `[batch, seq, embed]` (compute dtype); positions start at `pos0`, or at
         each segment's start (`segments` `[batch, seq]` int32: packed documents), or are given (`positions`
         `[batch, seq]` int32: a context-parallel shard of a sequence, `jaxpar/parallel/context.py`)."""
-        tokens = constrain(tokens, ("batch", "seq"))
-        x = lookup(params["wte"], tokens, self.cdt)
-        if "wpe" in params:  # gpt2's learned positions; llama rotates q and k in each block instead
+        if self.cfg.arch == "vit":  # tokens: images `[batch, H, W, channels]`
+            x = vit.embed(params, tokens, self.cfg.patch_size, self.cdt)
+        else:
+            x = lookup(params["wte"], constrain(tokens, ("batch", "seq")), self.cdt)
+        if self.cfg.arch == "gpt2":  # gpt2's learned positions; llama rotates q and k in each block instead
             if positions is None and segments is None:
                 pos = jax.lax.dynamic_slice_in_dim(params["wpe"], pos0, tokens.shape[1], 0)[None]
             else:
@@ -360,6 +369,17 @@ class Forward:
         if cfg.vocab_real < cfg.vocab_size:
             z = jnp.where(jnp.arange(cfg.vocab_size) < cfg.vocab_real, z, -jnp.inf)
         return z
+
+    def class_logits(self, params, x):
+        """ViT: x `[batch, seq, embed]` (the last layer's output) -> logits `[batch, num_classes]` (float32 at
+        least) of the class token after the final norm."""
+        return vit.logits(params, nnx.merge(self.norm_def, params["ln_f"])(x[:, 0]))
+
+    @jax.named_scope("head")
+    def classify(self, params, x, labels, weights):
+        """ViT: (summed cross-entropy of the images' labels `[batch]` int32 under `weights` `[batch]`, [weight sum,
+        weighted top-1 hits])."""
+        return vit.loss(self.class_logits(params, x), labels, weights)
 
     @jax.named_scope("head")
     def head_loss(self, params, x, targets, mask):

@@ -28,7 +28,7 @@ class ModelConfig:
     remat: str = "none"
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    arch: str = "gpt2"  # gpt2 | llama
+    arch: str = "gpt2"  # gpt2 | llama | vit
     kv_heads: int = 0  # llama's grouped-query KV heads (0: = heads); gpt2 has heads
     head_dim: int = 0  # each head's size (0: embed / heads; Qwen3 sets it apart, e.g. 128 with embed 2048, 32 heads)
     qk_norm: bool = False  # llama: RMSNorm over each head of q and k before RoPE (Qwen3)
@@ -42,6 +42,12 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     attention: str = "auto"  # auto | xla | cudnn | pallas (`jaxpar/kernels/attention.py`)
     loss_chunk: int = 1024  # positions per chunk of the LM head + cross-entropy (`jaxpar/kernels/cross_entropy.py`)
+    # vit (`jaxpar/model/vit.py`): images `[image_size, image_size, channels]` cut into patches; the sequence is the
+    # patches and a class token (`vit_seq_len`), the vocabulary the classes (`num_classes`, unpadded)
+    image_size: int = 0
+    patch_size: int = 0
+    channels: int = 0
+    num_classes: int = 0
     # mixture of experts (`jaxpar/model/moe.py`; config keys model.*, docs/moe.md); experts = 0: dense
     experts: int = 0
     experts_per_token: int = 2
@@ -98,7 +104,8 @@ IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "
                    "qk_norm", "mlp",
                    "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                    "rope_high_freq_factor", "rope_original_max_len", "experts", "experts_per_token", "expert_mlp",
-                   "shared_experts", "router", "router_norm_topk", "first_dense_layers", "moe_every")
+                   "shared_experts", "router", "router_norm_topk", "first_dense_layers", "moe_every", "image_size",
+                   "patch_size", "channels", "num_classes")
 MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "router", "router_norm_topk",
               "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every",
               "moe_impl", "expert_buffer_factor")
@@ -124,10 +131,18 @@ def identity_defaults(saved: dict) -> dict:
             "head_dim": embed // heads if heads and embed else None}
 
 
+def vit_seq_len(image_size: int, patch_size: int) -> int:
+    """A ViT's sequence: its patches and the class token."""
+    return (image_size // patch_size) ** 2 + 1
+
+
 def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
     """The model of a run config (`config.model`, the dtypes of `config.train`); the vocabulary padded to a multiple
-    of 128 and of the tensor size (`config.padded_vocab`)."""
+    of 128 and of the tensor size (`config.padded_vocab`). A ViT's `vocab_real` is its classes (`model.num_classes`,
+    else the data's), its sequence its patches and class token."""
     m = config.model
+    if m.arch == "vit":
+        return _vit_config(config, int(m.num_classes) or vocab_real)
     rope = {k: m[k] for k in ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
                               "rope_high_freq_factor", "rope_original_max_len")}
     return ModelConfig(
@@ -138,6 +153,16 @@ def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
         kv_heads=m.kv_heads, head_dim=m.head_dim, qk_norm=m.qk_norm, max_positions=m.max_positions,
         norm_eps=m.norm_eps, attention=m.attention,
         loss_chunk=m.loss_chunk, **rope, **{k: m[k] for k in MOE_FIELDS}, **lora_fields(config))
+
+
+def _vit_config(config, classes: int) -> ModelConfig:
+    m, seq = config.model, vit_seq_len(config.model.image_size, config.model.patch_size)
+    return ModelConfig(
+        vocab_size=classes, vocab_real=classes, seq_len=seq, layers=m.layers, embed=m.embed, heads=m.heads,
+        mlp=mlp_width(config), dropout_embed=m.dropout_embed, dropout_resid=m.dropout_resid, tie_embeddings=False,
+        remat=m.remat, param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch="vit",
+        head_dim=m.head_dim, max_positions=seq, norm_eps=m.norm_eps, attention=m.attention, image_size=m.image_size,
+        patch_size=m.patch_size, channels=m.channels, num_classes=classes, **lora_fields(config))
 
 
 def lora_fields(config) -> dict:

@@ -114,7 +114,8 @@ class KVCache(NamedTuple):
         return ck, cv, mask, KVCache(ck, cv, self.pos + t)
 
 
-def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, implementation: str = "xla"):
+def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, implementation: str = "xla",
+                   causal: bool = True):
     """Causal self-attention with grouped-query heads: q `[b, t, heads, hd]`, k, v `[b, t, kv_heads, hd]` ->
     (`[b, t, heads, hd]` in q's dtype, cache). Query head j reads KV head j // (heads / kv_heads), as Hugging Face's
     `repeat_kv`. `implementation`: `model.attention` (`jaxpar/kernels/attention.py`: auto | xla | cudnn | pallas). With a
@@ -131,8 +132,9 @@ def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, impl
     k, v = (constrain(a, ("batch", "seq", "heads", "kv")) for a in (k, v))
     if cache is not None:
         return checkpoint_name(kernels.xla(q, k, v, mask).astype(dt), "attention"), cache
-    impl, _ = kernels.choose(implementation, q.dtype, q.shape[1], q.shape[3], segment_ids is not None)
-    return checkpoint_name(kernels.attention(q, k, v, segment_ids, impl), "attention"), cache
+    impl, _ = kernels.choose(implementation, q.dtype, q.shape[1], q.shape[3], segment_ids is not None,
+                             causal=causal)
+    return checkpoint_name(kernels.attention(q, k, v, segment_ids, impl, causal), "attention"), cache
 
 
 # ---- blocks -----------------------------------------------------------------------------------------------------
@@ -148,6 +150,7 @@ _RESIDUAL = ("batch", "act_seq", "embed")
 class _PreNormBlock(nnx.Module):
     """x + Attn(norm1(x)), then x + FFN(norm2(x)); a family fills in `qkv`, `attn_out` and its dense `mlp`. With
     `experts` the FFN is a mixture of experts (`jaxpar/model/moe.py`) in the layers `moe.is_moe_layer` names."""
+    CAUSAL = True  # a decoder's attention; an encoder's (ViT) sees the whole sequence
 
     def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None, layer=0):
         """x `[batch, seq, embed]` -> (same, cache, MoE stats or None). `drop(y, site, rate)` applies dropout keyed
@@ -160,7 +163,7 @@ class _PreNormBlock(nnx.Module):
         ad = lora.input_dropout(drop, cfg)
         q, k, v = self.qkv(checkpoint_name(self.ln1(x), "norm"), positions, ad)
         q, k, v = (checkpoint_name(a, "qkv") for a in (constrain(q, ("batch", "seq", "heads", "kv")), k, v))
-        a, cache = self_attention(q, k, v, cache, segments, cfg.attention)
+        a, cache = self_attention(q, k, v, cache, segments, cfg.attention, self.CAUSAL)
         o = constrain(self.attn_out(a, ad), _RESIDUAL)  # sequence parallel: a reduce-scatter, not an all-reduce
         rd = (lambda y, site: drop(y, site, cfg.dropout_resid)) if drop and cfg.dropout_resid > 0 else None
         x = checkpoint_name(constrain(x + (rd(o, 0) if rd else o), _RESIDUAL), "residual")
@@ -263,8 +266,31 @@ class LlamaBlock(_PreNormBlock):
         return swiglu(self, h, act_names=("batch", "seq", "mlp"), drop=ad)
 
 
-BLOCKS = {"gpt2": GPT2Block, "llama": LlamaBlock}
-NORMS = {"gpt2": LayerNorm, "llama": RMSNorm}
+class VitBlock(GPT2Block):
+    """ViT's encoder block (Dosovitskiy et al. 2021; Hugging Face's `ViTLayer`): GPT-2's, with bidirectional
+    attention, a bias on every one of q, k and v (the key's, whose gradient is zero, kept so that a checkpoint comes
+    back bitwise) and the exact (erf) GELU."""
+    CAUSAL = False
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        super().__init__(cfg, rngs)
+        del self.bqv
+        self.bqkv = param(None, (3, cfg.heads, cfg.head_dim), 0, ("qkv", "heads", "kv"), jnp.dtype(cfg.weight_dtype),
+                          "bias")
+
+    def qkv(self, h, positions, ad=None):
+        qkv = matmul(self, "wqkv", self.SPECS["wqkv"], h, ad) + self.bqkv[...].astype(h.dtype)
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+    def mlp(self, h, ad=None):
+        u = checkpoint_name(matmul(self, "w_in", self.SPECS["w_in"], h, ad) + self.b_in[...].astype(h.dtype),
+                            "mlp_in")
+        u = checkpoint_name(constrain(jax.nn.gelu(u, approximate=False), ("batch", "seq", "mlp")), "mlp_act")
+        return matmul(self, "w_out", self.SPECS["w_out"], u, ad) + self.b_out[...].astype(h.dtype)
+
+
+BLOCKS = {"gpt2": GPT2Block, "llama": LlamaBlock, "vit": VitBlock}
+NORMS = {"gpt2": LayerNorm, "llama": RMSNorm, "vit": LayerNorm}
 
 
 # ---- embedding lookup, packed positions, dropout (used by the model's embed and blocks) ------------------------
