@@ -15,6 +15,7 @@ from jaxpar import data
 from jaxpar.cluster import distributed
 from jaxpar.interop import hf, peft
 from jaxpar import model as gpt
+from jaxpar.config import derived
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.mesh import make_mesh
 from jaxpar.train.step import Steps, build
@@ -31,7 +32,7 @@ def steps_for(config, vocab: int, devices=None, layout=None) -> Steps:
     """`config`'s steps on `devices` (default: all): validated (a `ConfigError` before anything compiles; `layout`:
     what `validate` returned already), the mesh laid out, the steps built (jitted; each compiles at its first
     call)."""
-    devices = list(jax.devices() if devices is None else devices)
+    devices, config = list(jax.devices() if devices is None else devices), derived(config)
     layout = layout or validate(config, len(devices))
     if xla_cpu_aborts(devices[0].platform, config.train.param_dtype, layout.zero_stage):
         raise ConfigError("train.param_dtype='bfloat16' with optim.zero_stage=3 on CPU devices: XLA:CPU aborts "
@@ -58,7 +59,7 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
     allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
     layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
-    config = peft.apply(hf.apply(config))
+    config = derived(peft.apply(hf.apply(config)))
     layout = validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
     vocab = vocab or distributed.process_0_first(lambda: data.model_vocab(config), "jaxpar/prepare")
     steps = steps_for(config, vocab, devices, layout)

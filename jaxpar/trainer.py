@@ -23,7 +23,7 @@ from jaxpar.train import loss_scale, monitor, reference
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError, derived
 from jaxpar.export import check_export, init_from_export
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate
@@ -139,7 +139,7 @@ def run(config, workdir: str, devices=None) -> dict:
     devices = list(jax.devices() if devices is None else devices)
     named = config  # hf:ORG/NAME, hfds:ORG/NAME -> where they are in the HF cache; the weights once validated
     config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
-    config = peft.apply(hf.apply(config))  # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...
+    config = derived(peft.apply(hf.apply(config)))  # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...
     layout = validate(config, len(devices))
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours

@@ -13,7 +13,7 @@ import jax
 from jaxpar.train import loss_scale
 from jaxpar.kernels.attention import IMPLEMENTATIONS, choose
 from jaxpar.config import (DEFAULT_RULES, DTYPES, MESH_AXES, ConfigError, flat_keys, mlp_width, nearest_multiples,
-                           unknown_keys)
+                           unknown_keys, vit_seq_len)
 from jaxpar.config_keys import changed, key_errors
 from jaxpar.kernels.cross_entropy import chunk_size
 from jaxpar.layout import Layout
@@ -85,6 +85,30 @@ def _check_objective(config, lay: Layout) -> list[str]:
         errs.append(f"train.objective='dpo' with mesh.context={lay.context}: DPO's per-sequence sums are not "
                     f"context-parallel yet; set mesh.context=1 (sequences up to model.seq_len fit one device's "
                     f"row; use tensor or sequence parallelism for memory).")
+    return errs
+
+
+def check_vision(config, lay: Layout) -> list[str]:
+    """A ViT (`model.arch='vit'`): whole patches, and only the engines its encoder runs on."""
+    m = config.model
+    if m.arch != "vit":
+        return []
+    if m.image_size % m.patch_size:
+        return [f"model.image_size={m.image_size} is not divisible by model.patch_size={m.patch_size}: the image is "
+                f"cut into whole patches; use an image_size among {nearest_multiples(m.image_size, m.patch_size)}."]
+    seq, errs = vit_seq_len(m.image_size, m.patch_size), []
+    if m.seq_len != seq:
+        errs.append(f"model.seq_len={m.seq_len} with model.arch='vit': a ViT's sequence is its "
+                    f"{seq - 1} patches and the class token, {seq}; leave model.seq_len to jaxpar (`config.derived`).")
+    refused = [(lay.context > 1, f"mesh.context={lay.context}", "mesh.context=1 (a ViT's sequence is short)"),
+               (m.experts > 0, f"model.experts={m.experts}", "model.experts=0"),
+               (config.train.objective != "lm", f"train.objective={config.train.objective!r}",
+                "train.objective='lm' (a ViT trains on labels: cross-entropy of its classes)"),
+               (int(config.lora.rank) > 0, f"lora.rank={config.lora.rank}", "lora.rank=0 (LoRA is wired for the "
+                                                                             "language families)"),
+               (config.data.packing != "concat", f"data.packing={config.data.packing!r}", "data.packing='concat'")]
+    errs += [f"model.arch='vit' with {what}: not supported for vision transformers; set {fix}." for bad, what, fix
+             in refused if bad]
     return errs
 
 
@@ -278,7 +302,7 @@ def validate(config, num_devices: int) -> Layout:
     errs += _check_kernels(config, t)
     errs += _check_float64(tr)
     errs += _check_loss_scale(config)
-    errs += _check_lora(config) + _check_objective(config, lay) + _check_trackers(config)
+    errs += _check_lora(config) + _check_objective(config, lay) + _check_trackers(config) + check_vision(config, lay)
     if o.warmup_steps < 0 or o.decay_steps < o.warmup_steps:
         errs.append(f"optim.warmup_steps={o.warmup_steps}, optim.decay_steps={o.decay_steps}: need "
                     f"0 <= warmup_steps <= decay_steps.")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.config import mlp_width, padded_vocab
+from jaxpar.config import mlp_width, padded_vocab, vit_seq_len
 from jaxpar.model import lora
 
 ROPE_SCALINGS = ("none", "llama3")
@@ -129,11 +129,6 @@ def identity_defaults(saved: dict) -> dict:
     heads, embed = saved.get("heads"), saved.get("embed")
     return {**d, "kv_heads": heads, "max_positions": saved.get("seq_len"), "expert_mlp": saved.get("mlp"),
             "head_dim": embed // heads if heads and embed else None}
-
-
-def vit_seq_len(image_size: int, patch_size: int) -> int:
-    """A ViT's sequence: its patches and the class token."""
-    return (image_size // patch_size) ** 2 + 1
 
 
 def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:

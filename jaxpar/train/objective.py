@@ -6,6 +6,7 @@ after the layer scan) on one microbatch `mb` (x, y, w, seg, ids, and `ref` for D
 loss sum is divided by (the same on every layout and accumulation); `metrics(count, total)` names what is logged.
 
 - `LM`: next-token cross-entropy over the loss mask; divided by the step's masked tokens.
+- `Classify` (ViT): cross-entropy of the images' labels; divided by the step's images; top-1 accuracy logged.
 - `DPO` (Rafailov et al. 2023): on preference pairs packed as segments (pair k of a row: segment 2k its chosen
   sequence, 2k + 1 its rejected one, `jaxpar/data/packing.py`); a sequence's log-prob is the sum over its response
   tokens (the loss mask) of its tokens' log-probs, as TRL; the loss of a pair, with margin
@@ -49,6 +50,21 @@ def pair_sums(values, w, seg):
 _METRICS = ("pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 
 
+class Classify:
+    """Image classification (ViT): cross-entropy of each image's label from the class token, weighted by the row
+    mask (0: padding rows of an evaluation); divided by the step's images. Logs top-1 `accuracy`."""
+    reference = False
+
+    def head(self, fwd, params, x, mb):
+        return fwd.classify(params, x, mb["y"], mb["w"])
+
+    def total(self, mask, seg):
+        return mask.sum()
+
+    def metrics(self, count, total) -> dict:
+        return {"accuracy": count[1] / jnp.maximum(count[0], 1)}
+
+
 @dataclasses.dataclass(frozen=True)
 class DPO:
     beta: float
@@ -88,6 +104,8 @@ class DPO:
 
 def from_config(config):
     """The objective `train.objective` names, with its settings."""
+    if config.model.arch == "vit":
+        return Classify()
     if config.train.objective == "dpo":
         d = config.dpo
         return DPO(float(d.beta), str(d.loss), float(d.label_smoothing))

@@ -87,7 +87,12 @@ def reference_kind(config) -> str:
 
 def split_batch(batch):
     """-> inputs, targets `[batch, seq]` int32, mask `[batch, seq]` float32, the inputs' segments `[batch, seq]`
-    int32 (None without packing)."""
+    int32 (None without packing). Images (`pixels` `[batch, H, W, C]`, `labels` `[batch]`, optional `mask`
+    `[batch]`: ViT) -> pixels, labels, mask `[batch]`, None."""
+    if "pixels" in batch:
+        mask = batch.get("mask")
+        return batch["pixels"], batch["labels"], jnp.ones(batch["labels"].shape, jnp.float32) if mask is None \
+            else mask.astype(jnp.float32), None
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     mask = batch.get("mask")
