@@ -42,9 +42,18 @@ def steps_for(config, vocab: int, devices=None, layout=None) -> Steps:
 
 def abstract_batch(config, steps: Steps) -> dict:
     """A global batch of `jax.ShapeDtypeStruct`s with the steps' batch sharding (nothing allocated)."""
-    B, T = int(config.train.global_batch_size), int(config.model.seq_len)
-    return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding)
-            for k, (shape, dt) in data.batch_shapes(B, T, config.data.packing, ref_dtype(config)).items()}
+    B, T, m = int(config.train.global_batch_size), int(config.model.seq_len), config.model
+    shapes = data.image_batch_shapes(B, m.image_size, m.channels) if m.arch == "vit" else \
+        data.batch_shapes(B, T, config.data.packing, ref_dtype(config))
+    return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding) for k, (shape, dt) in shapes.items()}
+
+
+def model_vocab(config) -> int:
+    """The model's vocabulary before training (`data.model_vocab`); a ViT's classes: `model.num_classes`, else the
+    image data's (preparing it)."""
+    if config.model.arch == "vit":
+        return int(config.model.num_classes) or data.prepare_images(config).num_classes
+    return data.model_vocab(config)
 
 
 def ref_dtype(config):
@@ -61,7 +70,7 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
     config = derived(peft.apply(hf.apply(config)))
     layout = validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
-    vocab = vocab or distributed.process_0_first(lambda: data.model_vocab(config), "jaxpar/prepare")
+    vocab = vocab or distributed.process_0_first(lambda: model_vocab(config), "jaxpar/prepare")
     steps = steps_for(config, vocab, devices, layout)
     abstract = steps.abstract_state()
     t0 = time.perf_counter()

@@ -4,7 +4,8 @@
                             [--max_shard_size 5GB]
 
 `--format hf` writes a Hugging Face directory (`jaxpar.interop.hf`: config.json, model.safetensors or shards with their
-index, tokenizer.json) that transformers' `from_pretrained` loads with no custom code; `--format peft` a LoRA run's
+index, tokenizer.json; for a ViT, preprocessor_config.json and the class names of WORKDIR/classes.json) that
+transformers' `from_pretrained` loads with no custom code; `--format peft` a LoRA run's
 adapters as PEFT writes them (`jaxpar.interop.peft`), which the other two fold into the model (in float32). The default, `jaxpar`, writes,
 from WORKDIR's latest (or given) checkpoint, whatever layout trained it:
 
@@ -38,7 +39,7 @@ from jaxpar.interop import hf, peft
 from jaxpar.config import DTYPES, base_config
 from jaxpar.errors import ConfigError
 from jaxpar.data import load_tokenizer
-from jaxpar.interop.runs import load_run
+from jaxpar.interop.runs import load_run, read_classes
 from jaxpar.model import LORA_FIELDS, merge_adapters, merge_trainable, split_adapters
 from jaxpar.model import (SHAPE_FIELDS, ZERO_COUNTS, Forward, ModelConfig, flatten, init_params,  # noqa: F401
                           param_items, unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
@@ -83,16 +84,23 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False,
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise FileExistsError(f"--out {out} exists and is not empty; pass --force to replace an export in it.")
     run = load_run(workdir, step, device=_host_device())
+    if fmt == "jaxpar" and run.tokenizer is None:
+        raise ValueError(f"--format jaxpar: {workdir} is a ViT run (no tokenizer); export it as a Hugging Face "
+                         f"directory with --format hf.")
     if fmt == "peft" and not run.fwd.cfg.lora_rank:
         raise ValueError(f"--format peft: {workdir} trained no LoRA adapters (lora.rank=0); use --format hf or jaxpar.")
     # a LoRA run's model is its base with the adapters folded in (float32), as PEFT's merge_and_unload
     params, cfg = merge_adapters(run.params, run.fwd.cfg) if fmt != "peft" else (run.params, run.fwd.cfg)
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in LORA_FIELDS}
     meta = {"format": {"jaxpar": FORMAT}.get(fmt, fmt), **fields, "step": int(run.step),
-            "tokenizer_kind": run.tokenizer.kind, "tokenizer_vocab_size": int(run.tokenizer.vocab_size)}
+            **({} if run.tokenizer is None else {"tokenizer_kind": run.tokenizer.kind,
+                                                 "tokenizer_vocab_size": int(run.tokenizer.vocab_size)})}
     if fmt == "hf":
+        vision = {} if cfg.arch != "vit" else {"classes": read_classes(workdir),
+                                                "image_mean": run.config.data.image_mean,
+                                                "image_std": run.config.data.image_std}
         fill = lambda tmp: hf.save(jax.device_get(params), cfg, run.tokenizer, tmp, dtype or cfg.param_dtype,
-                                   max_shard_bytes)
+                                   max_shard_bytes, **vision)
     elif fmt == "peft":
         base = hf.directory_of(run.config.init_from) or run.config.init_from
         fill = lambda tmp: peft.save(jax.device_get(params), cfg, tmp, base)

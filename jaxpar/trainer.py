@@ -18,7 +18,7 @@ from jaxpar import data
 from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
 from jaxpar.cluster.preemption import Preempted, PreemptionWatch
-from jaxpar.interop import hf, hub, peft
+from jaxpar.interop import hf, hub, peft, runs
 from jaxpar.train import loss_scale, monitor, reference
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
@@ -36,8 +36,8 @@ BATCH_KEY = "train.global_batch_size"
 
 def fingerprint(config, info, steps) -> dict:
     fp = {f"model.{k}": v for k, v in gpt.identity(steps.cfg).items()}
-    fp.update({BATCH_KEY: int(config.train.global_batch_size), "tokenizer": info.tokenizer_kind,
-               "data": info.identity})
+    fp.update({BATCH_KEY: int(config.train.global_batch_size), "tokenizer": getattr(info, "tokenizer_kind", "none"),
+               "data": info.identity})  # (images have no tokenizer)
     if config.data.packing != "concat":  # absent from fingerprints written before packing existed
         fp["data.packing"] = config.data.packing
     if config.data.packing == "bfd":
@@ -143,12 +143,7 @@ def run(config, workdir: str, devices=None) -> dict:
     layout = validate(config, len(devices))
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
-    info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")  # once, then the others
-    B, T, seed = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed)
-    vocab = data.model_vocab(config, info.vocab_size)
-    train_data, val_data = (data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=config.data.packing,
-                                         truncate=config.data.truncate, pairs=config.train.objective == "dpo")
-                              for split in ("train", "val"))
+    info, (train_data, val_data), vocab = open_data(config)
     say_packing(train_data, val_data)
     steps = steps_for(config, vocab, devices, layout)
     fp = fingerprint(config, info, steps)
@@ -171,6 +166,24 @@ def run(config, workdir: str, devices=None) -> dict:
         return loop.run(state, start)
     finally:
         ckpt.close()
+
+
+def open_data(config) -> tuple:
+    """(the prepared data's info, its train and val batches, the model's vocabulary: a ViT's classes): the sources
+    prepared once (process 0 first, then the others find them in the cache)."""
+    B, T, seed, d = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed), config.data
+    if config.model.arch == "vit":
+        info = distributed.process_0_first(lambda: data.prepare_images(config), "jaxpar/prepare")
+        m = config.model
+        splits = tuple(data.ImageBatches(info, split, B, seed, image_size=m.image_size, channels=m.channels,
+                                         mean=d.image_mean, std=d.image_std, augment=d.augment,
+                                         num_classes=m.num_classes) for split in ("train", "val"))
+        return info, splits, splits[0].num_classes
+    info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")
+    vocab = data.model_vocab(config, info.vocab_size)
+    return info, tuple(data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=d.packing,
+                                    truncate=d.truncate, pairs=config.train.objective == "dpo")
+                       for split in ("train", "val")), vocab
 
 
 def say_packing(train_data, val_data) -> None:
@@ -237,6 +250,10 @@ def write_run_files(config, workdir: str, info, start: int) -> None:
     for path in (os.path.join(workdir, "starts", f"{n:03d}-step-{start}.json"), os.path.join(workdir, "config.json")):
         with open(path, "w") as f:
             f.write(text)
+    if isinstance(info, data.ImageInfo):  # the class names, index = label (what an export's id2label reads)
+        with open(os.path.join(workdir, runs.CLASSES_FILE), "w") as f:
+            json.dump(list(info.classes), f)
+        return
     tok_dir = os.path.join(workdir, "tokenizer")
     if not os.path.isdir(tok_dir):
         shutil.copytree(info.tokenizer_dir, tok_dir)
@@ -255,7 +272,8 @@ def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, in
         return state, start
     hf_dir = hf.directory_of(config.init_from)
     if hf_dir is not None:  # weights straight onto this layout's shardings; fresh optimizer state, step 0
-        params = hf.load_params(hf_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order)
+        params = hf.load_params(hf_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order,
+                                seed=int(config.train.seed))  # (what the checkpoint lacks: a ViT's new head)
         if steps.cfg.lora_rank:
             params = gpt.merge_trainable(start_adapters(config, steps, abstract), params)
         return steps.init_with(params, int(config.train.seed)), 0
@@ -305,6 +323,7 @@ class Loop:
         self.rows = data.process_rows(steps.batch_sharding, self.B)
         self.spikes_said = 0  # spikes skipped when last said (`run` starts it at the resumed state's count)
         self.flops_tok = gpt.flops_per_token(steps.cfg)
+        self.per_row = steps.cfg.seq_len if steps.cfg.arch == "vit" else 1  # tokens per counted image (ViT)
         self.peak, self.ndev = throughput.peak_flops(devices[0].device_kind), len(devices)
         is_main = jax.process_index() == 0
         self.writer = monitor.writer_for(config, workdir, is_main)
@@ -374,7 +393,7 @@ class Loop:
             if len(self.ahead) > AHEAD:  # the host stays at most AHEAD steps ahead of the devices
                 jax.block_until_ready(self.ahead.popleft())
             self.profiler.maybe_stop(step, block_on=m["loss"])
-            clock.add(data.real_tokens(rows) * self.B // len(rows["tokens"]))
+            clock.add(self.train_data.tokens_in(rows) * self.per_row * self.B // len(next(iter(rows.values()))))
             if step == start:  # the first step compiles: its time is no training time
                 jax.block_until_ready(m["loss"])
                 clock.restart()

@@ -186,6 +186,10 @@ class Batches:
             raise ValueError("val_batch needs Batches(..., split='val').")
         return self.rows(i, start, stop)
 
+    def tokens_in(self, rows: dict) -> int:
+        """The real tokens of host rows (`real_tokens`): what throughput counts."""
+        return real_tokens(rows)
+
     def epoch(self, step: int) -> float:
         """Epochs of the largest-share source completed at the start of batch `step` (fractional)."""
         used = self.blend.consumed(self.samples_before(step))

@@ -10,6 +10,10 @@ tokens, so paths hold no spaces). A source is `KIND:PATH` or a bare PATH whose k
     megatron:PREFIX             PREFIX.bin + PREFIX.idx (a glob of prefixes is one source); already tokenized
     tokens:DIR                  a directory written by `python -m jaxpar.preprocess --out DIR`; already tokenized
 
+Images (`model.arch = "vit"`, `parse_sources(spec, images=True)`, read by `jaxpar/data/images.py`): `digits`
+(scikit-learn's 8x8 digits), `imagefolder:DIR` (one subfolder per class; a bare directory), `parquet:GLOB` (Hugging
+Face's image datasets).
+
 A unit is a run of whole files (small files grouped up to `data.unit_mb`), a byte range of a big one (cut just after a
 separator or newline, so no document spans two), or a range of a Parquet file's row groups; `documents(unit, ...)` yields `(text, ends_document)` pieces of at most a few MB.
 """
@@ -27,6 +31,7 @@ from jaxpar.data.common import DataError
 TEXT_KINDS = ("shakespeare", "text", "jsonl", "parquet")
 TOKEN_KINDS = ("megatron", "tokens")
 KINDS = TEXT_KINDS + TOKEN_KINDS
+IMAGE_KINDS = ("digits", "imagefolder", "parquet")
 _SUFFIX = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 PIECE = 1 << 20  # characters per piece of a long document (cut at a line end)
 
@@ -41,8 +46,8 @@ class Source:
     @property
     def name(self) -> str:
         """A short label for logs: the last path component without suffix."""
-        if self.kind == "shakespeare":
-            return "shakespeare"
+        if self.kind in ("shakespeare", "digits"):
+            return self.kind
         base = os.path.basename(self.path.rstrip("/")) or self.path
         return base.split(".")[0].translate(str.maketrans("", "", "*?[]")) or self.kind
 
@@ -68,8 +73,8 @@ class Source:
         return found
 
 
-def parse_sources(spec: str) -> list[Source]:
-    """`data.sources` -> [Source]; weights normalised to sum to 1.
+def parse_sources(spec: str, images: bool = False) -> list[Source]:
+    """`data.sources` -> [Source]; weights normalised to sum to 1. `images`: image sources (`IMAGE_KINDS`) instead.
 
     Raises:
       DataError: an empty spec, an odd "weight source" list, a weight that is not a number > 0, an unknown kind.
@@ -79,7 +84,7 @@ def parse_sources(spec: str) -> list[Source]:
         raise DataError("data.sources is empty; give a source (e.g. 'shakespeare', 'data/*.jsonl') or a blend "
                         "'0.3 A 0.7 B'.")
     if len(words) == 1:
-        return [_source(words[0], 1.0)]
+        return [_source(words[0], 1.0, images)]
     if len(words) % 2:
         raise DataError(f"data.sources={spec!r}: a blend is pairs 'WEIGHT SOURCE ...' (Megatron's --data-path), "
                         f"got {len(words)} words.")
@@ -92,12 +97,14 @@ def parse_sources(spec: str) -> list[Source]:
         if not weight > 0 or weight != weight or weight == float("inf"):
             raise DataError(f"data.sources: source {s!r} has weight {w}; every weight must be a finite number > 0 "
                             f"(drop the source to leave it out).")
-        out.append(_source(s, weight))
+        out.append(_source(s, weight, images))
     total = sum(s.weight for s in out)
     return [dataclasses.replace(s, weight=s.weight / total) for s in out]
 
 
-def _source(word: str, weight: float) -> Source:
+def _source(word: str, weight: float, images: bool = False) -> Source:
+    if images:
+        return _image_source(word, weight)
     if word == "shakespeare":
         return Source("shakespeare", "", weight)
     kind, sep, path = word.partition(":")
@@ -111,6 +118,18 @@ def _source(word: str, weight: float) -> Source:
     if os.path.isfile(os.path.join(os.path.expanduser(path), "meta.json")):
         return Source("tokens", path, weight)
     return Source(_SUFFIX.get(os.path.splitext(path)[1], "text"), path, weight)
+
+
+def _image_source(word: str, weight: float) -> Source:
+    kind, sep, path = word.partition(":")
+    if word == "digits" or sep and kind in IMAGE_KINDS:
+        return Source(kind, path, weight)
+    if not sep and os.path.isdir(os.path.expanduser(word)):
+        return Source("imagefolder", word, weight)
+    if not sep and _SUFFIX.get(os.path.splitext(word)[1]) == "parquet":
+        return Source("parquet", word, weight)
+    raise DataError(f"data.sources: {word!r} is not an image source; model.arch='vit' reads digits, imagefolder:DIR "
+                    f"(one subfolder per class) or parquet:GLOB (Hugging Face's image datasets, hfds:ORG/NAME).")
 
 
 def separator(raw: str) -> bytes:

@@ -15,6 +15,8 @@ from jaxpar.model import Forward
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.step import init_state, model_config, reference_kind
 
+CLASSES_FILE = "classes.json"  # a ViT run's class names, a JSON list (index = label), written by the trainer
+
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
     """The resolved config train.py wrote to WORKDIR/config.json; keys added since it was written take their
@@ -48,12 +50,30 @@ def _add_missing(config, defaults) -> None:
             _add_missing(config[k], v)
 
 
+def read_classes(workdir: str) -> list[str] | None:
+    """WORKDIR/classes.json's class names (index = label), or None when the run has none.
+
+    Raises:
+      ValueError: the file is not a JSON list of names."""
+    path = os.path.join(workdir, CLASSES_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            names = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not JSON: {e}.") from e
+    if not isinstance(names, list) or not all(isinstance(n, (str, int)) for n in names):
+        raise ValueError(f"{path}: expected a JSON list of class names (index = label), got {type(names).__name__}.")
+    return [str(n) for n in names]
+
+
 class Run(NamedTuple):
     """A run directory's model read back: its config, the model, params, tokenizer and the step they come from."""
     config: ml_collections.ConfigDict
     fwd: Forward
     params: dict  # the canonical (layout-free) params tree, each leaf a jax.Array on one device
-    tokenizer: data.Tokenizer
+    tokenizer: data.Tokenizer | None  # None for a ViT
     step: int
 
 
@@ -68,8 +88,12 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
       ValueError: the checkpoint does not match the model that config.json describes; the tokenizer is unreadable.
     """
     config = read_config(workdir)
-    tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
-    cfg = model_config(config, data.model_vocab(config, tok.vocab_size), int(config.mesh.tensor))
+    if config.model.arch == "vit":  # no tokenizer: the classes are the vocabulary
+        tok, vocab = None, int(config.model.num_classes) or len(read_classes(workdir) or ())
+    else:
+        tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
+        vocab = data.model_vocab(config, tok.vocab_size)
+    cfg = model_config(config, vocab, int(config.mesh.tensor))
     optimizer = make_optimizer(config, cfg)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # the Checkpointer would create it
         raise FileNotFoundError(f"no checkpoints in {workdir}: train.py has not saved one yet.")

@@ -1,12 +1,16 @@
 """Hugging Face checkpoints in and out: a directory as transformers' `save_pretrained` writes it (`config.json`,
 `model.safetensors` or its shards with `model.safetensors.index.json`, `tokenizer.json`) for `GPT2LMHeadModel` and
-`LlamaForCausalLM`.
+`LlamaForCausalLM` (and its kin: `config.py`), and for the vision transformers `ViTForImageClassification` and
+`ViTModel` (no tokenizer; `preprocessor_config.json` instead: the images' mean and std).
 
 In: `settings(dir)` -> the run config's `model.*` keys and tokenizer; `check(dir, cfg)` reads only the headers and
 refuses a missing, truncated or misshapen tensor; `load_params(dir, cfg, shardings, layer_order)` places every
 tensor straight onto the run's shardings, each process reading only the slices its devices hold, one layer at a
 time (host memory: about one HF tensor). `load(dir)` -> (Forward, params, tokenizer) on one device, for sampling.
-Out: `save(params, cfg, tokenizer, out, dtype, max_shard_bytes)` (`python -m jaxpar.export --format hf`).
+A ViT's classifier is read when the checkpoint has one of the run's classes; else (ViTModel, or `model.num_classes`
+set to other classes: fine-tuning) the head is the run's fresh one.
+Out: `save(params, cfg, tokenizer, out, dtype, max_shard_bytes, classes, image_mean, image_std)`
+(`python -m jaxpar.export --format hf`).
 """
 from __future__ import annotations
 
@@ -18,17 +22,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import data
-from jaxpar.config import base_config
+from jaxpar.config import base_config, derived
 from jaxpar.data import BPETokenizer
 from jaxpar.data.chat import chat_files
 from jaxpar.interop.hf import files, keys
-from jaxpar.interop.hf.config import arch_of, hf_config, model_settings, moe_family, read_json
+from jaxpar.interop.hf.config import (PREPROCESSOR, arch_of, hf_config, image_settings, model_settings, moe_family,
+                                      preprocessor_config, read_json, vit_classes)
 from jaxpar.interop.hf.files import HFError
 from jaxpar.model import Forward, config_from, init_params, param_items, router_bias, split_adapters, unflatten
+from jaxpar.train.state import fresh_params
 from jaxpar.validate import validate
 
 PREFIX = "hf:"
 TOKENIZER = "tokenizer.json"
+RUN_WINS = ("model.num_classes", "data.image_mean", "data.image_std")  # the checkpoint's only where the run left them
 
 
 def directory_of(init_from: str) -> str | None:
@@ -37,14 +44,18 @@ def directory_of(init_from: str) -> str | None:
 
 
 def settings(directory: str) -> dict:
-    """{config key: value}: the `model.*` shape keys from config.json and `data.tokenizer` = DIR/tokenizer.json.
+    """{config key: value}: the `model.*` shape keys from config.json and `data.tokenizer` = DIR/tokenizer.json; a
+    ViT's `data.image_mean` / `data.image_std` from DIR/preprocessor_config.json instead (`image_settings`).
 
     Raises:
-      HFError: no config.json or tokenizer.json, an unsupported architecture or feature, a tokenizer with more symbols
-        than the embedding has rows.
+      HFError: no config.json or tokenizer.json, an unsupported architecture or feature (another vision transformer
+        than ViT, a ViT variant), a tokenizer with more symbols than the embedding has rows, an unreadable
+        preprocessor_config.json.
     """
     where = os.path.join(directory, "config.json")
     out = {f"model.{k}": v for k, v in model_settings(read_json(directory), where).items()}
+    if out["model.arch"] == "vit":
+        return {**out, **image_settings(directory)}
     tok_path = os.path.join(directory, TOKENIZER)
     if not os.path.isfile(tok_path):
         raise HFError(f"{tok_path} not found; save the tokenizer with transformers (`AutoTokenizer.from_pretrained"
@@ -58,23 +69,44 @@ def settings(directory: str) -> dict:
 
 def apply(config, say: bool = True):
     """A copy of `config`, with `init_from = hf:DIR`, whose model shape and tokenizer are DIR's (model.seq_len stays);
-    `config` itself is never changed. `say`: print which keys it changed (process 0)."""
+    `config` itself is never changed; `RUN_WINS` keys the run sets stay the run's. `say`: print which keys it
+    changed, and when a ViT's classifier is not DIR's (process 0)."""
     directory = directory_of(config.init_from)
     if directory is None:
         return config
     config, changed = config.copy_and_resolve_references(), []
     for key, v in settings(directory).items():
         sect, name = key.split(".")
+        if key in RUN_WINS and config[sect][name]:
+            continue
         if config[sect][name] != v:
             changed.append(f"{key}={v!r}")
         config[sect][name] = v
-    if say and changed and jax.process_index() == 0:
-        print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
+    if say and jax.process_index() == 0:
+        if changed:
+            print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
+        if config.model.arch == "vit" and vit_classes(read_json(directory)) != config.model.num_classes:
+            print(f"jaxpar: from {config.init_from}: {_fresh_head(directory, config.model.num_classes)}")
     return config
 
 
-def maps(cfg, have: dict | None = None) -> list[keys.Map]:
-    """The tensor maps of `cfg`'s family; `have` (the directory's `files.tensors`) tells GPT-2's key prefix."""
+def _fresh_head(directory: str, classes: int) -> str:
+    """Why a ViT's classifier starts fresh (the run's classes, `classes`, 0: the data's, are not DIR's)."""
+    theirs = vit_classes(read_json(directory))
+    ours = f"model.num_classes={classes}" if classes else "the data's classes"
+    if theirs is None:
+        return f"{directory} has no classifier (ViTModel): the head is initialised fresh for {ours}."
+    return (f"the checkpoint's classifier has {theirs} classes (config.json id2label), the run's {ours}: the head "
+            f"is initialised fresh.")
+
+
+def maps(cfg, have: dict | None = None, directory: str | None = None) -> list[keys.Map]:
+    """The tensor maps of `cfg`'s family; `have` (the directory's `files.tensors`) tells GPT-2's key prefix and ViT's
+    names, `directory` whether a ViT's classifier is read (its config.json's classes are `cfg`'s; else it is the
+    run's, fresh)."""
+    if cfg.arch == "vit":
+        head = directory is None or vit_classes(read_json(directory)) == cfg.num_classes
+        return keys.vit_maps(*keys.vit_naming(have), head=head)
     if cfg.arch == "llama":
         return keys.llama_maps(cfg.tie_embeddings, moe_family(cfg), cfg.qk_norm)
     prefix = "" if have is not None and "wte.weight" in have else "transformer."  # hub files have no prefix
@@ -88,20 +120,21 @@ def _leaves(cfg, mapping) -> dict:
 
 
 def layer_names(m: keys.Map, layers: int):
-    """The HF names of map `m`: one per layer for a per-layer map (a per-expert map's still hold `{e}`)."""
-    return [m.hf.format(i=i, e="{e}") for i in range(layers)] if m.per_layer else [m.hf]
+    """The HF names of map `m`: one per layer for a per-layer map (a per-expert or parted map's still hold `{e}`,
+    `{p}`)."""
+    return [m.hf.replace("{i}", str(i)) for i in range(layers)] if m.per_layer else [m.hf]
 
 
-def expert_names(name: str, m: keys.Map, experts: int) -> list[str]:
-    """One layer's HF name -> the names of its tensors: one per expert for a per-expert map."""
-    return [name.format(e=e) for e in range(experts)] if m.per_expert else [name]
+def _part_shape(m: keys.Map, one: tuple) -> tuple:
+    """One HF tensor's part of a layer's jaxpar leaf of shape `one`: without the axis several stack on."""
+    return one if m.split is None else one[:m.split] + one[m.split + 1:]
 
 
 def _expected(cfg, mapping) -> dict:
-    """{HF name: (Map, the jaxpar shape of one layer's, or one expert's, part)} for `cfg`."""
+    """{HF name: (Map, the jaxpar shape of one layer's, or one expert's or part's, part)} for `cfg`."""
     leaves = _leaves(cfg, mapping)
-    return {n: (m, leaves[m.ours][1][1 if m.per_expert else 0:]) for m in mapping
-            for name in layer_names(m, cfg.layers) for n in expert_names(name, m, cfg.experts)}
+    return {n: (m, _part_shape(m, leaves[m.ours][1])) for m in mapping
+            for name in layer_names(m, cfg.layers) for n in keys.split_names(m, name, cfg.experts)}
 
 
 def check(directory: str, cfg) -> dict:
@@ -112,7 +145,8 @@ def check(directory: str, cfg) -> dict:
       HFError: naming the first missing, misshapen or unexpected tensor, or the missing or truncated file.
     """
     have = files.tensors(directory)
-    want = _expected(cfg, maps(cfg, have))
+    mapping = maps(cfg, have, directory)
+    want = _expected(cfg, mapping)
     for name, (m, one) in want.items():
         shape = keys.hf_shape(m, one, cfg.vocab_real)
         if name not in have:
@@ -124,12 +158,20 @@ def check(directory: str, cfg) -> dict:
         if have[name].shape != shape:
             raise HFError(f"{have[name].path}: tensor {name!r} is {list(have[name].shape)}, but config.json implies "
                           f"{list(shape)}; the weights and config.json disagree.")
-    tied_head = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    extra = sorted(k for k in have if k not in want and k not in tied_head and not k.endswith(keys.IGNORED_SUFFIXES))
+    unread = _unread(cfg, mapping)
+    extra = sorted(k for k in have if k not in want and k not in unread and not k.endswith(keys.IGNORED_SUFFIXES))
     if extra:
         raise HFError(f"{have[extra[0]].path}: unexpected tensor {extra[0]!r}: the model config.json describes has no "
                       f"such parameter.")
     return have
+
+
+def _unread(cfg, mapping) -> set:
+    """The HF tensors a checkpoint may hold that `mapping` leaves unread: a tied head saved anyway, a ViT's
+    classifier of other classes."""
+    if cfg.arch == "vit":
+        return set(keys.VIT_HEAD) - {m.hf for m in mapping}
+    return {"lm_head.weight"} if cfg.tie_embeddings else set()
 
 
 _set_layer = jax.jit(lambda buf, x, j: jax.lax.dynamic_update_index_in_dim(buf, x, j, 0), donate_argnums=0)
@@ -159,13 +201,15 @@ def _place(reader, m, one, shape, dtype, sharding, order, rows):
 
 
 def _layer_part(reader, m, one, idx, layer: int, rows):
-    """The part `idx` of layer `layer`'s leaf (shape `one`): one HF tensor's block, or, per expert, the blocks of the
-    experts `idx[0]` spans, stacked."""
-    name = m.hf.format(i=layer, e="{e}")
-    if not m.per_expert:
-        return keys.block_of(m, one, idx, lambda box: reader.read(name, box), rows)
-    return np.stack([keys.block_of(m, one[1:], idx[1:], lambda box, e=e: reader.read(name.format(e=e), box), rows)
-                     for e in range(*idx[0].indices(one[0])[:2])])
+    """The part `idx` of layer `layer`'s leaf (shape `one`): one HF tensor's block, or, per expert or part, the
+    blocks of those `idx` spans on the axis they stack on, stacked."""
+    a = m.split
+    names = keys.split_names(m, m.hf.replace("{i}", str(layer)), one[0])
+    if a is None:
+        return keys.block_of(m, one, idx, lambda box: reader.read(names[0], box), rows)
+    rest = idx[:a] + idx[a + 1:]
+    return np.stack([keys.block_of(m, _part_shape(m, one), rest, lambda box, n=names[k]: reader.read(n, box), rows)
+                     for k in range(*idx[a].indices(one[a])[:2])], axis=a)
 
 
 def _trim() -> None:
@@ -179,13 +223,15 @@ def _trim() -> None:
         pass
 
 
-def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
+def load_params(directory: str, cfg, shardings, layer_order=None, seed: int = 0) -> dict:
     """DIR's weights as jaxpar's params tree (param dtype of `cfg`), each leaf placed with its `shardings` leaf and
     the layer axis in `layer_order` (position -> canonical layer; default canonical). Checks first (`check`). With
-    LoRA (`cfg.lora_rank`), the base model's params only (`model.split_trainable`'s frozen part)."""
+    LoRA (`cfg.lora_rank`), the base model's params only (`model.split_trainable`'s frozen part). A parameter DIR has
+    no tensor for is the fresh one of a run of `seed` (`train.seed`): the expert choice bias (Mixtral and Qwen3-MoE
+    have none), zeros; a ViT's classifier of other classes than DIR's (`maps`)."""
     have = check(directory, cfg)
     order = list(range(cfg.layers)) if layer_order is None else list(layer_order)
-    mapping = maps(cfg, have)
+    mapping = maps(cfg, have, directory)
     sh, leaves = dict(param_items(shardings)), _leaves(cfg, mapping)
     reader, flat = files.Reader(have), {}
     try:
@@ -196,25 +242,37 @@ def load_params(directory: str, cfg, shardings, layer_order=None) -> dict:
     finally:
         reader.close()
     base = split_adapters(jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))[1]
-    for path, s in param_items(base):  # (LoRA's adapters are not the checkpoint's: the caller adds them)
-        if path not in flat:  # no HF tensor: the expert choice bias (Mixtral and Qwen3-MoE have none), zeros
-            flat[path] = jax.jit(lambda: jnp.zeros(s.shape, s.dtype), out_shardings=sh[path])()
+    # (LoRA's adapters are not the checkpoint's: the caller adds them)
+    missing = [path for path, _ in param_items(base) if path not in flat]
+    if missing:
+        pick = lambda: {p: a for p, a in param_items(fresh_params(cfg, seed)) if p in missing}
+        flat.update(jax.jit(pick, out_shardings={p: sh[p] for p in missing})())
     return unflatten(flat)
 
 
 def load(directory: str, device=None, param_dtype: str = "float32"):
-    """-> (Forward, params on one device, tokenizer) of DIR, for sampling (float32 params and compute)."""
+    """-> (Forward, params on one device, tokenizer) of DIR, for sampling or classifying (float32 params and
+    compute); a ViT's tokenizer is None.
+
+    Raises:
+      HFError: as `settings` and `check`; a ViT without a classifier (ViTModel: fine-tune it with `init_from`)."""
     config = base_config()
     config.init_from = PREFIX + directory
     config.mesh.update(data=1, tensor=1, stage=1)
     config.train.update(param_dtype=param_dtype, compute_dtype=param_dtype)
     config = apply(config, say=False)
     config.model.seq_len = config.model.max_positions
+    config = derived(config)  # a ViT's sequence: its patches and the class token
+    vit = config.model.arch == "vit"
+    if vit and not config.model.num_classes:
+        raise HFError(f"{directory} has no classifier (ViTModel), so it classifies nothing; fine-tune one from it "
+                      f"with --config.init_from=hf:{directory} (and model.num_classes).")
     validate(config, 1)  # the model's own rules (heads, kv_heads, RoPE, ...), as for a run
     cfg = config_from(config, config.model.vocab_size, 1)
     single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     shard = jax.tree.map(lambda _: single, jax.eval_shape(lambda: init_params(cfg, jax.random.key(0))))
-    return Forward(cfg), load_params(directory, cfg, shard), data.load_tokenizer(config.data.tokenizer)
+    tok = None if vit else data.load_tokenizer(config.data.tokenizer)
+    return Forward(cfg), load_params(directory, cfg, shard), tok
 
 
 def hf_tensors(params, cfg):
@@ -225,19 +283,31 @@ def hf_tensors(params, cfg):
         a = np.asarray(flat[m.ours])
         for i, name in enumerate(layer_names(m, cfg.layers)):
             part = a[i] if m.per_layer else a
-            for e, n in enumerate(expert_names(name, m, cfg.experts)):
-                yield n, keys.to_hf(m, part[e] if m.per_expert else part, cfg.vocab_real)
+            for k, n in enumerate(keys.split_names(m, name, cfg.experts)):
+                yield n, keys.to_hf(m, part if m.split is None else np.take(part, k, axis=m.split), cfg.vocab_real)
 
 
-def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int) -> list[str]:
+def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int, classes=None, image_mean: str = "",
+         image_std: str = "") -> list[str]:
     """Write host params (canonical layer order) of `cfg` as an HF directory in `out` (which exists): config.json,
-    the weights in `dtype`, tokenizer.json and tokenizer_config.json. Returns the names written."""
+    the weights in `dtype`, tokenizer.json and tokenizer_config.json; for a ViT (`tokenizer` unused), its `classes`
+    names in config.json (None: "LABEL_i") and preprocessor_config.json with the run's `data.image_mean` /
+    `data.image_std`. Returns the names written."""
     np_dtype = jnp.dtype(dtype)
     if cfg.experts and np.any(np.asarray(router_bias(params))):
         raise HFError("the model's expert choice bias (model.router_bias_rate) is not zero: Mixtral and Qwen3-MoE "
                       "checkpoints have none, so transformers would route differently; export with --format jaxpar.")
+    if classes is not None and len(classes) != cfg.num_classes:
+        raise HFError(f"{len(classes)} class names for a classifier of model.num_classes={cfg.num_classes}; give one "
+                      f"name per class (index = label).")
     tensors = ((n, a.astype(np_dtype)) for n, a in hf_tensors(params, cfg))
     names = files.write(out, tensors, max_shard_bytes)
+    if cfg.arch == "vit":
+        for name, content in (("config.json", hf_config(cfg, dtype, classes=classes)),
+                              (PREPROCESSOR, preprocessor_config(cfg, image_mean, image_std))):
+            with open(os.path.join(out, name), "w") as f:
+                json.dump(content, f, indent=2)
+        return names + ["config.json", PREPROCESSOR]
     hf_tok = tokenizer.to_hf()
     hf_tok.save(os.path.join(out, TOKENIZER))
     # the end-of-text token by name, as config.json's bos/eos ids say (AutoTokenizer then knows it; generate stops);

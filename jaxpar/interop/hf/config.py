@@ -1,29 +1,45 @@
 """Hugging Face `config.json` <-> jaxpar's model settings, for `GPT2LMHeadModel`, `LlamaForCausalLM`,
-`Qwen3ForCausalLM` (llama with q/k norms and its own head size), and the mixtures of experts `MixtralForCausalLM` and
-`Qwen3MoeForCausalLM`.
+`Qwen3ForCausalLM` (llama with q/k norms and its own head size), the mixtures of experts `MixtralForCausalLM` and
+`Qwen3MoeForCausalLM`, and the vision transformers `ViTForImageClassification` and `ViTModel` (model_type `vit`; with
+`preprocessor_config.json` <-> the `data.image_mean` / `data.image_std` keys).
 
 Read: the `model.*` config keys of the same model, refusing what jaxpar's blocks do not compute (another
 architecture, biases in Llama's attention or MLP, a head size other than hidden / heads, a RoPE type other than
-`default` and `llama3`, GPT-2's attention variants). RoPE settings are read from transformers 5's `rope_parameters`
-or from the older top-level `rope_theta` / `rope_scaling` (the published Llama 3.x configs). Write: the config.json
-`from_pretrained` reads for a jaxpar model, both RoPE spellings included.
+`default` and `llama3`, GPT-2's attention variants, ViT's relatives and variants). RoPE settings are read from
+transformers 5's `rope_parameters` or from the older top-level `rope_theta` / `rope_scaling` (the published Llama 3.x
+configs). Write: the config.json `from_pretrained` reads for a jaxpar model, both RoPE spellings included.
 """
 from __future__ import annotations
 
 import json
 import os
 
+from jaxpar.data.images import channel_values
 from jaxpar.interop.hf.files import HFError
 
+PREPROCESSOR = "preprocessor_config.json"
+
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "llama",
-                 "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "llama"}
+                 "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "llama", "ViTForImageClassification": "vit",
+                 "ViTModel": "vit"}
+CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "vit": "ViTConfig"}  # transformers' (errors)
+VIT_CLASSIFIER = "ViTForImageClassification"  # the ViT with a classifier (ViTModel's head is the run's, fresh)
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 MOE = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}  # -> their tensor names (`keys`)
 # what jaxpar does not compute, named in the refusal
 REFUSED = {"DeepseekV3ForCausalLM": "DeepSeek's multi-head latent attention (MLA) and routing groups",
            "DeepseekV2ForCausalLM": "DeepSeek's multi-head latent attention (MLA) and routing groups",
            "GptOssForCausalLM": "gpt-oss's attention sinks and sliding-window layers",
-           "Qwen2MoeForCausalLM": "Qwen2-MoE's gated shared expert"}
+           "Qwen2MoeForCausalLM": "Qwen2-MoE's gated shared expert",
+           "ViTForMaskedImageModeling": "a pixel decoder on its patches (encoder_stride), no classifier"}
+# vision transformers that are not ViT (their model_type), and what jaxpar's ViT does not compute of them
+VISION_REFUSED = {"deit": "DeiT's distillation token", "swin": "Swin's shifted windows and patch merging",
+                  "swinv2": "Swin's shifted windows and patch merging", "dinov2": "DINOv2's layer scale",
+                  "clip_vision_model": "CLIP's pre-LayerNorm and quick GELU", "siglip_vision_model": "SigLIP's "
+                  "attention-pooling head", "beit": "BEiT's relative positions and layer scale",
+                  "vit_mae": "MAE's masking and decoder", "vit_msn": "ViT-MSN's own heads",
+                  "vit_hybrid": "a ResNet stem"}
+VIT_READS = f"{VIT_CLASSIFIER} and ViTModel with model_type 'vit'"
 _ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
               "high_freq_factor": "rope_high_freq_factor",
               "original_max_position_embeddings": "rope_original_max_len"}
@@ -44,6 +60,10 @@ def read_json(directory: str) -> dict:
 def arch_of(hf: dict, where: str) -> str:
     names = hf.get("architectures") or []
     known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
+    kind = hf.get("model_type")
+    if kind in VISION_REFUSED or (known[:1] == ["vit"] and kind not in ("vit", None)):
+        raise HFError(f"{where}: model_type {kind!r} ({VISION_REFUSED.get(kind, 'not a ViT')}) is not a model jaxpar "
+                      f"computes; of the vision transformers it reads {VIT_READS}.")
     refused = [n for n in names if n in REFUSED]
     if refused and not known:
         raise HFError(f"{where}: {refused[0]} needs {REFUSED[refused[0]]}, which jaxpar does not compute; it reads "
@@ -64,14 +84,14 @@ def model_settings(hf: dict, where: str) -> dict:
         raise HFError(f"{where}: expected a JSON object, got {type(hf).__name__}.")
     arch = arch_of(hf, where)
     try:
-        return _gpt2(hf, where) if arch == "gpt2" else _llama(hf, where)
+        return {"gpt2": _gpt2, "llama": _llama, "vit": _vit}[arch](hf, where)
     except HFError:  # a refusal names what is refused and why, once (HFError is a ValueError)
         raise
     except KeyError as e:
         raise HFError(f"{where}: no {e.args[0]!r}, which a {arch} config.json must have.") from e
     except (TypeError, ValueError) as e:
         raise HFError(f"{where}: a value of the wrong type ({e}); compare it with transformers' "
-                      f"{'GPT2Config' if arch == 'gpt2' else 'LlamaConfig'}.") from e
+                      f"{CONFIG_CLASSES[arch]}.") from e
 
 
 def _gpt2(hf: dict, where: str) -> dict:
@@ -112,6 +132,75 @@ def _llama(hf: dict, where: str) -> dict:
            "tie_embeddings": bool(hf.get("tie_word_embeddings", False))}
     moe = next((MOE[n] for n in names if n in MOE), None)
     return {**out, **_rope(hf, where), **(_experts(hf, where, moe) if moe else {})}
+
+
+def _square(hf: dict, key: str, where: str) -> int:
+    """ViT's `image_size` / `patch_size`: an int, or [height, width] when both are equal."""
+    v = hf[key]
+    if isinstance(v, (list, tuple)):
+        if len(set(v)) != 1:
+            raise HFError(f"{where}: {key}={list(v)} is not square; jaxpar's ViT cuts square images into square "
+                          f"patches (one {key}).")
+        v = v[0]
+    return int(v)
+
+
+def vit_classes(hf: dict) -> int | None:
+    """The classes of a ViTForImageClassification's config.json (its `id2label`, else `num_labels`); None for a ViT
+    without a classifier (ViTModel)."""
+    if VIT_CLASSIFIER not in (hf.get("architectures") or []):
+        return None
+    return len(hf["id2label"]) if hf.get("id2label") else int(hf.get("num_labels", 2))
+
+
+def _vit(hf: dict, where: str) -> dict:
+    """A ViT's shape; `num_classes` only with a classifier (`vit_classes`)."""
+    if not hf.get("qkv_bias", True):
+        raise HFError(f"{where}: qkv_bias=false; jaxpar's vit block has query, key and value biases (load the "
+                      f"biases as zeros into a qkv_bias=true model with transformers and save it).")
+    if hf.get("hidden_act", "gelu") != "gelu":
+        raise HFError(f"{where}: hidden_act={hf['hidden_act']!r}; jaxpar's vit MLP is the exact (erf) GELU, "
+                      f"hidden_act='gelu'.")
+    size, patch = _square(hf, "image_size", where), _square(hf, "patch_size", where)
+    if patch < 1 or size % patch:
+        raise HFError(f"{where}: image_size={size} is no whole number of patch_size={patch} patches; jaxpar's vit "
+                      f"reads models whose image_size is a multiple of patch_size.")
+    d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    if h < 1 or d % h:
+        raise HFError(f"{where}: hidden_size={d} is not a multiple of num_attention_heads={h}.")
+    out = {"arch": "vit", "layers": int(hf["num_hidden_layers"]), "embed": d, "heads": h,
+           "mlp": int(hf["intermediate_size"]), "norm_eps": float(hf.get("layer_norm_eps", 1e-12)),
+           "image_size": size, "patch_size": patch, "channels": int(hf.get("num_channels", 3))}
+    classes = vit_classes(hf)
+    return out if classes is None else {**out, "num_classes": classes}
+
+
+def image_settings(directory: str) -> dict:
+    """{`data.image_mean`, `data.image_std`}: DIR/preprocessor_config.json's, comma-separated ("0.5,0.5,0.5"; a
+    processor that does not normalise: "0" and "1"); {} without the file."""
+    path = os.path.join(directory, PREPROCESSOR)
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            pre = json.load(f)
+        if not pre.get("do_normalize", True):
+            return {"data.image_mean": "0", "data.image_std": "1"}
+        return {f"data.image_{k}": ",".join(str(float(v)) for v in pre[f"image_{k}"]) for k in ("mean", "std")}
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as e:
+        raise HFError(f"{path}: not an image processor's config with image_mean and image_std lists ({e}); "
+                      f"save it with transformers' ViTImageProcessor or remove it.") from e
+
+
+def preprocessor_config(cfg, image_mean: str = "", image_std: str = "") -> dict:
+    """The preprocessor_config.json (ViTImageProcessor) of a jaxpar ViT: resize to its image size, rescale to [0,
+    1], normalise with the run's `data.image_mean` / `data.image_std` ("": 0.5)."""
+    # (the shortest decimals of the float32 values the data layer uses: 0.485, not 0.48500001430511475)
+    values = {k: [float(str(x)) for x in channel_values(v, cfg.channels, f"data.image_{k}")]
+              for k, v in (("mean", image_mean), ("std", image_std))}
+    return {"image_processor_type": "ViTImageProcessor", "do_resize": True,
+            "size": {"height": cfg.image_size, "width": cfg.image_size}, "resample": 2, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": values["mean"], "image_std": values["std"]}
 
 
 def _experts(hf: dict, where: str, family: str) -> dict:
@@ -178,8 +267,24 @@ def _exported(cfg) -> dict:
             "mlp_only_layers": [], **moe}
 
 
-def hf_config(cfg, dtype: str, tokenizer=None) -> dict:
-    """The config.json of a jaxpar model (`ModelConfig`) saved in `dtype`, for transformers 4.x and 5."""
+def _vit_config(cfg, dtype: str, classes=None) -> dict:
+    """A jaxpar ViT's config.json (ViTForImageClassification); `classes`: the class names (index = label; None:
+    "LABEL_i")."""
+    names = [str(c) for c in classes] if classes is not None else [f"LABEL_{i}" for i in range(cfg.num_classes)]
+    return {"architectures": [VIT_CLASSIFIER], "model_type": "vit", "hidden_size": cfg.embed,
+            "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "intermediate_size": cfg.mlp,
+            "hidden_act": "gelu", "layer_norm_eps": cfg.norm_eps, "image_size": cfg.image_size,
+            "patch_size": cfg.patch_size, "num_channels": cfg.channels, "qkv_bias": True,
+            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": cfg.num_classes,
+            "id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)},
+            "dtype": dtype, "torch_dtype": dtype}
+
+
+def hf_config(cfg, dtype: str, tokenizer=None, classes=None) -> dict:
+    """The config.json of a jaxpar model (`ModelConfig`) saved in `dtype`, for transformers 4.x and 5; a ViT's
+    `classes` names (None: "LABEL_i")."""
+    if cfg.arch == "vit":
+        return _vit_config(cfg, dtype, classes)
     common = {"vocab_size": cfg.vocab_real, "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype,
               "torch_dtype": dtype, "use_cache": True}
     # the end-of-text id, or explicit nulls (else transformers assumes GPT-2's / Llama's ids)
