@@ -27,14 +27,21 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
     fig, ax = plt.subplots(figsize=(7, 4))
+    acc = None  # a classifier's (ViT's) val_accuracy, on a second axis
     for wd in a.workdirs:
         rows = read(wd)
         name = os.path.basename(os.path.normpath(wd))
         ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1, alpha=0.6, label=f"{name} train")
         val = [r for r in rows if r.get("val_loss") is not None]
         ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label=f"{name} val")
+        if any("val_accuracy" in r for r in val):
+            acc = acc or ax.twinx()
+            acc.plot([r["step"] for r in val], [r["val_accuracy"] for r in val], "s--", color="tab:green",
+                     label=f"{name} val top-1")
+            acc.set_ylabel("val top-1 accuracy")
+            acc.legend(loc="center right")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel("loss (nats/token; a classifier's: per image)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -109,6 +109,9 @@ def check_vision(config, lay: Layout) -> list[str]:
                (config.data.packing != "concat", f"data.packing={config.data.packing!r}", "data.packing='concat'")]
     errs += [f"model.arch='vit' with {what}: not supported for vision transformers; set {fix}." for bad, what, fix
              in refused if bad]
+    needs = [("PIL", "Pillow")] + [("sklearn", "scikit-learn")] * ("digits" in str(config.data.sources).split())
+    errs += [f"model.arch='vit' needs {name} to read its images, which is not installed: pip install "
+             f"'jaxpar[vision]'." for module, name in needs if importlib.util.find_spec(module) is None]
     return errs
 
 

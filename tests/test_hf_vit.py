@@ -252,3 +252,61 @@ def test_a_misshapen_or_missing_vit_tensor_is_named(vit, tmp_path):
     with pytest.raises(HFError, match=r"'vit.encoder.layer.0.intermediate.dense.weight' is \[48, 32\], but "
                                        r"config.json implies \[64, 32\]"):
         hf.load(str(wide))
+
+
+def parquet_images(path, n, size=(20, 16)):
+    """n random RGB PNGs of another size than the model's, in Hugging Face datasets' Parquet layout (image struct,
+    integer label, the class names in the schema's metadata) -> (the PIL images, their labels)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    images = [Image.fromarray(rng.integers(0, 256, (*size[::-1], 3), dtype=np.uint8)) for _ in range(n)]
+    labels = (np.arange(n) % CLASSES).astype(np.int64)
+    blobs = []
+    for im in images:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        blobs.append({"bytes": buf.getvalue(), "path": None})
+    meta = {"info": {"features": {"image": {"_type": "Image"},
+                                  "label": {"names": ["cat", "dog", "fox"], "_type": "ClassLabel"}}}}
+    table = pa.table({"image": blobs, "label": labels}).replace_schema_metadata({"huggingface": json.dumps(meta)})
+    pq.write_table(table, path)
+    return images, labels
+
+
+def test_training_from_hf_on_parquet_images_starts_at_transformers_loss_and_exports_back(vit, tmp_path):
+    """`init_from=hf:DIR` on a Parquet image source, on (2, 2, 2) 1F1B: the step-1 loss is transformers' cross-entropy
+    of the same images through its own ViTImageProcessor (DIR's preprocessor_config.json: resize from 20 x 16,
+    rescale, normalise); after two steps `--format hf` writes a directory transformers loads, whose logits are the
+    trained run's, with the class names of the data."""
+    from jaxpar import trainer
+    from jaxpar.export import export
+    from jaxpar.interop.runs import load_run
+
+    model, d = vit
+    images, labels = parquet_images(tmp_path / "train.parquet", 8)
+    processor = transformers.ViTImageProcessor.from_pretrained(d)
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(model(pixels).logits, torch.tensor(labels)))
+    c = tiny_config(**{"model.arch": "vit", "init_from": f"hf:{d}", "mesh.data": 2, "mesh.tensor": 2,
+                       "mesh.stage": 2, "train.microbatches": 2, "pipeline.schedule": "1f1b",
+                       "train.global_batch_size": 8, "train.steps": 2})
+    pq = str(tmp_path / "train.parquet")
+    c.data.update(sources=f"parquet:{pq}", val_source=f"parquet:{pq}", cache_dir=str(tmp_path / "cache"))
+    c.log.update(every_steps=1, progress=False)
+    c.eval.update(every_steps=100, batches=1)
+    trainer.run(c, str(tmp_path / "run"))  # the batch is the whole train split: its mean is order-free
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        first = json.loads(f.readline())
+    assert abs(first["loss"] - want) <= 1e-5 * want, (first["loss"], want)
+    export(str(tmp_path / "run"), str(tmp_path / "out"), fmt="hf")
+    back = transformers.ViTForImageClassification.from_pretrained(tmp_path / "out").eval()
+    assert back.config.id2label == {0: "cat", 1: "dog", 2: "fox"}
+    run = load_run(str(tmp_path / "run"))
+    close(hf_logits(back), logits_of(run.fwd, run.params))
+    assert np.abs(hf_logits(back) - hf_logits(model)).max() > 1e-4  # it trained: the export is not the import
