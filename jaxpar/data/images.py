@@ -79,7 +79,7 @@ class ImageSet:
         return _where(read_json(os.path.join(self.path, "where.json")), i)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class ImagePart:
     """A split of one source: the images `indices` (int64, sorted) of `images`."""
     images: ImageSet
@@ -176,17 +176,28 @@ def _label(s: src.Source) -> str:
 
 
 def _plan(s: src.Source, image_field: str, label_field: str) -> _Plan:
+    _vision("PIL")  # before anything is planned
     if s.kind == "digits":
-        from sklearn.datasets import load_digits
-
-        import sklearn
-
-        labels = load_digits().target.astype(np.int64)
+        sklearn = _vision("sklearn")
+        labels = sklearn.datasets.load_digits().target.astype(np.int64)
         return _Plan(len(labels), labels, tuple(str(i) for i in range(10)), [("digits", (0, len(labels)), 0)],
                      {"files": [DIGITS], "rows": [len(labels)]}, ["sklearn", sklearn.__version__])
     if s.kind == "imagefolder":
         return _folder_plan(s)
     return _parquet_plan(s, image_field, label_field)
+
+
+def _vision(module: str):
+    """`module` (PIL, sklearn with its datasets) imported, or a DataError naming the extra that installs it."""
+    import importlib
+
+    try:
+        if module == "sklearn":
+            importlib.import_module("sklearn.datasets")  # then an attribute of sklearn
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"image data needs {'Pillow' if module == 'PIL' else 'scikit-learn'}: pip install "
+                        f"'jaxpar[vision]'.") from None
 
 
 def _folder_plan(s: src.Source) -> _Plan:
