@@ -36,7 +36,8 @@ DEFAULT_RULES = (
     ("channels", None),
     ("classes", None),
 )
-NEW_RULES = ("experts", "router", "lora_rank", "patch", "channels", "classes")  # added after configs with their own `rules` were written: defaulted if absent
+# added after configs with their own `rules` were written: defaulted if absent
+NEW_RULES = ("experts", "router", "lora_rank", "patch", "channels", "classes")
 
 # order of the device grid: tensor last = neighbouring devices, then context (its K/V all-gathers) and expert (its
 # all-to-all) within a node where they fit

@@ -139,7 +139,8 @@ def run(config, workdir: str, devices=None) -> dict:
     devices = list(jax.devices() if devices is None else devices)
     named = config  # hf:ORG/NAME, hfds:ORG/NAME -> where they are in the HF cache; the weights once validated
     config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
-    config = derived(peft.apply(hf.apply(config)))  # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...
+    # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...; a ViT's sequence from its patches
+    config = derived(peft.apply(hf.apply(config)))
     layout = validate(config, len(devices))
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours

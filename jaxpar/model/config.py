@@ -112,7 +112,8 @@ MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "r
 SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
 # the adapters' fields: a LoRA run's state, never an export's model (exports fold the adapters in)
 LORA_FIELDS = ("lora_rank", "lora_targets", "lora_alpha", "lora_rslora", "lora_dropout", "base_dtype")
-ZERO_COUNTS = ("experts", "shared_experts", "first_dense_layers")  # counts of the spec that may be 0 (a dense model)
+ZERO_COUNTS = ("experts", "shared_experts", "first_dense_layers", "image_size", "patch_size", "channels",
+               "num_classes")  # counts of the spec that may be 0 (a dense model; a language model)
 
 
 

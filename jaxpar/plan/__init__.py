@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxpar import data
+from jaxpar.compiled import model_vocab
+from jaxpar.config import derived
 from jaxpar.plan import cost, memory
 from jaxpar.plan.hardware import GiB, Cluster
 from jaxpar.plan.space import Layout, Space, candidates
@@ -52,8 +53,8 @@ class Plan:
 
 
 def vocab_of(config) -> int:
-    """The model's vocabulary by the trainer's rule (`data.model_vocab`)."""
-    return data.model_vocab(config)
+    """The model's vocabulary by the trainer's rule (`compiled.model_vocab`: a ViT's classes)."""
+    return model_vocab(config)
 
 
 def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int = 10, devices=None,
@@ -63,6 +64,7 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
     recompute, cannot fit) until
     `compile_top` layouts fit or 2 x compile_top + 4 compiles ran; compiled layouts are re-timed with their compiled
     data-parallel collectives. `devices`: fake CPU devices to compile on (None: no compiles)."""
+    config = derived(config)  # a ViT's sequence: its patches and the class token
     model = cost.Model.from_config(config, vocab_of(config))
     capacity = cluster.device.memory * mem_fraction
     space = dataclasses.replace(space, gpus_per_node=cluster.gpus_per_node)

@@ -50,16 +50,13 @@ def pair_sums(values, w, seg):
 _METRICS = ("pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 
 
-class Classify:
+class Classify(LM):
     """Image classification (ViT): cross-entropy of each image's label from the class token, weighted by the row
-    mask (0: padding rows of an evaluation); divided by the step's images. Logs top-1 `accuracy`."""
-    reference = False
+    mask (0: padding rows of an evaluation); divided by the step's images (`LM.total` of the row mask). Logs top-1
+    `accuracy`."""
 
     def head(self, fwd, params, x, mb):
         return fwd.classify(params, x, mb["y"], mb["w"])
-
-    def total(self, mask, seg):
-        return mask.sum()
 
     def metrics(self, count, total) -> dict:
         return {"accuracy": count[1] / jnp.maximum(count[0], 1)}
