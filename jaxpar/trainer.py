@@ -159,6 +159,7 @@ def run(config, workdir: str, devices=None) -> dict:
         abstract = steps.abstract_state()
         state, start = restore_or_init(config, steps, ckpt, train_data, abstract)
         if ref_dtype(config) is not None:  # DPO's reference sums, computed from the initial weights, kept in workdir
+            B = int(config.train.global_batch_size)
             run_batch = lambda rows: steps.reference_sums(state["params"], to_global(rows, steps, B, ref_dtype(config)))
             reference.attach(workdir, (train_data, val_data), start,
                              lambda rows: np.asarray(jax.device_get(run_batch(rows))),
