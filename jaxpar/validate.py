@@ -288,7 +288,7 @@ def validate(config, num_devices: int) -> Layout:
             f"train.global_batch_size={B} is not divisible by {split} x train.microbatches={M} = {n}; "
             f"use a batch that is a multiple of {n} (the nearest: {nearest_multiples(B, n)}) or change the "
             f"layout.")
-    errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay) + check_context(m, lay.context, t)
+    errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay) + (check_context(m, lay.context, t) if m.arch != "vit" else [])
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
         errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "
