@@ -5,7 +5,7 @@ DIR is a ViT run directory written by train.py (its latest checkpoint, whatever 
 from its classes.json), a Hugging Face `ViTForImageClassification` directory as `hf:DIR` (an export of
 `python -m jaxpar.export --format hf`; the names from config.json's id2label), or `hf:ORG/NAME[@REVISION]`, a Hub
 model fetched into the Hugging Face cache. Images are decoded, resized and normalised as in training
-(`jaxpar/data/images.py`: the run's `data.image_mean` / `data.image_std`, or the directory's
+(`jaxpar/data/image_batches.py`: the run's `data.image_mean` / `data.image_std`, or the directory's
 preprocessor_config.json). Float32 on one device.
 
 Guide: docs/vision.md.
@@ -45,7 +45,8 @@ def main(argv):
     import numpy as np
 
     from jaxpar.data import DataError
-    from jaxpar.data.images import fit, pixel_table
+    from jaxpar.data.image_batches import pixel_table
+    from jaxpar.data.images import fit
 
     if not argv[1:]:
         sys.exit("error: name at least one image file: python classify.py --model DIR IMAGE [IMAGE ...]")

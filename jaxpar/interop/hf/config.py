@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 
-from jaxpar.data.images import channel_values
+from jaxpar.data.image_batches import channel_values
 from jaxpar.interop.hf.files import HFError
 
 PREPROCESSOR = "preprocessor_config.json"
