@@ -164,6 +164,9 @@ KEYS = (
     K("model.moe_impl", "auto", str, "MoE: `buffers` (fixed slots per expert, one batched matmul), `ragged` (the "
       "choices sorted by expert, grouped matmuls over their counts: the active cost) or `auto` (`ragged` on GPUs, "
       "`buffers` elsewhere): [moe](moe.md#implementations)", choices=("auto", "buffers", "ragged")),
+    K("model.grouped_matmul", "auto", str, "MoE `ragged`: the grouped matmul kernel: `xla` (`jax.lax.ragged_dot`), "
+      "`mosaic` (JAX's Hopper kernel, Mosaic GPU; bfloat16/float16) or `auto` (`mosaic` on Hopper GPUs where it "
+      "applies): [moe](moe.md#implementations)", choices=("auto", "xla", "mosaic")),
     K("model.expert_buffer_factor", 0.0, float, "MoE `ragged` with expert parallelism: the rows a device sends to "
       "each expert device are at most ceil(factor × its choices / mesh.expert), the rest dropped and counted; 0: "
       "the worst case (all its choices), never dropping", lambda v: 0 <= v < _INF, "a number >= 0 (0: worst case)"),

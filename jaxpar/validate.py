@@ -15,9 +15,10 @@ from jaxpar.kernels.attention import IMPLEMENTATIONS, choose
 from jaxpar.config import (DEFAULT_RULES, DTYPES, MESH_AXES, ConfigError, flat_keys, mlp_width, nearest_multiples,
                            unknown_keys, vit_seq_len)
 from jaxpar.config_keys import changed, key_errors
+from jaxpar.kernels import grouped
 from jaxpar.kernels.cross_entropy import chunk_size
 from jaxpar.layout import Layout
-from jaxpar.model import ARCHS, ROPE_SCALINGS, block_weights, config_from, lora
+from jaxpar.model import ARCHS, ROPE_SCALINGS, block_weights, config_from, lora, moe
 from jaxpar.parallel.pipeline.registry import errors as schedule_errors
 
 
@@ -221,6 +222,19 @@ def check_experts(m, lay: Layout) -> list[str]:
     return errs
 
 
+def check_grouped(m, compute_dtype: str) -> list[str]:
+    """`model.grouped_matmul='mosaic'` where its kernel cannot run the routed experts' matmuls, or nothing reads it."""
+    if m.grouped_matmul != "mosaic" or m.experts == 0:
+        return []
+    if moe.implementation(m) != "ragged":
+        return [f"model.grouped_matmul='mosaic' runs `ragged`'s grouped matmuls, but model.moe_impl={m.moe_impl!r} "
+                f"runs buffers here; set model.moe_impl='ragged', or drop model.grouped_matmul."]
+    width = m.expert_mlp or m.mlp or 4 * m.embed
+    why = grouped.mosaic_reason(compute_dtype, m.embed, width)
+    return [] if why is None else [f"model.grouped_matmul='mosaic' cannot run the experts' [{m.embed}, {width}] "
+                                   f"matmuls in train.compute_dtype={compute_dtype}: {why}; use 'auto' or 'xla'."]
+
+
 def check_context(m, c: int, t: int) -> list[str]:
     """Context parallelism's rules (`mesh.context` = c > 1) against the model and `mesh.tensor` = t."""
     if c == 1:
@@ -288,7 +302,8 @@ def validate(config, num_devices: int) -> Layout:
             f"train.global_batch_size={B} is not divisible by {split} x train.microbatches={M} = {n}; "
             f"use a batch that is a multiple of {n} (the nearest: {nearest_multiples(B, n)}) or change the "
             f"layout.")
-    errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay) + (check_context(m, lay.context, t) if m.arch != "vit" else [])
+    errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay) + check_grouped(m, tr.compute_dtype)
+    errs += check_context(m, lay.context, t) if m.arch != "vit" else []
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
         errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "

@@ -175,3 +175,48 @@ def test_kernel_choice():
                       ({"model.sequence_parallel": True, "model.seq_len": 18, "mesh.tensor": 4}, "seq_len=18")]:
         with pytest.raises(ConfigError, match=msg):
             validate(tiny_config(**{"mesh.data": 1, **over}), 4 if "mesh.tensor" in over else 1)
+
+
+# ---- grouped matmuls (`jaxpar/kernels/grouped.py`): the Mosaic GPU kernel, here in its interpret mode ------------
+
+def _ulps_off(got, want):
+    """|got - want| in units of bfloat16's spacing at |want| (got: bfloat16 results, want: the float32 reference)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    spacing = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 1e-30))) - 7)
+    return np.abs(got - want) / spacing
+
+
+def test_mosaic_grouped_kernel_and_its_gradients_equal_the_float32_reference():
+    """`model.grouped_matmul=mosaic` off GPU runs JAX's Hopper kernel in Mosaic GPU's interpret mode: the forward
+    matmul and the input gradient (the same kernel, weight transposed) are the float32 `ragged_dot` of the same
+    bfloat16 operands rounded once (<= 1 bfloat16 spacing), with an empty group and rows past the groups (zeros out,
+    no gradient in); the weight gradient (XLA's ragged contraction) likewise."""
+    from jaxpar.kernels import grouped
+
+    rows, fan_in, fan_out = 256, 64, 128
+    groups = jnp.array([50, 0, 130, 60], jnp.int32)  # 240 rows; the last 16 belong to no group
+    rng = np.random.default_rng(0)
+    x, w, dy = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                for s in ((rows, fan_in), (4, fan_in, fan_out), (rows, fan_out)))
+    assert grouped.choose("mosaic", jnp.bfloat16, fan_in, fan_out) == "mosaic"
+    y, vjp = jax.vjp(lambda x, w: grouped.grouped_matmul(x, w, groups, "mosaic"), x, w)
+    dx, dw = vjp(dy)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    want, want_vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, groups), f32(x), f32(w))
+    want_dx, want_dw = want_vjp(f32(dy))
+    for got, ref in ((y, want), (dx, want_dx), (dw, want_dw)):
+        assert got.dtype == jnp.bfloat16 and got.shape == ref.shape
+        assert _ulps_off(got, ref).max() <= 1.0, _ulps_off(got, ref).max()
+    assert not np.asarray(y[240:], np.float32).any() and not np.asarray(dx[240:], np.float32).any()
+    assert np.asarray(y[:240], np.float32).all()
+
+
+def test_grouped_kernel_choice():
+    from jaxpar.kernels import grouped
+
+    assert grouped.choose("auto", jnp.bfloat16, 64, 128, backend="cpu") == "xla"  # no Hopper here
+    assert grouped.choose("mosaic", jnp.float32, 64, 128) == "xla"  # per matmul: the kernel cannot run float32
+    assert grouped.choose("mosaic", jnp.bfloat16, 64, 16) == "xla"  # a rank-16 adapter
+    assert "multiples of 64, not 64 x 16" in grouped.mosaic_reason(jnp.bfloat16, 64, 16)
+    with pytest.raises(ValueError, match="pick one of"):
+        grouped.choose("triton", jnp.bfloat16, 64, 64)

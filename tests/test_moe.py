@@ -202,6 +202,27 @@ def test_ragged_equals_buffers_and_the_per_token_reference(over):
 RAGGED = {"model.moe_impl": "ragged"}
 
 
+def test_the_mosaic_grouped_kernel_runs_the_experts_as_xla_would():
+    """`model.grouped_matmul=mosaic` (JAX's Hopper kernel; here in Mosaic GPU's interpret mode) in a bfloat16 MoE
+    layer with LoRA adapters on its experts (their rank-8 matmuls fall back to `ragged_dot`), dropping choices:
+    outputs and every gradient equal the `xla` kernel's. Both round each matmul once to bfloat16 from float32
+    sums, in another order: the bound is a few bfloat16 spacings (2^-8) of each tensor's largest value."""
+    over = dict(embed=64, expert_mlp=64, moe_impl="ragged", capacity_factor=1.0, param_dtype="bfloat16",
+                compute_dtype="bfloat16", lora_rank=8, lora_alpha=16, lora_targets=("moe.experts.w_gate", "moe.experts.w_down"))
+    cfg, ref = tiny_cfg(grouped_matmul="mosaic", **over), tiny_cfg(grouped_matmul="xla", **over)
+    layer = moe.MoE(cfg, nnx.Rngs(params=0))
+    for name in ("w_gate", "w_down"):  # PEFT's B starts at zero: make the adapters count
+        b = getattr(layer.experts.lora, name).b
+        b[...] = jax.random.normal(jax.random.key(b.size), b.shape, b.dtype) * 0.1
+    h = jax.random.normal(jax.random.key(1), (2, cfg.seq_len, cfg.embed), jnp.bfloat16)
+    run = lambda c: nnx.value_and_grad(lambda m: jnp.sum(jnp.sin(m(h, c)[0].astype(jnp.float32))))(layer)  # noqa
+    (loss, grads), (want, want_grads) = run(cfg), run(ref)
+    assert float(layer(h, cfg)[1]["dropped"]) > 0
+    for got, exp in [(loss, want)] + list(zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads))):
+        got, exp = np.asarray(got, np.float32), np.asarray(exp, np.float32)
+        assert np.abs(got - exp).max() <= 4 * 2.0 ** -8 * np.abs(exp).max(), (np.abs(got - exp).max(), exp.shape)
+
+
 @needs8
 @pytest.mark.parametrize("over", [
     {"mesh.expert": 2, "mesh.tensor": 2, "mesh.data": 2, "model.sequence_parallel": True},
@@ -288,6 +309,12 @@ def test_resume_onto_another_expert_size(corpus, tmp_path):
      r"model.expert_buffer_factor=1.5 bounds the rows `ragged` sends .* but model.moe_impl='buffers' sends fixed"),
     ({"model.moe_impl": "ragged", "model.expert_buffer_factor": 1.5}, r"but mesh.expert=1 sends no rows"),
     ({"model.moe_impl": "grouped"}, r"model.moe_impl='grouped'"),
+    ({"model.grouped_matmul": "mosaic"}, r"grouped_matmul='mosaic' runs `ragged`'s .* model.moe_impl='auto' runs "
+                                         r"buffers here"),
+    ({**RAGGED, "model.grouped_matmul": "mosaic"}, r"in train.compute_dtype=float32: the Mosaic GPU grouped kernel "
+                                                   r"takes float16/bfloat16"),
+    ({**RAGGED, "model.grouped_matmul": "mosaic", "train.compute_dtype": "bfloat16"},
+     r"cannot run the experts' \[32, 32\] matmuls .* multiples of 64, not 32 x 32; use 'auto' or 'xla'"),
 ])
 def test_bad_moe_config_is_one_clear_error(over, match):
     with pytest.raises(ConfigError, match=match):

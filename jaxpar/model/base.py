@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.kernels.grouped import grouped_matmul
 from jaxpar.parallel.logical import constrain
 
 LOGICAL = "logical_axes"  # the Param metadata key holding one logical name per dimension
@@ -47,20 +48,21 @@ def _adapter(owner, name: str):
     return getattr(getattr(owner, LORA, None), name, None)
 
 
-def ragged_matmul(owner, name: str, x, groups):
+def ragged_matmul(owner, name: str, x, groups, kernel: str = "xla"):
     """`x @ W[e]` for each run of rows: `x` `[rows, in]` sorted by expert, `groups` `[E]` the rows of each expert (the
     rows after their sum give zeros), `owner`'s weight `name` `[E, in, out]` (cast to x's dtype): one grouped
-    matmul (`jax.lax.ragged_dot`), plus its LoRA adapter's term, grouped the same way."""
-    y = jax.lax.ragged_dot(x, getattr(owner, name)[...].astype(x.dtype), groups)
+    matmul (`kernels.grouped`, `kernel` its `model.grouped_matmul`), plus its LoRA adapter's term, grouped the same
+    way."""
+    y = grouped_matmul(x, getattr(owner, name)[...], groups, kernel)
     adapter = _adapter(owner, name)
     if adapter is None:
         return y
-    low = jax.lax.ragged_dot(x, adapter.a[...].astype(x.dtype), groups)
-    return y + jax.lax.ragged_dot(low, adapter.b[...].astype(x.dtype), groups) * jnp.asarray(adapter.scale, x.dtype)
+    low = grouped_matmul(x, adapter.a[...], groups, kernel)
+    return y + grouped_matmul(low, adapter.b[...], groups, kernel) * jnp.asarray(adapter.scale, x.dtype)
 
 
-def ragged_swiglu(owner, x, groups):
+def ragged_swiglu(owner, x, groups, kernel: str = "xla"):
     """`swiglu` of each expert over its run of the sorted rows `x` `[rows, embed]` (`ragged_matmul`)."""
-    g, u = (checkpoint_name(ragged_matmul(owner, n, x, groups), "mlp_in") for n in ("w_gate", "w_up"))
+    g, u = (checkpoint_name(ragged_matmul(owner, n, x, groups, kernel), "mlp_in") for n in ("w_gate", "w_up"))
     a = checkpoint_name(jax.nn.silu(g) * u, "mlp_act")
-    return ragged_matmul(owner, "w_down", a, groups)
+    return ragged_matmul(owner, "w_down", a, groups, kernel)

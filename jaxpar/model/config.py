@@ -62,6 +62,7 @@ class ModelConfig:
     first_dense_layers: int = 0
     moe_every: int = 1
     moe_impl: str = "auto"  # buffers | ragged | auto (ragged on GPUs)
+    grouped_matmul: str = "auto"  # ragged's grouped matmul kernel: xla | mosaic | auto (mosaic on Hopper)
     expert_buffer_factor: float = 0.0  # ragged under expert parallelism: the rows per destination (0: worst case)
     # LoRA adapters (`jaxpar/model/lora.py`; config keys lora.*); lora_rank = 0: none
     lora_rank: int = 0
@@ -108,7 +109,7 @@ IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "
                    "patch_size", "channels", "num_classes")
 MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "router", "router_norm_topk",
               "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every",
-              "moe_impl", "expert_buffer_factor")
+              "moe_impl", "grouped_matmul", "expert_buffer_factor")
 SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
 # the adapters' fields: a LoRA run's state, never an export's model (exports fold the adapters in)
 LORA_FIELDS = ("lora_rank", "lora_targets", "lora_alpha", "lora_rslora", "lora_dropout", "base_dtype")

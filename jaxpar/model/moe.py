@@ -158,7 +158,8 @@ class MoE(nnx.Module):
         pos, counts, mine = dispatch.queue_positions(order, E, k)
         keep = pos < capacity(cfg, seq)
         if implementation(cfg) == "ragged":
-            y, lost = dispatch.ragged(self.experts, h, order, keep, E, cfg.expert_buffer_factor)
+            y, lost = dispatch.ragged(self.experts, h, order, keep, E, cfg.expert_buffer_factor,
+                                      cfg.grouped_matmul)
         else:
             y, lost = dispatch.buffers(self.experts, h, order, keep, E, capacity(cfg, seq)), 0
         out = jnp.einsum("bktd,btk->btd", y, w.astype(h.dtype))

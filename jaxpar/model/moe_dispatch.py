@@ -131,9 +131,9 @@ def _sort(key):
     return perm, inv
 
 
-def ragged(experts_mlp, h, order, keep, experts: int, buffer_factor: float = 0.0):
+def ragged(experts_mlp, h, order, keep, experts: int, buffer_factor: float = 0.0, kernel: str = "xla"):
     """(The experts' outputs of every choice `[b, k, t, d]`, zeros where dropped; the choices dropped by the expert
-    parallel send buffer): the rows sorted by expert and grouped matmuls."""
+    parallel send buffer): the rows sorted by expert and grouped matmuls (`kernel`: `model.grouped_matmul`)."""
     b, t, d = h.shape
     k = order.shape[1] // t
     x = jnp.broadcast_to(h[:, None], (b, k, t, d)).reshape(b * k * t, d)  # row (b, j, i): choice j of token i
@@ -143,10 +143,10 @@ def ragged(experts_mlp, h, order, keep, experts: int, buffer_factor: float = 0.0
     xs = jax.ad_checkpoint.checkpoint_name(_permute(x, perm, inv), "moe_dispatch")
     if expert_split() == 1:
         with jax.named_scope(SCOPE):
-            ys, lost = ragged_swiglu(experts_mlp, xs, groups), jnp.zeros((), jnp.int32)
+            ys, lost = ragged_swiglu(experts_mlp, xs, groups, kernel), jnp.zeros((), jnp.int32)
         ys = jnp.where((jnp.arange(ys.shape[0]) < groups.sum())[:, None], ys, jnp.zeros((), ys.dtype))  # dropped
     else:
-        ys, lost = _expert_parallel(experts_mlp, xs, groups, buffer_factor)
+        ys, lost = _expert_parallel(experts_mlp, xs, groups, buffer_factor, kernel)
     return _permute(ys, inv, perm).reshape(b, k, t, d), lost
 
 
@@ -155,7 +155,7 @@ def send_rows(rows: int, ep: int, factor: float) -> int:
     return rows if factor == 0 else max(1, min(rows, math.ceil(factor * rows / ep)))
 
 
-def _expert_parallel(experts_mlp, xs, groups, factor: float):
+def _expert_parallel(experts_mlp, xs, groups, factor: float, kernel: str = "xla"):
     """Sorted rows `xs` `[n, d]` of this device, `groups` `[E]` (global experts) -> (their outputs `[n, d]`, rows
     dropped by the send buffer): sent to the devices holding their experts and back."""
     n, d = xs.shape
@@ -181,7 +181,7 @@ def _expert_parallel(experts_mlp, xs, groups, factor: float):
     perm, inv = _sort(expert_of)
     zs = jax.ad_checkpoint.checkpoint_name(_permute(got, perm, inv), "moe_dispatch")
     with jax.named_scope(SCOPE):
-        zs = ragged_swiglu(experts_mlp, zs, got_per.sum(0))
+        zs = ragged_swiglu(experts_mlp, zs, got_per.sum(0), kernel)
     zs = _permute(zs, inv, perm).reshape(ep, R, d)
     back = exchange_experts(zs, split_axis=0, concat_axis=0).reshape(ep * R, d)
     return move(back, slot, slot_ok, src, src_ok), jnp.sum(per.sum(1) - sent)
