@@ -19,6 +19,7 @@ import pytest
 from helpers import steps_for, tiny_config
 from jaxpar.analysis.hlo_flops import stablehlo_flops
 from jaxpar.kernels import attention as kernels
+from jaxpar.kernels import grouped
 from jaxpar import launch
 from jaxpar.data.loader import batch_shapes
 
@@ -26,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 250
 SEQ = 32  # the only dimension of 32 in these models: a "32x32" tensor is XLA's attention scores or mask
 TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = "mosaic_gpu_v2"  # a Mosaic GPU kernel's custom call
 SCORES = re.compile(r"[<x]32x32x")
 LLAMA = {"model.arch": "llama", "model.kv_heads": 2, "model.tie_embeddings": False}
 MOE = {**LLAMA, "model.experts": 4, "model.experts_per_token": 2, "model.expert_mlp": 64,
@@ -69,9 +71,10 @@ def lowered(config):
     state = s.abstract_state()
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s.batch_sharding)
              for k, (shape, dtype) in batch_shapes(16, SEQ, config.data.packing).items()}
-    export = lambda f, *args: jax.export.export(  # noqa: E731
-        f, platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])(*args)
-    return export(s.train, state, batch).mlir_module(), export(s.evaluate, state["params"], batch).mlir_module()
+    unstable = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (TRITON, MOSAIC, "ragged_all_to_all")]
+    export = lambda f, *args: jax.export.export(f, platforms=["cuda"], disabled_checks=unstable)(*args)  # noqa: E731
+    with grouped.lowering_for("cuda"):
+        return export(s.train, state, batch).mlir_module(), export(s.evaluate, state["params"], batch).mlir_module()
 
 
 @pytest.mark.parametrize("name,layout,over", CASES, ids=[c[0] for c in CASES])
@@ -104,23 +107,36 @@ def test_context_parallel_steps_lower_for_cuda_without_whole_score_matrices(layo
     assert not SCORES.search(train) and not re.search(rf"\dx{local}x{SEQ}x(f32|bf16)", train)  # [.., q, k] scores
 
 
-def test_a_dropless_ragged_moe_lowers_for_cuda_to_grouped_matmuls():
-    """`model.moe_impl=ragged`, dropless, (expert 4, data 2): the CUDA program's routed experts are `ragged_dot`
-    grouped matmuls (XLA's `chlo.ragged_dot` composite), forward and backward, and no dense expert matmul of the
-    buffers `[.., experts, slots, embed]` is left (every `dot_general` of the `experts` scope counts 0 FLOPs)."""
-    c = gpu_config((2, 1, 1), {**MOE, "mesh.expert": 4, "model.capacity_factor": 0.0, "model.moe_impl": "ragged"})
+RAGGED_A2A = re.compile(r"custom_call @ragged_all_to_all\(.*: \(tensor<\d+x64xbf16>")  # rows of width embed
+PADDED_A2A = re.compile(r"all_to_all.*: \(tensor<4x\d+x64xbf16>")  # a padded [expert devices, R, embed] buffer
+
+
+@pytest.mark.parametrize("kernel", ["xla", "mosaic"])
+def test_a_dropless_ragged_moe_lowers_for_cuda_to_grouped_matmuls(kernel):
+    """`model.moe_impl=ragged`, dropless, (expert 4, data 2): the CUDA program's routed experts are grouped matmuls,
+    forward and backward: XLA's `chlo.ragged_dot` composite, or with `model.grouped_matmul=mosaic` the Mosaic GPU
+    kernel for the forward and input-gradient matmuls (and the composite for the weight gradient); no dense expert
+    matmul of the buffers `[.., experts, slots, embed]` is left (every `dot_general` of the `experts` scope counts 0
+    FLOPs). The rows travel by `ragged_all_to_all` (there and back, and the same in the backward pass), never as
+    a padded all-to-all of activations."""
+    c = gpu_config((2, 1, 1), {**MOE, "mesh.expert": 4, "model.capacity_factor": 0.0, "model.moe_impl": "ragged",
+                               "model.grouped_matmul": kernel})
     train, _ = lowered(c)
-    assert train.count('stablehlo.composite "chlo.ragged_dot"') >= 9  # 3 matmuls forward, 6 backward
+    composites, kernels_ = train.count('stablehlo.composite "chlo.ragged_dot"'), train.count(f"@{MOSAIC}(")
+    want = (9, 0) if kernel == "xla" else (3, 6)  # 3 matmuls forward, 6 backward (with mosaic: 3 of them)
+    assert composites >= want[0] and kernels_ >= want[1], (composites, kernels_)
     flops = stablehlo_flops(train, "experts")
-    assert flops["dot_general"] == 0 and flops["ragged_dot"] > 0, flops
+    assert flops["dot_general"] == 0 and flops["ragged_dot"] > 0 and (flops["mosaic"] > 0) == (kernel == "mosaic")
+    assert len(RAGGED_A2A.findall(train)) >= 4 and not PADDED_A2A.search(train)
 
 
-@pytest.mark.parametrize("impl,ratio", [("ragged", 1.0), ("buffers", 2.0)])
+@pytest.mark.parametrize("impl,ratio", [("ragged", 1.0), ("buffers", 2.0), ("mosaic", 1.0)])
 def test_the_lowered_expert_flops_are_the_active_ones_for_ragged(impl, ratio):
     """One device, dropless, experts 4 of which k = 2: the CUDA program's expert matmul FLOPs (`stablehlo_flops`)
     are the active count 3 x 2 x tokens x k x 3 x embed x expert_mlp for `ragged`, experts / k times it for
     `buffers` (`bench/moe.py --lower cuda` writes the same rows for a bigger model)."""
-    c = gpu_config((1, 1, 1), {**MOE, "model.capacity_factor": 0.0, "model.moe_impl": impl})
+    kernel = {"model.moe_impl": "ragged", "model.grouped_matmul": "mosaic"} if impl == "mosaic" else {}
+    c = gpu_config((1, 1, 1), {**MOE, "model.capacity_factor": 0.0, "model.moe_impl": impl, **kernel})
     train, _ = lowered(c)
     active = 3 * 2 * 16 * SEQ * 2 * 3 * 64 * 64
     assert stablehlo_flops(train, "experts")["total"] == ratio * active

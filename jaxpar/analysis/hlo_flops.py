@@ -89,10 +89,12 @@ def stablehlo_flops(text: str, scope: str) -> dict:
     for CUDA), each op counted once (a loop body once): `dot_general` as 2 x result elements x contracted elements,
     a `chlo.ragged_dot` composite (the grouped matmul a GPU runs as a kernel) from its operand shapes with every
     row of its left operand counted (the group sizes' bound: rows past their sum cost a kernel nothing, but the
-    program does not say how many), 2 x rows x in x out. Ops inside a composite's decomposition are not counted.
-    -> {"dot_general": FLOPs, "ragged_dot": FLOPs, "total": their sum}."""
+    program does not say how many), 2 x rows x in x out, and JAX's Mosaic GPU grouped kernel (a `mosaic_gpu` custom
+    call on (group sizes `[G]`, rows `[M, in]`, weights `[G, in, out]`)) the same way. Ops inside a composite's
+    decomposition are not counted.
+    -> {"dot_general": FLOPs, "ragged_dot": FLOPs, "mosaic": FLOPs, "total": their sum}."""
     defs = {m.group(1): m.group(2) for m in map(_LOC_DEF.match, text.splitlines()) if m}
-    out, inside = {"dot_general": 0, "ragged_dot": 0}, False
+    out, inside = {"dot_general": 0, "ragged_dot": 0, "mosaic": 0}, False
     for line in text.splitlines():
         if line.lstrip().startswith("func.func"):
             inside = "@chlo." in line  # a composite's decomposition
@@ -110,4 +112,8 @@ def stablehlo_flops(text: str, scope: str) -> dict:
             (lhs, rhs, _), _ = _signature(line)
             inner = rhs[1] * rhs[2] if len(rhs) == 3 else lhs[1] * rhs[1]
             out["ragged_dot"] += 2 * lhs[0] * inner
-    return {**out, "total": out["dot_general"] + out["ragged_dot"]}
+        elif "stablehlo.custom_call @mosaic_gpu" in line:
+            ins, _ = _signature(line)
+            if [len(s) for s in ins] == [1, 2, 3]:  # the grouped kernel's (group sizes, rows, weights)
+                out["mosaic"] += 2 * ins[1][0] * ins[1][1] * ins[2][2]
+    return {**out, "total": sum(out.values())}

@@ -9,19 +9,22 @@
     transposed in memory: its `transpose_rhs` mode is not one Mosaic GPU's interpreter runs, so no test could see
     it); the weight gradient (`x_e^T @ dy_e`, a contraction over the ragged rows) is XLA's
     `ragged_dot_general`. Float16/bfloat16, `in` and `out` multiples of 64. Off GPU it runs in Mosaic GPU's
-    interpret mode (slow: for tests), decided when the program is lowered for its platform, so a host lowers the
-    CUDA program with the compiled kernel (`tests/test_lowering.py`).
+    interpret mode (slow: for tests), or compiled for CUDA under `lowering_for("cuda")`, so a host lowers the CUDA
+    program with the kernel (`tests/test_lowering.py`).
   - "auto": "mosaic" on a Hopper GPU (compute capability 9.x) where it applies, else "xla".
 A choice is made per matmul: where "mosaic" cannot run one (a LoRA adapter's rank-wide matmul, say) it runs on
 "xla"; `check` says, before any compile, why a configured "mosaic" cannot run the experts' own matmuls.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
 import jax
 import jax.numpy as jnp
+
+from jaxpar.parallel.shard_map_body import vary_like
 
 IMPLEMENTATIONS = ("auto", "xla", "mosaic")
 BLOCK_M = 128  # the Mosaic kernel's row block
@@ -62,6 +65,8 @@ def grouped_matmul(x, w, groups, implementation: str = "xla"):
     w = w.astype(x.dtype)
     if choose(implementation, x.dtype, w.shape[1], w.shape[2]) == "xla":
         return jax.lax.ragged_dot(x, w, groups)
+    # typed alike, as JAX does for `ragged_dot`'s operands: a custom VJP returns each gradient in its input's type
+    x, w, groups = (vary_like(vary_like(a, b), c) for a, b, c in ((x, w, groups), (w, x, groups), (groups, x, w)))
     return _mosaic(x, w, groups)
 
 
@@ -95,13 +100,28 @@ def _kernel(interpret: bool, x, w, groups):
         mod.plgpu = real
 
 
+_LOWERING_FOR: list[str] = []  # `lowering_for`'s platform, while it holds
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+    """Trace the Mosaic kernel compiled for `platform` ("cuda") on a host without a GPU, to lower the GPU program
+    (`tests/test_lowering.py`, `bench/moe.py --lower cuda`). Elsewhere off GPU the kernel runs interpreted, chosen
+    when it is traced: an interpreter's callbacks cannot sit in a CUDA program, even in a branch never taken."""
+    _LOWERING_FOR.append(platform)
+    try:
+        yield
+    finally:
+        _LOWERING_FOR.pop()
+
+
 def _on_gpu(x, w, groups):
-    """The kernel compiled on GPUs, interpreted elsewhere: chosen when the program is lowered for its platform. Rows
-    are padded to a multiple of the kernel's row block (its last block would read past them; a copy only then)."""
+    """The kernel compiled on GPUs (and under `lowering_for("cuda")`), interpreted elsewhere. Rows are padded to a
+    multiple of the kernel's row block (its last block would read past them; a copy only then)."""
     rows = x.shape[0]
     x = jnp.pad(x, ((0, -rows % BLOCK_M), (0, 0)))
-    gpu, host = functools.partial(_kernel, False), functools.partial(_kernel, True)
-    return _below(groups, jax.lax.platform_dependent(x, w, groups, cuda=gpu, default=host)[:rows])
+    interpret = jax.default_backend() != "gpu" and _LOWERING_FOR[-1:] != ["cuda"]
+    return _below(groups, _kernel(interpret, x, w, groups)[:rows])
 
 
 @jax.custom_vjp

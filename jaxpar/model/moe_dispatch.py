@@ -22,13 +22,15 @@ choices of a sequence before its second ones, each in token order (GShard's prio
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.model.base import ragged_swiglu
-from jaxpar.parallel.logical import context_rank, context_split, exchange_experts, expert_split, gather_context
+from jaxpar.parallel.logical import (context_rank, context_split, exchange_experts, exchange_ragged, expert_rank,
+                                    expert_split, gather_context)
 
 SCOPE = "experts"  # the routed experts' matmuls, as named in the HLO (`analysis.hlo_flops.stablehlo_flops` reads it)
 
@@ -155,33 +157,67 @@ def send_rows(rows: int, ep: int, factor: float) -> int:
     return rows if factor == 0 else max(1, min(rows, math.ceil(factor * rows / ep)))
 
 
-def _expert_parallel(experts_mlp, xs, groups, factor: float, kernel: str = "xla"):
+class Route(NamedTuple):
+    """Where a device's sorted rows go under expert parallelism, per expert device j: its run starts at `start[j]`
+    and holds `total[j]` rows, of which the first `sent[j]` are sent (at most `rows` = R); `got[j]` rows come from
+    device j."""
+    start: jax.Array
+    total: jax.Array
+    sent: jax.Array
+    got: jax.Array
+    rows: int
+
+
+def _expert_parallel(experts_mlp, xs, groups, factor: float, kernel: str = "xla", trip: str | None = None):
     """Sorted rows `xs` `[n, d]` of this device, `groups` `[E]` (global experts) -> (their outputs `[n, d]`, rows
-    dropped by the send buffer): sent to the devices holding their experts and back."""
-    n, d = xs.shape
+    dropped by the send buffer): sent to the devices holding their experts and back, by `jax.lax.ragged_all_to_all`
+    on GPUs (the rows alone) and a padded all-to-all elsewhere (`trip`: `ragged` | `padded`; None: by the platform
+    the program is lowered for). Either way source s's rows arrive at s·R of a `[ep·R, d]` buffer."""
     ep = expert_split()
-    local = groups.shape[0] // ep
-    per = groups.reshape(ep, local)  # rows per (destination, its local expert)
-    R = send_rows(n, ep, factor)
-    upto = jnp.cumsum(per, 1)  # the first R rows of each destination's run are sent
-    sent_per = jnp.clip(R - (upto - per), 0, per)
-    sent = sent_per.sum(1)
-    start = jnp.cumsum(per.sum(1)) - per.sum(1)
-    i = jnp.arange(R)
-    src, src_ok = (start[:, None] + i[None, :]).reshape(-1), (i[None, :] < sent[:, None]).reshape(-1)
-    j = jnp.arange(n)
-    dst = jnp.clip(jnp.sum(j[:, None] >= jnp.cumsum(per.sum(1))[None, :], -1), 0, ep - 1)  # each row's device
-    at = j - start[dst]
-    slot, slot_ok = dst * R + at, (at < sent[dst]) & (j < groups.sum())
+    per = groups.reshape(ep, -1)  # rows per (destination, its local expert)
+    R = send_rows(xs.shape[0], ep, factor)
+    sent_per = jnp.clip(R - (jnp.cumsum(per, 1) - per), 0, per)  # the first R rows of each destination's run
+    got_per = exchange_experts(sent_per, split_axis=0, concat_axis=0)  # [source, local expert]
+    total = per.sum(1)
+    route = Route(jnp.cumsum(total) - total, total, sent_per.sum(1), got_per.sum(1), R)
+
+    def experts(got):
+        """What arrived `[ep·R, d]` -> the local experts' outputs, in the same places."""
+        ends = jnp.cumsum(got_per, 1)
+        expert_of = jnp.sum(jnp.arange(R)[None, :, None] >= ends[:, None, :], -1).reshape(-1)  # `local`: padding
+        perm, inv = _sort(expert_of)
+        zs = jax.ad_checkpoint.checkpoint_name(_permute(got, perm, inv), "moe_dispatch")
+        with jax.named_scope(SCOPE):
+            zs = ragged_swiglu(experts_mlp, zs, got_per.sum(0), kernel)
+        return _permute(zs, inv, perm)
+
+    trips = {"ragged": _ragged_trip, "padded": _padded_trip}
+    go = lambda name: lambda xs: trips[name](xs, route, experts)  # noqa: E731
+    ys = go(trip)(xs) if trip else jax.lax.platform_dependent(xs, cuda=go("ragged"), default=go("padded"))
+    return ys, jnp.sum(total - route.sent)
+
+
+def _padded_trip(xs, route: Route, experts):
+    """Each destination's run padded to R rows: one all-to-all of `[ep, R, d]` there, one back."""
+    (n, d), ep, R = xs.shape, route.start.shape[0], route.rows
+    i, j = jnp.arange(R), jnp.arange(n)
+    src = (route.start[:, None] + i[None, :]).reshape(-1)
+    src_ok = (i[None, :] < route.sent[:, None]).reshape(-1)
+    dst = jnp.clip(jnp.sum(j[:, None] >= (route.start + route.total)[None, :], -1), 0, ep - 1)  # each row's device
+    at = j - route.start[dst]
+    slot, slot_ok = dst * R + at, (at < route.sent[dst]) & (j < route.total.sum())
     send = move(xs, src, src_ok, slot, slot_ok).reshape(ep, R, d)
     got = exchange_experts(send, split_axis=0, concat_axis=0).reshape(ep * R, d)  # [source, R] rows
-    got_per = exchange_experts(sent_per, split_axis=0, concat_axis=0)  # [source, local expert]
-    ends = jnp.cumsum(got_per, 1)
-    expert_of = jnp.sum(i[None, :, None] >= ends[:, None, :], -1).reshape(-1)  # local expert; `local`: padding
-    perm, inv = _sort(expert_of)
-    zs = jax.ad_checkpoint.checkpoint_name(_permute(got, perm, inv), "moe_dispatch")
-    with jax.named_scope(SCOPE):
-        zs = ragged_swiglu(experts_mlp, zs, got_per.sum(0), kernel)
-    zs = _permute(zs, inv, perm).reshape(ep, R, d)
-    back = exchange_experts(zs, split_axis=0, concat_axis=0).reshape(ep * R, d)
-    return move(back, slot, slot_ok, src, src_ok), jnp.sum(per.sum(1) - sent)
+    back = exchange_experts(experts(got).reshape(ep, R, d), split_axis=0, concat_axis=0).reshape(ep * R, d)
+    return move(back, slot, slot_ok, src, src_ok)
+
+
+def _ragged_trip(xs, route: Route, experts):
+    """The rows alone (`jax.lax.ragged_all_to_all`): source s's land at s·R on the expert device, and come back to
+    their own sorted places (each source's offsets, exchanged first); rows not sent come back as zeros."""
+    (n, d), ep, R = xs.shape, route.start.shape[0], route.rows
+    mine = jnp.full((ep,), expert_rank() * R, jnp.int32)
+    got = exchange_ragged(xs, jnp.zeros((ep * R, d), xs.dtype), route.start, route.sent, mine, route.got)
+    theirs = exchange_experts(route.start, split_axis=0, concat_axis=0)  # where source s keeps the rows it sent me
+    blocks = jnp.arange(ep, dtype=jnp.int32) * R
+    return exchange_ragged(experts(got), jnp.zeros_like(xs), blocks, route.got, theirs, route.sent)

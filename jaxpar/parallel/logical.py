@@ -102,6 +102,19 @@ def exchange_experts(x: jax.Array, split_axis: int, concat_axis: int) -> jax.Arr
     return jax.lax.all_to_all(x, EXPERT, split_axis, concat_axis, tiled=True)
 
 
+def exchange_ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes) -> jax.Array:
+    """`jax.lax.ragged_all_to_all` over the `expert` mesh axis (inside the step's `shard_map`, manual over it): rows
+    `operand[input_offsets[j]:][:send_sizes[j]]` go to expert device j, where they land at `output_offsets[j]` of its
+    `output`; `recv_sizes[j]` rows arrive from device j. Only XLA:GPU runs it (XLA:CPU has no ragged all-to-all)."""
+    return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                     axis_name=EXPERT)
+
+
+def expert_rank() -> jax.Array:
+    """This device's index on the `expert` axis (inside the step's `shard_map`, manual over it)."""
+    return jax.lax.axis_index(EXPERT)
+
+
 def expert_split() -> int:
     """Devices the experts are split over here: the `expert` axis's size inside a `shard_map` manual over it (the
     step's data-parallel region), else 1."""
