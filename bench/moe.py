@@ -4,13 +4,15 @@ formula; prints JSON (and writes it with --out).
     python bench/moe.py [--experts 8] [--top_k 2] [--expert_mlp 512] [--capacity_factor 1.25] [--steps 5]
     python bench/moe.py --lower cuda --out DIR     # no GPU needed: DIR/moe_lowered.json
 
-`--lower cuda` lowers the train step of each `model.moe_impl` (buffers, ragged) at capacity factor 0 (dropless) and
-`--capacity_factor` for CUDA (`jax.export`, one device, bf16, no recompute) and writes rows
-`{impl, capacity_factor, expert_flops, active_expert_flops}`: the routed experts' matmul FLOPs counted from the
-StableHLO module (`analysis.hlo_flops.stablehlo_flops`: the `experts` scope's dot_generals, and each
-`chlo.ragged_dot` grouped matmul from its operand shapes, every row of its left operand counted, the group sizes'
+`--lower cuda` lowers the train step of each `model.moe_impl` (buffers, ragged, and ragged with
+`model.grouped_matmul=mosaic`, the row `ragged+mosaic`) at capacity factor 0 (dropless) and `--capacity_factor` for
+CUDA (`jax.export`, one device, bf16, no recompute) and writes rows `{impl, capacity_factor, expert_flops,
+active_expert_flops}`: the routed experts' matmul FLOPs counted from the StableHLO module
+(`analysis.hlo_flops.stablehlo_flops`: the `experts` scope's dot_generals, and each `chlo.ragged_dot` grouped matmul
+and Mosaic GPU grouped kernel from its operand shapes, every row of its left operand counted, the group sizes'
 bound), against the active count 3 x 2 x tokens x k x 3 x embed x expert_mlp (forward and backward of the layer
-body, which the module holds once). With a GPU present the timed rows compare the two implementations too.
+body, which the module holds once). With a GPU present the timed rows compare buffers, ragged with XLA's grouped
+matmul and, on Hopper, ragged with the Mosaic kernel.
 
 Both models are llama blocks of width `--embed` over `--layers` layers; the MoE one routes each token to k of E SwiGLU
 experts of width F (expert parallel over `mesh.expert` = min(devices, E), the batch over data x expert), the dense
@@ -30,6 +32,7 @@ import sys
 import jax
 from absl import app, flags, logging
 
+from jaxpar.kernels import grouped
 from jaxpar.model import moe
 from jaxpar.analysis.hlo_flops import stablehlo_flops
 from jaxpar.compiled import abstract_batch, report_for, steps_for
@@ -57,7 +60,7 @@ _LOWER = flags.DEFINE_string("lower", "", "`cuda`: lower for CUDA and count the 
 VOCAB = 256
 
 
-def model_config(moe_layer: bool, impl: str = "auto"):
+def model_config(moe_layer: bool, impl: str = "auto", kernel: str = "auto"):
     c = base_config()
     n = jax.device_count()
     e = min(n, _E.value) if moe_layer else 1
@@ -66,7 +69,7 @@ def model_config(moe_layer: bool, impl: str = "auto"):
                    vocab_size=VOCAB, remat="full", mlp=_K.value * _F.value)
     if moe_layer:
         c.model.update(experts=_E.value, experts_per_token=_K.value, expert_mlp=_F.value,
-                       capacity_factor=_CF.value, aux_loss=0.01, moe_impl=impl)
+                       capacity_factor=_CF.value, aux_loss=0.01, moe_impl=impl, grouped_matmul=kernel)
     c.train.update(global_batch_size=_B.value, microbatches=1, compute_dtype=_DTYPE.value)
     c.log.progress = False
     return c
@@ -83,11 +86,13 @@ def all_to_all_formula(config) -> float:
     return buf * n_moe * lay.microbatches * (6 if cfg.remat == "full" else 4)
 
 
-def one(moe_layer: bool, impl: str = "auto") -> dict:
-    config = model_config(moe_layer, impl)
+def one(moe_layer: bool, impl: str = "auto", kernel: str = "auto") -> dict:
+    config = model_config(moe_layer, impl, kernel)
     got = time_step(config, VOCAB, steps=_STEPS.value)
-    fpt = flops_per_token(got["steps"].cfg)
-    row = {"kind": f"moe {moe.implementation(got['steps'].cfg)}" if moe_layer else "dense", "mesh": got["mesh"],
+    cfg = got["steps"].cfg
+    fpt = flops_per_token(cfg)
+    kind = moe.implementation(cfg) + (f" {kernel}" if moe.implementation(cfg) == "ragged" else "")
+    row = {"kind": f"moe {kind}" if moe_layer else "dense", "mesh": got["mesh"],
            "step_s": got["step_s"],
            "model_flops_per_token": fpt, "tokens_per_s": _B.value * _T.value / got["step_s"],
            "peak_bytes": got["memory"].get("peak")}
@@ -100,20 +105,24 @@ def one(moe_layer: bool, impl: str = "auto") -> dict:
 
 def lowered_row(impl: str, capacity_factor: float, platform: str) -> dict:
     """The expert FLOPs of the train step lowered for `platform` on one device (see the module docstring)."""
-    config = model_config(True, impl)
+    moe_impl, _, kernel = impl.partition("+")
+    config = model_config(True, moe_impl, kernel or "xla")
     config.mesh.update(data=1, expert=1)
     config.model.update(capacity_factor=capacity_factor, remat="none")
     config.train.update(compute_dtype="bfloat16", global_batch_size=max(1, _B.value // jax.device_count()))
     steps = steps_for(config, VOCAB, jax.devices()[:1])
-    text = jax.export.export(steps.train, platforms=[platform])(steps.abstract_state(),
-                                                                abstract_batch(config, steps)).mlir_module()
+    unstable = [jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")]  # the kernel's custom call
+    with grouped.lowering_for(platform):
+        text = jax.export.export(steps.train, platforms=[platform], disabled_checks=unstable)(
+            steps.abstract_state(), abstract_batch(config, steps)).mlir_module()
     tokens = int(config.train.global_batch_size) * _T.value
     return {"impl": impl, "capacity_factor": capacity_factor, "expert_flops": stablehlo_flops(text, SCOPE)["total"],
             "active_expert_flops": 3 * 2 * tokens * _K.value * 3 * _D.value * _F.value}
 
 
 def lower(platform: str) -> None:
-    rows = [lowered_row(impl, cf, platform) for cf in (0.0, _CF.value) for impl in ("buffers", "ragged")]
+    rows = [lowered_row(impl, cf, platform) for cf in (0.0, _CF.value) for impl in ("buffers", "ragged",
+                                                                                  "ragged+mosaic")]
     for r in rows:
         r["over_active"] = r["expert_flops"] / r["active_expert_flops"]
     print(json.dumps(rows, indent=1))
@@ -129,8 +138,10 @@ def main(argv):
     if _LOWER.value:
         return lower(_LOWER.value)
     rows = [one(False), one(True)]
-    if jax.default_backend() == "gpu":  # the two implementations timed
-        rows += [one(True, "buffers"), one(True, "ragged")]
+    if jax.default_backend() == "gpu":  # the implementations timed
+        rows += [one(True, "buffers"), one(True, "ragged", "xla")]
+        if grouped.hopper() and _DTYPE.value in ("bfloat16", "float16"):
+            rows.append(one(True, "ragged", "mosaic"))
     out = {"devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind, "experts": _E.value,
            "top_k": _K.value, "expert_mlp": _F.value, "capacity_factor": _CF.value, "rows": rows,
            "moe_over_dense_step": rows[1]["step_s"] / rows[0]["step_s"]}
