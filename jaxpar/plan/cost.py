@@ -11,8 +11,9 @@ Tensor parallelism: 2 all-reduces of [b, s, h] per layer per forward pass, 2 per
   parallel: an all-gather + reduce-scatter pair each, the same bytes), ring time 2(t-1)/t·X / busbw, exposed.
 Mixture of experts: a MoE layer computes its fixed-size buffers, E·C slots per sequence (C: `moe.capacity`), not k·s
 (`model.moe_impl=buffers`), or its k·s choices (`ragged`, and `auto`: the planner prices GPUs; `expert_rows`);
-  expert parallelism adds 2 all-to-alls of the buffer [b, E, C, h] (ragged: its send buffer) per forward pass and 2
-  per backward over the expert group, time (e-1)/e·X / busbw, exposed (jaxpar's program does not overlap them).
+  expert parallelism adds 2 all-to-alls of the buffer [b, E, C, h] (ragged: its k·s rows, by `ragged_all_to_all` on
+  GPUs, into a receive buffer of the worst case or `expert_buffer_factor`) per forward pass and 2 per backward over
+  the expert group, time (e-1)/e·X / busbw, exposed (jaxpar's program does not overlap them).
 Pipeline: the critical path of the schedule's own tick table (`Schedule.time` with per-microbatch stage costs f, b, w)
   plus the head on the last stage, and one [b, s, h] transfer per tick per direction over the stage link, exposed.
 Data parallelism / ZeRO: the float32 gradient all-reduce (ZeRO 0, 1) or per-microbatch reduce-scatter (2) or the
@@ -140,16 +141,17 @@ class Model:
         return sum(groups.get(g, 0.0) for g in OFFLOADED[lay.offload])  # no DPO reference here: 0
 
 
-def expert_rows(model: Model, lay: Layout) -> tuple[float, float]:
-    """(rows a MoE layer's experts compute, rows its buffers hold and its all-to-all sends) per sequence on one
-    device (s = seq / context tokens of it): `buffers` E·min(C, s) slots for both; `ragged` the k·s choices
-    computed, its padded send buffer k·s per expert device (the worst case: every choice to one device) or
-    `expert_buffer_factor` times that over them."""
+def expert_rows(model: Model, lay: Layout) -> tuple[float, float, float]:
+    """(rows a MoE layer's experts compute, rows its buffers hold, rows its all-to-all sends) per sequence on one
+    device (s = seq / context tokens of it): `buffers` E·min(C, s) slots for all three; `ragged` the k·s choices
+    computed and sent (`ragged_all_to_all` moves the rows alone on GPUs), its receive buffer k·s per expert device
+    (the worst case: every choice to one device) or `expert_buffer_factor` times that over them."""
     s = model.seq // lay.context
     if not model.ragged:
-        return model.experts * min(model.capacity, s), model.experts * min(model.capacity, s)
+        return (model.experts * min(model.capacity, s),) * 3
     ep = lay.expert
-    return model.top_k * s, model.top_k * s * (ep if not model.buffer_factor else min(ep, model.buffer_factor))
+    return model.top_k * s, model.top_k * s * (ep if not model.buffer_factor else min(ep, model.buffer_factor)), \
+        model.top_k * s
 
 
 def activation_bytes(model: Model, lay: Layout) -> float:
@@ -215,7 +217,7 @@ def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
     t, b, s, h, c = lay.tensor, lay.micro_batch(model.global_batch), model.seq // lay.context, model.embed, lay.context
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     moe_share = model.moe_layers / model.layers
-    rows, held = expert_rows(model, lay)
+    rows, _, sent = expert_rows(model, lay)
     slots = b * (rows - model.top_k * s)  # rows computed beyond the active k·s choices
     lin = 2 * b * s * model.layer_params() / t + moe_share * 2 * slots * 3 * h * model.expert_mlp / t
     core = 4 * b * s * (s * c) * h / t * (0.5 if model.fused_attention or c > 1 else 1.0)
@@ -223,7 +225,7 @@ def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
     x = b * s * h * model.compute_bytes
     bw = cl.group_bw(t, 1)
     tp = collective_time("all-reduce", x, t, bw) + (bw[1] if lay.sequence_parallel else 0.0)  # SP: two collectives, one latency more
-    buf = b * held * h * model.compute_bytes
+    buf = b * sent * h * model.compute_bytes
     ep = moe_share * collective_time("all-to-all", buf, lay.expert, cl.group_bw(lay.expert, t))
     kv = 2 * b * (s * c) * h * model.kv_heads / model.heads / t  # K and V of the whole sequence, this device's heads
     cp = collective_time("all-gather", kv * model.compute_bytes, c, cl.group_bw(c, t))
