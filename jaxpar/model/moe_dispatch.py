@@ -215,7 +215,7 @@ def _padded_trip(xs, route: Route, experts):
 def _ragged_trip(xs, route: Route, experts):
     """The rows alone (`jax.lax.ragged_all_to_all`): source s's land at s·R on the expert device, and come back to
     their own sorted places (each source's offsets, exchanged first); rows not sent come back as zeros."""
-    (n, d), ep, R = xs.shape, route.start.shape[0], route.rows
+    d, ep, R = xs.shape[1], route.start.shape[0], route.rows
     mine = jnp.full((ep,), expert_rank() * R, jnp.int32)
     got = exchange_ragged(xs, jnp.zeros((ep * R, d), xs.dtype), route.start, route.sent, mine, route.got)
     theirs = exchange_experts(route.start, split_axis=0, concat_axis=0)  # where source s keeps the rows it sent me
