@@ -204,7 +204,8 @@ def test_the_moe_rows_the_planner_prices(impl, factor):
     """A MoE layer per sequence on one device (seq 64, 8 experts, k 2, capacity factor 1.25, expert 4): `buffers`
     computes, holds and sends E·C slots (C = ceil(1.25 x 64 x 2 / 8) = 20); `ragged` computes and sends its k·s
     choices (the GPU's `ragged_all_to_all` moves the rows alone) into a receive buffer of `mesh.expert` x k·s rows,
-    or `expert_buffer_factor` x k·s; the all-to-all bytes of the layer's time follow the rows sent."""
+    or `expert_buffer_factor` x k·s; the all-to-all bytes of the layer's time follow the rows sent; `ragged`'s weight
+    gradient is priced over E x its rows (XLA:GPU's expansion of a ragged contraction)."""
     over = {"model.arch": "llama", "model.seq_len": 64, "model.experts": 8, "model.experts_per_token": 2,
             "model.expert_mlp": 32, "model.capacity_factor": 1.25, "model.moe_impl": impl, "mesh.expert": 4,
             "mesh.data": 2, "model.expert_buffer_factor": factor}
@@ -214,6 +215,7 @@ def test_the_moe_rows_the_planner_prices(impl, factor):
     m, lay = cost.Model.from_config(c, 256), MeshLayout.from_config(c, 8)
     want = {"buffers": (160, 160, 160), "ragged": (128, 4 * 128 if not factor else 1.5 * 128, 128)}[impl]
     assert cost.expert_rows(m, lay) == want
+    assert cost.weight_grad_rows(m, lay) == (8 * 128 if impl == "ragged" else 160)
     cl = hardware.cluster("h100", 8)
     more = dataclasses.replace(m, top_k=4) if impl == "ragged" else dataclasses.replace(m, capacity=40)
     assert cost._layer(more, lay, cl).ep > cost._layer(m, lay, cl).ep  # more rows sent, more all-to-all time

@@ -10,7 +10,9 @@ Per microbatch and layer (b sequences of s tokens, width h, MLP width f, tensor 
 Tensor parallelism: 2 all-reduces of [b, s, h] per layer per forward pass, 2 per backward (Megatron-LM; sequence
   parallel: an all-gather + reduce-scatter pair each, the same bytes), ring time 2(t-1)/t·X / busbw, exposed.
 Mixture of experts: a MoE layer computes its fixed-size buffers, E·C slots per sequence (C: `moe.capacity`), not k·s
-(`model.moe_impl=buffers`), or its k·s choices (`ragged`, and `auto`: the planner prices GPUs; `expert_rows`);
+(`model.moe_impl=buffers`), or its k·s choices (`ragged`, and `auto`: the planner prices GPUs; `expert_rows`), whose
+  weight gradient XLA:GPU computes over every expert's masked copy of the rows (E·k·s: its `RaggedDotRewriter`,
+  read from XLA's source; `weight_grad_rows`);
   expert parallelism adds 2 all-to-alls of the buffer [b, E, C, h] (ragged: its k·s rows, by `ragged_all_to_all` on
   GPUs, into a receive buffer of the worst case or `expert_buffer_factor`) per forward pass and 2 per backward over
   the expert group, time (e-1)/e·X / busbw, exposed (jaxpar's program does not overlap them).
@@ -154,6 +156,14 @@ def expert_rows(model: Model, lay: Layout) -> tuple[float, float, float]:
         model.top_k * s
 
 
+def weight_grad_rows(model: Model, lay: Layout) -> float:
+    """Rows the experts' weight gradient computes per sequence on one device: `buffers` its slots; `ragged` E·k·s,
+    as XLA:GPU expands a ragged contraction over every expert (`RaggedDotRewriter`, from XLA's source; cuDNN's
+    ragged-dot fusion takes only forward-shaped ragged dots)."""
+    rows = expert_rows(model, lay)[0]
+    return rows * model.experts if model.ragged else rows
+
+
 def activation_bytes(model: Model, lay: Layout) -> float:
     """One layer's activations for one microbatch (Korthikanti et al. 2022, Table 2, 2-byte values):
     s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallelism 34/t for the first terms; no a·s² scores under a fused
@@ -230,8 +240,9 @@ def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
     kv = 2 * b * (s * c) * h * model.kv_heads / model.heads / t  # K and V of the whole sequence, this device's heads
     cp = collective_time("all-gather", kv * model.compute_bytes, c, cl.group_bw(c, t))
     cp_bwd = collective_time("reduce-scatter", kv * 4, c, cl.group_bw(c, t))
-    return _Layer(fwd=work + 2 * tp + 2 * ep + cp, bwd=2 * work + 2 * tp + 2 * ep + cp_bwd, core=core / rate, tp=tp,
-                  mm_fwd=lin / rate, flops_fwd=lin + core, flops_core=core,
+    dw = moe_share * 2 * b * (weight_grad_rows(model, lay) - rows) * 3 * h * model.expert_mlp / t / rate  # beyond
+    return _Layer(fwd=work + 2 * tp + 2 * ep + cp, bwd=2 * work + dw + 2 * tp + 2 * ep + cp_bwd, core=core / rate,
+                  tp=tp, mm_fwd=lin / rate, flops_fwd=lin + core, flops_core=core,
                   head_fwd=2 * b * s * h * model.padded_vocab(t) / t / rate, transfer=x, ep=ep, cp=cp, cp_bwd=cp_bwd)
 
 
