@@ -229,6 +229,10 @@ def check_grouped(m, compute_dtype: str) -> list[str]:
     if moe.implementation(m) != "ragged":
         return [f"model.grouped_matmul='mosaic' runs `ragged`'s grouped matmuls, but model.moe_impl={m.moe_impl!r} "
                 f"runs buffers here; set model.moe_impl='ragged', or drop model.grouped_matmul."]
+    if jax.default_backend() == "gpu" and not grouped.hopper():
+        dev = jax.devices()[0]
+        return [f"model.grouped_matmul='mosaic' runs JAX's Hopper kernel (compute capability 9.x), but this GPU is "
+                f"{dev.device_kind} ({getattr(dev, 'compute_capability', '?')}); use 'auto' or 'xla'."]
     width = m.expert_mlp or m.mlp or 4 * m.embed
     why = grouped.mosaic_reason(compute_dtype, m.embed, width)
     return [] if why is None else [f"model.grouped_matmul='mosaic' cannot run the experts' [{m.embed}, {width}] "

@@ -353,6 +353,19 @@ def test_bad_moe_config_is_one_clear_error(over, match):
         validate(moe_config(**over), 8 if over.get("mesh.expert", 1) != 3 else 3)
 
 
+def test_the_mosaic_kernel_is_refused_on_a_gpu_before_hopper(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [SimpleNamespace(device_kind="NVIDIA A100-SXM4-80GB",
+                                                                    compute_capability="8.0")])
+    over = {**RAGGED, "model.grouped_matmul": "mosaic", "train.compute_dtype": "bfloat16", "model.embed": 64,
+            "model.expert_mlp": 64}
+    with pytest.raises(ConfigError, match=r"runs JAX's Hopper kernel \(compute capability 9.x\), but this GPU is "
+                                          r"NVIDIA A100-SXM4-80GB \(8.0\); use 'auto' or 'xla'"):
+        validate(moe_config(**over), 1)
+
+
 @needs8
 def test_bfloat16_expert_parallel_step_compiles_once_and_keeps_the_state_dtypes():
     """bfloat16 weights and compute at (expert 4, data 2): the state keeps its dtypes across steps (AdamW's moment
