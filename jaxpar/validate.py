@@ -194,6 +194,11 @@ def check_model(m, t: int, mlp: int) -> list[str]:
     return errs
 
 
+def expert_width(m) -> int:
+    """A routed expert's SwiGLU width: `model.expert_mlp`, else the dense MLP's."""
+    return m.expert_mlp or m.mlp or 4 * m.embed
+
+
 def check_experts(m, lay: Layout) -> list[str]:
     """The mixture-of-experts keys against the model and the layout."""
     E, k, e, t = m.experts, m.experts_per_token, lay.expert, lay.tensor
@@ -213,7 +218,7 @@ def check_experts(m, lay: Layout) -> list[str]:
         errs.append(f"model.experts={E} is not divisible by mesh.expert={e}: each expert device holds experts / "
                     f"expert of them; use mesh.expert dividing {E} or experts a multiple of {e} (the nearest: "
                     f"{nearest_multiples(E, e)}).")
-    width = m.expert_mlp or m.mlp or 4 * m.embed
+    width = expert_width(m)
     if width % t:
         errs.append(f"model.expert_mlp={width} is not divisible by mesh.tensor={t}; use a multiple of {t}.")
     if m.first_dense_layers >= m.layers:
@@ -233,7 +238,7 @@ def check_grouped(m, compute_dtype: str) -> list[str]:
         dev = jax.devices()[0]
         return [f"model.grouped_matmul='mosaic' runs JAX's Hopper kernel (compute capability 9.x), but this GPU is "
                 f"{dev.device_kind} ({getattr(dev, 'compute_capability', '?')}); use 'auto' or 'xla'."]
-    width = m.expert_mlp or m.mlp or 4 * m.embed
+    width = expert_width(m)
     why = grouped.mosaic_reason(compute_dtype, m.embed, width)
     return [] if why is None else [f"model.grouped_matmul='mosaic' cannot run the experts' [{m.embed}, {width}] "
                                    f"matmuls in train.compute_dtype={compute_dtype}: {why}; use 'auto' or 'xla'."]

@@ -13,7 +13,8 @@
     program with the kernel (`tests/test_lowering.py`).
   - "auto": "mosaic" on a Hopper GPU (compute capability 9.x) where it applies, else "xla".
 A choice is made per matmul: where "mosaic" cannot run one (a LoRA adapter's rank-wide matmul, say) it runs on
-"xla"; `check` says, before any compile, why a configured "mosaic" cannot run the experts' own matmuls.
+"xla"; `validate.check_grouped` says, before any compile, why a configured "mosaic" cannot run the experts' own
+matmuls.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def grouped_matmul(x, w, groups, implementation: str = "xla"):
     if choose(implementation, x.dtype, w.shape[1], w.shape[2]) == "xla":
         return jax.lax.ragged_dot(x, w, groups)
     # typed alike, as JAX does for `ragged_dot`'s operands: a custom VJP returns each gradient in its input's type
-    x, w, groups = (vary_like(vary_like(a, b), c) for a, b, c in ((x, w, groups), (w, x, groups), (groups, x, w)))
+    union = vary_like(vary_like(x, w), groups)
+    x, w, groups = (vary_like(a, union) for a in (x, w, groups))
     return _mosaic(x, w, groups)
 
 

@@ -21,6 +21,7 @@ choices of a sequence before its second ones, each in token order (GShard's prio
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -191,9 +192,9 @@ def _expert_parallel(experts_mlp, xs, groups, factor: float, kernel: str = "xla"
             zs = ragged_swiglu(experts_mlp, zs, got_per.sum(0), kernel)
         return _permute(zs, inv, perm)
 
-    trips = {"ragged": _ragged_trip, "padded": _padded_trip}
-    go = lambda name: lambda xs: trips[name](xs, route, experts)  # noqa: E731
-    ys = go(trip)(xs) if trip else jax.lax.platform_dependent(xs, cuda=go("ragged"), default=go("padded"))
+    trips = {name: functools.partial(f, route=route, experts=experts)
+             for name, f in (("ragged", _ragged_trip), ("padded", _padded_trip))}
+    ys = trips[trip](xs) if trip else jax.lax.platform_dependent(xs, cuda=trips["ragged"], default=trips["padded"])
     return ys, jnp.sum(total - route.sent)
 
 
