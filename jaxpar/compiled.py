@@ -15,7 +15,6 @@ from jaxpar import data
 from jaxpar.cluster import distributed
 from jaxpar.interop import hf, peft
 from jaxpar import model as gpt
-from jaxpar.config import derived
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.mesh import make_mesh
 from jaxpar.train.step import Steps, build
@@ -32,7 +31,7 @@ def steps_for(config, vocab: int, devices=None, layout=None) -> Steps:
     """`config`'s steps on `devices` (default: all): validated (a `ConfigError` before anything compiles; `layout`:
     what `validate` returned already), the mesh laid out, the steps built (jitted; each compiles at its first
     call)."""
-    devices, config = list(jax.devices() if devices is None else devices), derived(config)
+    devices, config = list(jax.devices() if devices is None else devices), gpt.derived(config)
     layout = layout or validate(config, len(devices))
     if xla_cpu_aborts(devices[0].platform, config.train.param_dtype, layout.zero_stage):
         raise ConfigError("train.param_dtype='bfloat16' with optim.zero_stage=3 on CPU devices: XLA:CPU aborts "
@@ -43,7 +42,8 @@ def steps_for(config, vocab: int, devices=None, layout=None) -> Steps:
 def abstract_batch(config, steps: Steps) -> dict:
     """A global batch of `jax.ShapeDtypeStruct`s with the steps' batch sharding (nothing allocated)."""
     B, T, m = int(config.train.global_batch_size), int(config.model.seq_len), config.model
-    shapes = data.image_batch_shapes(B, m.image_size, m.channels) if m.arch == "vit" else \
+    images = gpt.family_of(m.arch).data_kind == "images"
+    shapes = data.image_batch_shapes(B, m.image_size, m.channels) if images else \
         data.batch_shapes(B, T, config.data.packing, ref_dtype(config))
     return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding) for k, (shape, dt) in shapes.items()}
 
@@ -51,8 +51,9 @@ def abstract_batch(config, steps: Steps) -> dict:
 def model_vocab(config) -> int:
     """The model's vocabulary before training (`data.model_vocab`); a ViT's classes: `model.num_classes`, else the
     image data's (preparing it)."""
-    if config.model.arch == "vit":
-        return int(config.model.num_classes) or data.prepare_images(config).num_classes
+    family = gpt.family_of(config.model.arch)
+    if family.data_kind == "images":
+        return family.vocab(config, 0) or data.prepare_images(config).num_classes
     return data.model_vocab(config)
 
 
@@ -68,7 +69,7 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
     allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
     layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
-    config = derived(peft.apply(hf.apply(config)))
+    config = gpt.derived(peft.apply(hf.apply(config)))
     layout = validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
     vocab = vocab or distributed.process_0_first(lambda: model_vocab(config), "jaxpar/prepare")
     steps = steps_for(config, vocab, devices, layout)

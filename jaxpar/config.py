@@ -47,25 +47,6 @@ def mlp_width(config) -> int:
     return config.model.mlp or 4 * config.model.embed
 
 
-def vit_seq_len(image_size: int, patch_size: int) -> int:
-    """A ViT's sequence: its patches and the class token."""
-    return (image_size // patch_size) ** 2 + 1
-
-
-def derived(config) -> ml_collections.ConfigDict:
-    """`config` with the keys other keys fix: a ViT's `model.seq_len` and `model.max_positions` are its patches and
-    the class token (`(image_size / patch_size)² + 1`); other configs come back as they are (the same object)."""
-    m = config.model
-    if m.arch != "vit" or m.patch_size < 1 or m.image_size % m.patch_size:
-        return config  # (validate names an image size that is no whole number of patches)
-    seq = vit_seq_len(m.image_size, m.patch_size)
-    if m.seq_len == seq and m.max_positions == seq:
-        return config
-    c = config.copy_and_resolve_references()
-    c.model.seq_len = c.model.max_positions = seq
-    return c
-
-
 def padded_vocab(vocab_size: int, tensor: int) -> int:
     """Smallest multiple of lcm(128, tensor) >= vocab_size (Megatron's `make-vocab-size-divisible-by`)."""
     m = 128 * tensor // math.gcd(128, tensor)

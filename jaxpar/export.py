@@ -96,7 +96,7 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False,
             **({} if run.tokenizer is None else {"tokenizer_kind": run.tokenizer.kind,
                                                  "tokenizer_vocab_size": int(run.tokenizer.vocab_size)})}
     if fmt == "hf":
-        vision = {} if cfg.arch != "vit" else {"classes": read_classes(workdir),
+        vision = {} if cfg.family.data_kind != "images" else {"classes": read_classes(workdir),
                                                 "image_mean": run.config.data.image_mean,
                                                 "image_std": run.config.data.image_std}
         fill = lambda tmp: hf.save(jax.device_get(params), cfg, run.tokenizer, tmp, dtype or cfg.param_dtype,

@@ -23,7 +23,7 @@ from jaxpar.train import loss_scale, monitor, reference
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
-from jaxpar.config import ConfigError, derived
+from jaxpar.config import ConfigError
 from jaxpar.export import check_export, init_from_export
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate
@@ -140,7 +140,7 @@ def run(config, workdir: str, devices=None) -> dict:
     named = config  # hf:ORG/NAME, hfds:ORG/NAME -> where they are in the HF cache; the weights once validated
     config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
     # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...; a ViT's sequence from its patches
-    config = derived(peft.apply(hf.apply(config)))
+    config = gpt.derived(peft.apply(hf.apply(config)))
     layout = validate(config, len(devices))
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
@@ -174,7 +174,7 @@ def open_data(config) -> tuple:
     """(the prepared data's info, its train and val batches, the model's vocabulary: a ViT's classes): the sources
     prepared once (process 0 first, then the others find them in the cache)."""
     B, T, seed, d = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed), config.data
-    if config.model.arch == "vit":
+    if gpt.family_of(config.model.arch).data_kind == "images":
         info = distributed.process_0_first(lambda: data.prepare_images(config), "jaxpar/prepare")
         m = config.model
         splits = tuple(data.ImageBatches(info, split, B, seed, image_size=m.image_size, channels=m.channels,
@@ -325,7 +325,7 @@ class Loop:
         self.rows = data.process_rows(steps.batch_sharding, self.B)
         self.spikes_said = 0  # spikes skipped when last said (`run` starts it at the resumed state's count)
         self.flops_tok = gpt.flops_per_token(steps.cfg)
-        self.per_row = steps.cfg.seq_len if steps.cfg.arch == "vit" else 1  # tokens per counted image (ViT)
+        self.per_row = steps.cfg.family.tokens_per_item(steps.cfg)  # tokens per counted row (a ViT: per image)
         self.peak, self.ndev = throughput.peak_flops(devices[0].device_kind), len(devices)
         is_main = jax.process_index() == 0
         self.writer = monitor.writer_for(config, workdir, is_main)

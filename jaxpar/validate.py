@@ -13,12 +13,12 @@ import jax
 from jaxpar.train import loss_scale
 from jaxpar.kernels.attention import IMPLEMENTATIONS, choose
 from jaxpar.config import (DEFAULT_RULES, DTYPES, MESH_AXES, ConfigError, flat_keys, mlp_width, nearest_multiples,
-                           unknown_keys, vit_seq_len)
+                           unknown_keys)
 from jaxpar.config_keys import changed, key_errors
 from jaxpar.kernels import grouped
 from jaxpar.kernels.cross_entropy import chunk_size
 from jaxpar.layout import Layout
-from jaxpar.model import ARCHS, ROPE_SCALINGS, block_weights, config_from, lora, moe
+from jaxpar.model import ARCHS, FAMILIES, ROPE_SCALINGS, block_weights, config_from, lora, moe
 from jaxpar.parallel.pipeline.registry import errors as schedule_errors
 
 
@@ -53,18 +53,19 @@ def _check_lora(config) -> list[str]:
         given = [k for k, off in (("targets", "auto"), ("adapter", ""), ("base_dtype", "")) if lo[k] != off]
         return [f"lora.{given[0]}={lo[given[0]]!r} with lora.rank=0 (no adapters): set --config.lora.rank (e.g. 16) "
                 f"to train LoRA adapters, or drop lora.{given[0]}."] if given else []
-    if config.model.arch not in lora.NAMES:
+    family = FAMILIES.get(config.model.arch)
+    if family is None or not family.lora_names:  # (a family without LoRA refuses it with its own line)
         return []
     try:
         weights = block_weights(config_from(config, 1, 1))
     except Exception:  # noqa: BLE001 (a model shape the rules below refuse with their own message)
         return []
     errs = []
-    missing = lora.missing(config.model.arch, lo.targets, weights)
+    missing = lora.missing(family, lo.targets, weights)
     if missing:
         errs.append(f"lora.targets={lo.targets!r}: {', '.join(missing)} names no weight of this "
-                    f"{config.model.arch} model; its names: {lora.known_names(config.model.arch)}.")
-    adapted = set(lora.candidates(config.model.arch, lo.targets)) & weights
+                    f"{config.model.arch} model; its names: {lora.known_names(family)}.")
+    adapted = set(lora.candidates(family, lo.targets)) & weights
     if lo.dropout > 0 and any(p.startswith(lora.NOT_SUPPORTED_WITH_DROPOUT) for p in adapted):
         errs.append(f"lora.dropout={lo.dropout} with adapters on the routed experts (lora.targets={lo.targets!r}): "
                     f"their inputs are dispatched buffers, whose dropout jaxpar cannot key by sequence; set "
@@ -74,6 +75,10 @@ def _check_lora(config) -> list[str]:
 
 def _check_objective(config, lay: Layout) -> list[str]:
     """DPO's needs: pairs packed whole into rows (data.packing=bfd), no context parallelism; its keys only with it."""
+    family = FAMILIES.get(config.model.arch)
+    if family and family.data_kind == "images" and config.train.objective != "lm":
+        return [f"model.arch='vit' with train.objective={config.train.objective!r}: not supported for vision "
+                f"transformers; set train.objective='lm' (a ViT trains on labels: cross-entropy of its classes)."]
     if config.train.objective != "dpo":
         given = changed(config, "dpo")
         return [f"dpo.{given[0]}={config.dpo[given[0]]!r} with train.objective={config.train.objective!r}: set "
@@ -86,33 +91,6 @@ def _check_objective(config, lay: Layout) -> list[str]:
         errs.append(f"train.objective='dpo' with mesh.context={lay.context}: DPO's per-sequence sums are not "
                     f"context-parallel yet; set mesh.context=1 (sequences up to model.seq_len fit one device's "
                     f"row; use tensor or sequence parallelism for memory).")
-    return errs
-
-
-def check_vision(config, lay: Layout) -> list[str]:
-    """A ViT (`model.arch='vit'`): whole patches, and only the engines its encoder runs on."""
-    m = config.model
-    if m.arch != "vit":
-        return []
-    if m.image_size % m.patch_size:
-        return [f"model.image_size={m.image_size} is not divisible by model.patch_size={m.patch_size}: the image is "
-                f"cut into whole patches; use an image_size among {nearest_multiples(m.image_size, m.patch_size)}."]
-    seq, errs = vit_seq_len(m.image_size, m.patch_size), []
-    if m.seq_len != seq:
-        errs.append(f"model.seq_len={m.seq_len} with model.arch='vit': a ViT's sequence is its "
-                    f"{seq - 1} patches and the class token, {seq}; leave model.seq_len to jaxpar (`config.derived`).")
-    refused = [(lay.context > 1, f"mesh.context={lay.context}", "mesh.context=1 (a ViT's sequence is short)"),
-               (m.experts > 0, f"model.experts={m.experts}", "model.experts=0"),
-               (config.train.objective != "lm", f"train.objective={config.train.objective!r}",
-                "train.objective='lm' (a ViT trains on labels: cross-entropy of its classes)"),
-               (int(config.lora.rank) > 0, f"lora.rank={config.lora.rank}", "lora.rank=0 (LoRA is wired for the "
-                                                                             "language families)"),
-               (config.data.packing != "concat", f"data.packing={config.data.packing!r}", "data.packing='concat'")]
-    errs += [f"model.arch='vit' with {what}: not supported for vision transformers; set {fix}." for bad, what, fix
-             in refused if bad]
-    needs = [("PIL", "Pillow")] + [("sklearn", "scikit-learn")] * ("digits" in str(config.data.sources).split())
-    errs += [f"model.arch='vit' needs {name} to read its images, which is not installed: pip install "
-             f"'jaxpar[vision]'." for module, name in needs if importlib.util.find_spec(module) is None]
     return errs
 
 
@@ -172,9 +150,11 @@ def check_model(m, t: int, mlp: int) -> list[str]:
     if m.max_positions and m.seq_len > m.max_positions:
         errs.append(f"model.seq_len={m.seq_len} > model.max_positions={m.max_positions}: the model has no positions "
                     f"past {m.max_positions}; train with --config.model.seq_len={m.max_positions} or less.")
-    if m.arch != "llama":
+    family = FAMILIES.get(m.arch)
+    if family is None or not family.grouped_query:  # (the rules below are grouped-query attention's and RoPE's)
+        qk = m.qk_norm and not (family and family.qk_norm)
         return errs + ([f"model.qk_norm=True with model.arch={m.arch!r}: the q/k norms are llama-family (Qwen3); "
-                        f"use model.arch='llama'."] if m.qk_norm else [])
+                        f"use model.arch='llama'."] if qk else [])
     kv = m.kv_heads or m.heads
     if kv >= 1 and m.heads % kv:
         errs.append(f"model.kv_heads={kv} does not divide model.heads={m.heads}: each KV head serves a whole group "
@@ -312,7 +292,8 @@ def validate(config, num_devices: int) -> Layout:
             f"use a batch that is a multiple of {n} (the nearest: {nearest_multiples(B, n)}) or change the "
             f"layout.")
     errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay) + check_grouped(m, tr.compute_dtype)
-    errs += check_context(m, lay.context, t) if m.arch != "vit" else []
+    family = FAMILIES.get(m.arch)
+    errs += check_context(m, lay.context, t) if family is None or family.context_parallel else []
     v = max(1, int(config.pipeline.virtual_stages))
     if m.layers % (s * v):
         errs.append(f"model.layers={m.layers} is not divisible by mesh.stage={s} x pipeline.virtual_stages={v}; "
@@ -329,7 +310,8 @@ def validate(config, num_devices: int) -> Layout:
     errs += _check_kernels(config, t)
     errs += _check_float64(tr)
     errs += _check_loss_scale(config)
-    errs += _check_lora(config) + _check_objective(config, lay) + _check_trackers(config) + check_vision(config, lay)
+    errs += _check_lora(config) + _check_objective(config, lay) + _check_trackers(config)
+    errs += family.errors(config, lay) if family else []  # the family's own rules (a ViT's)
     if o.warmup_steps < 0 or o.decay_steps < o.warmup_steps:
         errs.append(f"optim.warmup_steps={o.warmup_steps}, optim.decay_steps={o.decay_steps}: need "
                     f"0 <= warmup_steps <= decay_steps.")

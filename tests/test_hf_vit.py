@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from helpers import steps_for, tiny_config  # noqa: E402
 from hf_checks import hf_tensors  # noqa: E402
 from jaxpar import model as gpt  # noqa: E402
-from jaxpar.config import derived  # noqa: E402
+from jaxpar.model import derived  # noqa: E402
 from jaxpar.interop.runs import read_classes  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
 from jaxpar.interop.hf import HFError, keys  # noqa: E402

@@ -7,7 +7,8 @@ import pytest
 
 from helpers import assert_equals_one_device, tiny_config
 from jaxpar import model as gpt
-from jaxpar.config import ConfigError, derived
+from jaxpar.config import ConfigError
+from jaxpar.model import derived
 from jaxpar.validate import validate
 
 CLASSES = 5

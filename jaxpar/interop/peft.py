@@ -116,7 +116,7 @@ def save(params: dict, cfg, out: str, base: str) -> list[str]:
     names = sorted({hf.format(i=0)[:-len(".weight")].rsplit(".", 1)[-1] for hf, _ in (modules[p] for p in adapted)})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": cfg.lora_rank,
               "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout, "target_modules": names,
-              "use_rslora": cfg.lora_rslora, "fan_in_fan_out": cfg.arch == "gpt2", "bias": "none",
+              "use_rslora": cfg.lora_rslora, "fan_in_fan_out": cfg.family.fan_in_fan_out, "bias": "none",
               "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
     with open(os.path.join(out, CONFIG), "w") as f:
         json.dump(config, f, indent=2)

@@ -11,7 +11,7 @@ import ml_collections
 from jaxpar import data
 from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.config import base_config
-from jaxpar.model import Forward
+from jaxpar.model import Forward, family_of
 from jaxpar.train.optim import make_optimizer
 from jaxpar.train.step import init_state, model_config, reference_kind
 
@@ -88,7 +88,7 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
       ValueError: the checkpoint does not match the model that config.json describes; the tokenizer is unreadable.
     """
     config = read_config(workdir)
-    if config.model.arch == "vit":  # no tokenizer: the classes are the vocabulary
+    if family_of(config.model.arch).data_kind == "images":  # no tokenizer: the classes are the vocabulary
         tok, vocab = None, int(config.model.num_classes) or len(read_classes(workdir) or ())
     else:
         tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))

@@ -1,20 +1,19 @@
-"""The model's config, part of the model spec (`jaxpar/model/__init__.py`): `ModelConfig` from the run config
-(`config_from`), the fields that define a model (`IDENTITY_FIELDS`: what a resume or an export must match) and the
-identity of models saved before some fields existed (`identity_defaults`). Imports nothing of jaxpar but the
-config's small facts and the adapters' target names (`jaxpar/model/lora.py`)."""
+"""The model's config, part of the model spec (`jaxpar/model/spec.py`): `ModelConfig` from the run config
+(`config_from`, the fields the model's family reads: `jaxpar/model/families/`), the fields that define a model
+(`IDENTITY_FIELDS`: what a resume or an export must match) and the identity of models saved before some fields
+existed (`identity_defaults`)."""
 from __future__ import annotations
 
 import dataclasses
 
-from jaxpar.config import mlp_width, padded_vocab, vit_seq_len
-from jaxpar.model import lora
+from jaxpar.model import families, lora
 
 ROPE_SCALINGS = ("none", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """One decoder of either family (`arch`); fields a family does not use keep their defaults."""
+    """One model of a family (`arch`, `jaxpar/model/families/`); fields a family does not use keep their defaults."""
     vocab_size: int  # padded: a multiple of 128 and of the tensor size
     vocab_real: int  # symbols the tokenizer has; logits at ids >= vocab_real never count
     seq_len: int
@@ -42,8 +41,8 @@ class ModelConfig:
     rope_original_max_len: int = 8192
     attention: str = "auto"  # auto | xla | cudnn | pallas (`jaxpar/kernels/attention.py`)
     loss_chunk: int = 1024  # positions per chunk of the LM head + cross-entropy (`jaxpar/kernels/cross_entropy.py`)
-    # vit (`jaxpar/model/vit.py`): images `[image_size, image_size, channels]` cut into patches; the sequence is the
-    # patches and a class token (`vit_seq_len`), the vocabulary the classes (`num_classes`, unpadded)
+    # vit (`jaxpar/model/families/vit.py`): images `[image_size, image_size, channels]` cut into patches; the sequence
+    # is the patches and a class token (`families.vit.seq_len`), the vocabulary the classes (`num_classes`, unpadded)
     image_size: int = 0
     patch_size: int = 0
     channels: int = 0
@@ -73,7 +72,7 @@ class ModelConfig:
     base_dtype: str = ""  # the base weights' dtype under LoRA ("": param_dtype)
 
     def __post_init__(self):
-        if self.kv_heads == 0 or self.arch == "gpt2":
+        if self.kv_heads == 0 or not self.family.grouped_query:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.max_positions == 0:
             object.__setattr__(self, "max_positions", self.seq_len)
@@ -81,6 +80,11 @@ class ModelConfig:
             object.__setattr__(self, "expert_mlp", self.mlp)
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.embed // self.heads)
+
+    @property
+    def family(self) -> families.Family:
+        """The model's family (`jaxpar/model/families/`): what it is asked instead of its name."""
+        return families.of(self.arch)
 
     @property
     def lora_scale(self) -> float:
@@ -134,32 +138,11 @@ def identity_defaults(saved: dict) -> dict:
 
 
 def config_from(config, vocab_real: int, tensor: int) -> ModelConfig:
-    """The model of a run config (`config.model`, the dtypes of `config.train`); the vocabulary padded to a multiple
-    of 128 and of the tensor size (`config.padded_vocab`). A ViT's `vocab_real` is its classes (`model.num_classes`,
-    else the data's), its sequence its patches and class token."""
-    m = config.model
-    if m.arch == "vit":
-        return _vit_config(config, int(m.num_classes) or vocab_real)
-    rope = {k: m[k] for k in ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                              "rope_high_freq_factor", "rope_original_max_len")}
-    return ModelConfig(
-        vocab_size=padded_vocab(vocab_real, tensor), vocab_real=vocab_real, seq_len=m.seq_len, layers=m.layers,
-        embed=m.embed, heads=m.heads, mlp=mlp_width(config), dropout_embed=m.dropout_embed,
-        dropout_resid=m.dropout_resid, tie_embeddings=m.tie_embeddings, remat=m.remat,
-        param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch=m.arch,
-        kv_heads=m.kv_heads, head_dim=m.head_dim, qk_norm=m.qk_norm, max_positions=m.max_positions,
-        norm_eps=m.norm_eps, attention=m.attention,
-        loss_chunk=m.loss_chunk, **rope, **{k: m[k] for k in MOE_FIELDS}, **lora_fields(config))
-
-
-def _vit_config(config, classes: int) -> ModelConfig:
-    m, seq = config.model, vit_seq_len(config.model.image_size, config.model.patch_size)
-    return ModelConfig(
-        vocab_size=classes, vocab_real=classes, seq_len=seq, layers=m.layers, embed=m.embed, heads=m.heads,
-        mlp=mlp_width(config), dropout_embed=m.dropout_embed, dropout_resid=m.dropout_resid, tie_embeddings=False,
-        remat=m.remat, param_dtype=config.train.param_dtype, compute_dtype=config.train.compute_dtype, arch="vit",
-        head_dim=m.head_dim, max_positions=seq, norm_eps=m.norm_eps, attention=m.attention, image_size=m.image_size,
-        patch_size=m.patch_size, channels=m.channels, num_classes=classes, **lora_fields(config))
+    """The model of a run config (`config.model`, the dtypes of `config.train`, the adapters of `config.lora`): the
+    fields its family reads (`Family.config_fields`: a language model's vocabulary padded to a multiple of 128 and
+    of the tensor size; a ViT's `vocab_real` its classes, its sequence its patches and class token)."""
+    family = families.of(config.model.arch)
+    return ModelConfig(**family.config_fields(config, vocab_real, tensor), **lora_fields(config))
 
 
 def lora_fields(config) -> dict:
@@ -168,7 +151,7 @@ def lora_fields(config) -> dict:
     lo = config.lora
     if lo.rank == 0:
         return {}
-    return {"lora_rank": lo.rank, "lora_targets": lora.candidates(config.model.arch, lo.targets),
+    return {"lora_rank": lo.rank, "lora_targets": lora.candidates(families.of(config.model.arch), lo.targets),
             "lora_alpha": float(lo.alpha), "lora_rslora": bool(lo.rslora), "lora_dropout": lo.dropout,
             "base_dtype": lo.base_dtype}
 

@@ -289,10 +289,6 @@ class VitBlock(GPT2Block):
         return matmul(self, "w_out", self.SPECS["w_out"], u, ad) + self.b_out[...].astype(h.dtype)
 
 
-BLOCKS = {"gpt2": GPT2Block, "llama": LlamaBlock, "vit": VitBlock}
-NORMS = {"gpt2": LayerNorm, "llama": RMSNorm, "vit": LayerNorm}
-
-
 # ---- embedding lookup, packed positions, dropout (used by the model's embed and blocks) ------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

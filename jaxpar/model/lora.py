@@ -1,5 +1,6 @@
 """LoRA adapters (Hu et al. 2021) beside a block's matmul weights, mesh-free: which weights get them (`targets`, from
-Hugging Face projection names as PEFT's `target_modules` reads them), their parameters and their matmul.
+Hugging Face projection names as PEFT's `target_modules` reads them, each family's `lora_names`), their parameters
+and their matmul.
 
 A weight `W` used as `einsum(spec, x, W)` gets `A` and `B` with `x A B · scale` added to its output, `scale` =
 alpha / r (alpha / sqrt(r) with rsLoRA, Kalajdzievski 2023). The spec says which of `W`'s axes are inputs
@@ -24,45 +25,34 @@ from jaxpar.model.base import LOGICAL, LORA as KEY, ROLE
 
 RANK = "lora_rank"  # the logical name of the rank axis (replicated)
 
-# Hugging Face projection names (PEFT's `target_modules`) -> the weights they name, as paths within a block: the
-# dense MLP's, the routed experts' (`moe.experts.`) and the shared experts' (`moe.shared.`). Qwen3-MoE's experts are
-# named like the dense MLP's projections; Mixtral's w1 / w3 / w2.
-_MLP = {"gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
-NAMES = {
-    "llama": {"q_proj": ("wq",), "k_proj": ("wk",), "v_proj": ("wv",), "o_proj": ("wo",),
-              **{hf: (w, f"moe.experts.{w}", f"moe.shared.{w}") for hf, w in _MLP.items()},
-              "w1": ("moe.experts.w_gate",), "w3": ("moe.experts.w_up",), "w2": ("moe.experts.w_down",)},
-    "gpt2": {"c_attn": ("wqkv",), "c_proj": ("wo", "w_out"), "c_fc": ("w_in",),
-             "w1": ("moe.experts.w_gate",), "w3": ("moe.experts.w_up",), "w2": ("moe.experts.w_down",)},
-}
-DEFAULT = {"llama": "q_proj,v_proj", "gpt2": "c_attn"}  # PEFT's defaults for these families
 ALL = "all-linear"  # every projection of the blocks (not the LM head), as PEFT's "all-linear"
 NOT_SUPPORTED_WITH_DROPOUT = "moe."  # a routed expert's adapter sees dispatched buffers, not sequences
 
 
-def asked(arch: str, targets: str) -> list[str]:
+def asked(family, targets: str) -> list[str]:
     """`lora.targets` -> the Hugging Face names it asks for: comma-separated names, `all-linear` (every name of the
-    family), or `auto` (PEFT's default for the family)."""
-    text = DEFAULT[arch] if targets.strip() == "auto" else targets
+    family), or `auto` (PEFT's default for the family). `family`: its `lora_names` (PEFT's target names -> block
+    paths) and `lora_default` (`jaxpar/model/families/`)."""
+    text = family.lora_default if targets.strip() == "auto" else targets
     names = [t.strip() for t in text.split(",") if t.strip()]
-    return list(NAMES[arch]) if names == [ALL] else names
+    return list(family.lora_names) if names == [ALL] else names
 
 
-def candidates(arch: str, targets: str) -> tuple[str, ...]:
+def candidates(family, targets: str) -> tuple[str, ...]:
     """Every block path the target names may stand for, sorted (a model adapts those it has)."""
-    return tuple(sorted({p for t in asked(arch, targets) for p in NAMES[arch].get(t, ())}))
+    return tuple(sorted({p for t in asked(family, targets) for p in family.lora_names.get(t, ())}))
 
 
-def missing(arch: str, targets: str, weights) -> list[str]:
+def missing(family, targets: str, weights) -> list[str]:
     """The target names that name no weight of a model whose blocks hold `weights` (block paths); `all-linear`
     misses nothing (it names what the model has)."""
     if targets.strip() == ALL:
         return []
-    return [t for t in asked(arch, targets) if not set(NAMES[arch].get(t, ())) & set(weights)]
+    return [t for t in asked(family, targets) if not set(family.lora_names.get(t, ())) & set(weights)]
 
 
-def known_names(arch: str) -> str:
-    return ", ".join(list(NAMES[arch]) + [ALL])
+def known_names(family) -> str:
+    return ", ".join(list(family.lora_names) + [ALL])
 
 
 def scale(alpha: float, rank: int, rslora: bool) -> float:

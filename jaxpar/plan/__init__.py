@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxpar.compiled import model_vocab
-from jaxpar.config import derived
+from jaxpar.model import derived
 from jaxpar.plan import cost, memory
 from jaxpar.plan.hardware import GiB, Cluster
 from jaxpar.plan.space import Layout, Space, candidates

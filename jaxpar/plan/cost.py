@@ -98,7 +98,7 @@ class Model:
                        buffer_factor=cfg.expert_buffer_factor)
         return cls(**experts, layers=cfg.layers, embed=cfg.embed, heads=cfg.heads, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
                    seq=cfg.seq_len, vocab=vocab, tied=cfg.tie_embeddings,
-                   positions=cfg.max_positions if cfg.arch == "gpt2" else 0,
+                   positions=cfg.max_positions if cfg.family.learned_positions else 0,
                    compute_bytes=nbytes.get(tr.compute_dtype, 2), param_bytes=nbytes.get(tr.param_dtype, 2),
                    fused_attention=kernel != "xla", global_batch=int(tr.global_batch_size),
                    layer_total=counts["layer"], layer_matmul=counts["layer_matmul"],

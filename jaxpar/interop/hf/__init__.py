@@ -22,14 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import data
-from jaxpar.config import base_config, derived
+from jaxpar.config import base_config
 from jaxpar.data import BPETokenizer
 from jaxpar.data.chat import chat_files
 from jaxpar.interop.hf import files, keys
 from jaxpar.interop.hf.config import (PREPROCESSOR, arch_of, hf_config, image_settings, model_settings, moe_family,
                                       preprocessor_config, read_json, vit_classes)
 from jaxpar.interop.hf.files import HFError
-from jaxpar.model import Forward, config_from, init_params, param_items, router_bias, split_adapters, unflatten
+from jaxpar.model import (Forward, config_from, derived, family_of, init_params, param_items, router_bias,
+                          split_adapters, unflatten)
 from jaxpar.train.state import fresh_params
 from jaxpar.validate import validate
 
@@ -54,7 +55,7 @@ def settings(directory: str) -> dict:
     """
     where = os.path.join(directory, "config.json")
     out = {f"model.{k}": v for k, v in model_settings(read_json(directory), where).items()}
-    if out["model.arch"] == "vit":
+    if family_of(out["model.arch"]).data_kind == "images":
         return {**out, **image_settings(directory)}
     tok_path = os.path.join(directory, TOKENIZER)
     if not os.path.isfile(tok_path):
@@ -85,7 +86,8 @@ def apply(config, say: bool = True):
     if say and jax.process_index() == 0:
         if changed:
             print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
-        if config.model.arch == "vit" and vit_classes(read_json(directory)) != config.model.num_classes:
+        images = family_of(config.model.arch).data_kind == "images"
+        if images and vit_classes(read_json(directory)) != config.model.num_classes:
             print(f"jaxpar: from {config.init_from}: {_fresh_head(directory, config.model.num_classes)}")
     return config
 
@@ -104,13 +106,23 @@ def maps(cfg, have: dict | None = None, directory: str | None = None) -> list[ke
     """The tensor maps of `cfg`'s family; `have` (the directory's `files.tensors`) tells GPT-2's key prefix and ViT's
     names, `directory` whether a ViT's classifier is read (its config.json's classes are `cfg`'s; else it is the
     run's, fresh)."""
-    if cfg.arch == "vit":
-        head = directory is None or vit_classes(read_json(directory)) == cfg.num_classes
-        return keys.vit_maps(*keys.vit_naming(have), head=head)
-    if cfg.arch == "llama":
-        return keys.llama_maps(cfg.tie_embeddings, moe_family(cfg), cfg.qk_norm)
+    return _MAPS[cfg.arch](cfg, have, directory)
+
+
+def _vit_maps(cfg, have, directory):
+    head = directory is None or vit_classes(read_json(directory)) == cfg.num_classes
+    return keys.vit_maps(*keys.vit_naming(have), head=head)
+
+
+def _gpt2_maps(cfg, have, directory):
     prefix = "" if have is not None and "wte.weight" in have else "transformer."  # hub files have no prefix
     return keys.gpt2_maps(cfg.tie_embeddings, prefix)
+
+
+# each family's tensor maps (by `model.arch`; Hugging Face's side of a family: `config.py` reads and writes its
+# config.json)
+_MAPS = {"gpt2": _gpt2_maps, "vit": _vit_maps,
+         "llama": lambda cfg, have, directory: keys.llama_maps(cfg.tie_embeddings, moe_family(cfg), cfg.qk_norm)}
 
 
 def _leaves(cfg, mapping) -> dict:
@@ -169,7 +181,7 @@ def check(directory: str, cfg) -> dict:
 def _unread(cfg, mapping) -> set:
     """The HF tensors a checkpoint may hold that `mapping` leaves unread: a tied head saved anyway, a ViT's
     classifier of other classes."""
-    if cfg.arch == "vit":
+    if cfg.family.data_kind == "images":
         return set(keys.VIT_HEAD) - {m.hf for m in mapping}
     return {"lm_head.weight"} if cfg.tie_embeddings else set()
 
@@ -263,7 +275,7 @@ def load(directory: str, device=None, param_dtype: str = "float32"):
     config = apply(config, say=False)
     config.model.seq_len = config.model.max_positions
     config = derived(config)  # a ViT's sequence: its patches and the class token
-    vit = config.model.arch == "vit"
+    vit = family_of(config.model.arch).data_kind == "images"
     if vit and not config.model.num_classes:
         raise HFError(f"{directory} has no classifier (ViTModel), so it classifies nothing; fine-tune one from it "
                       f"with --config.init_from=hf:{directory} (and model.num_classes).")
@@ -302,7 +314,7 @@ def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int, cla
                       f"name per class (index = label).")
     tensors = ((n, a.astype(np_dtype)) for n, a in hf_tensors(params, cfg))
     names = files.write(out, tensors, max_shard_bytes)
-    if cfg.arch == "vit":
+    if cfg.family.data_kind == "images":
         for name, content in (("config.json", hf_config(cfg, dtype, classes=classes)),
                               (PREPROCESSOR, preprocessor_config(cfg, image_mean, image_std))):
             with open(os.path.join(out, name), "w") as f:

@@ -16,6 +16,7 @@ import os
 
 from jaxpar.data.image_batches import channel_values
 from jaxpar.interop.hf.files import HFError
+from jaxpar.model import family_of
 
 PREPROCESSOR = "preprocessor_config.json"
 
@@ -23,6 +24,7 @@ ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen3F
                  "MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "llama", "ViTForImageClassification": "vit",
                  "ViTModel": "vit"}
 CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "vit": "ViTConfig"}  # transformers' (errors)
+VIT_TYPE = "vit"  # ViT's model_type: the one vision transformer jaxpar reads
 VIT_CLASSIFIER = "ViTForImageClassification"  # the ViT with a classifier (ViTModel's head is the run's, fresh)
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 MOE = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}  # -> their tensor names (`keys`)
@@ -61,7 +63,8 @@ def arch_of(hf: dict, where: str) -> str:
     names = hf.get("architectures") or []
     known = [ARCHITECTURES[n] for n in names if n in ARCHITECTURES]
     kind = hf.get("model_type")
-    if kind in VISION_REFUSED or (known[:1] == ["vit"] and kind not in ("vit", None)):
+    images = bool(known) and family_of(known[0]).data_kind == "images"
+    if kind in VISION_REFUSED or (images and kind not in (VIT_TYPE, None)):
         raise HFError(f"{where}: model_type {kind!r} ({VISION_REFUSED.get(kind, 'not a ViT')}) is not a model jaxpar "
                       f"computes; of the vision transformers it reads {VIT_READS}.")
     refused = [n for n in names if n in REFUSED]
@@ -84,7 +87,7 @@ def model_settings(hf: dict, where: str) -> dict:
         raise HFError(f"{where}: expected a JSON object, got {type(hf).__name__}.")
     arch = arch_of(hf, where)
     try:
-        return {"gpt2": _gpt2, "llama": _llama, "vit": _vit}[arch](hf, where)
+        return READERS[arch](hf, where)
     except HFError:  # a refusal names what is refused and why, once (HFError is a ValueError)
         raise
     except KeyError as e:
@@ -271,7 +274,7 @@ def _vit_config(cfg, dtype: str, classes=None) -> dict:
     """A jaxpar ViT's config.json (ViTForImageClassification); `classes`: the class names (index = label; None:
     "LABEL_i")."""
     names = [str(c) for c in classes] if classes is not None else [f"LABEL_{i}" for i in range(cfg.num_classes)]
-    return {"architectures": [VIT_CLASSIFIER], "model_type": "vit", "hidden_size": cfg.embed,
+    return {"architectures": [VIT_CLASSIFIER], "model_type": VIT_TYPE, "hidden_size": cfg.embed,
             "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "intermediate_size": cfg.mlp,
             "hidden_act": "gelu", "layer_norm_eps": cfg.norm_eps, "image_size": cfg.image_size,
             "patch_size": cfg.patch_size, "num_channels": cfg.channels, "qkv_bias": True,
@@ -283,18 +286,24 @@ def _vit_config(cfg, dtype: str, classes=None) -> dict:
 def hf_config(cfg, dtype: str, tokenizer=None, classes=None) -> dict:
     """The config.json of a jaxpar model (`ModelConfig`) saved in `dtype`, for transformers 4.x and 5; a ViT's
     `classes` names (None: "LABEL_i")."""
-    if cfg.arch == "vit":
+    if cfg.family.data_kind == "images":
         return _vit_config(cfg, dtype, classes)
     common = {"vocab_size": cfg.vocab_real, "tie_word_embeddings": cfg.tie_embeddings, "dtype": dtype,
               "torch_dtype": dtype, "use_cache": True}
     # the end-of-text id, or explicit nulls (else transformers assumes GPT-2's / Llama's ids)
     eos = getattr(tokenizer, "eot_id", None)
     common.update(bos_token_id=eos, eos_token_id=eos, pad_token_id=None)
-    if cfg.arch == "gpt2":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.embed,
-                "n_layer": cfg.layers, "n_head": cfg.heads, "n_inner": cfg.mlp, "n_positions": cfg.max_positions,
-                "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0,
-                "embd_pdrop": 0.0, "attn_pdrop": 0.0, **common}
+    return WRITERS[cfg.arch](cfg, common)
+
+
+def _gpt2_config(cfg, common: dict) -> dict:
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": cfg.embed,
+            "n_layer": cfg.layers, "n_head": cfg.heads, "n_inner": cfg.mlp, "n_positions": cfg.max_positions,
+            "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps, "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0, "attn_pdrop": 0.0, **common}
+
+
+def _llama_config(cfg, common: dict) -> dict:
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "llama3":
         rope.update({"rope_type": "llama3", **{k: getattr(cfg, ours) for k, ours in _ROPE_KEYS.items()}})
@@ -305,3 +314,8 @@ def hf_config(cfg, dtype: str, tokenizer=None, classes=None) -> dict:
             "max_position_embeddings": cfg.max_positions, "rms_norm_eps": cfg.norm_eps, "attention_bias": False,
             "mlp_bias": False, "attention_dropout": 0.0, "rope_parameters": rope, "rope_theta": cfg.rope_theta,
             "rope_scaling": legacy, **common, **_exported(cfg)}  # the architecture's keys last (Mixtral's width)
+
+
+# each family's config.json reader and writer (by `model.arch`; its tensor maps: `jaxpar/interop/hf/__init__.py`)
+READERS = {"gpt2": _gpt2, "llama": _llama, "vit": _vit}
+WRITERS = {"gpt2": _gpt2_config, "llama": _llama_config}
