@@ -17,6 +17,7 @@ from jaxpar.interop import hf, peft
 from jaxpar import model as gpt
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.mesh import make_mesh
+from jaxpar.train import objectives
 from jaxpar.train.step import Steps, build
 from jaxpar.validate import validate
 
@@ -42,7 +43,7 @@ def steps_for(config, vocab: int, devices=None, layout=None) -> Steps:
 def abstract_batch(config, steps: Steps) -> dict:
     """A global batch of `jax.ShapeDtypeStruct`s with the steps' batch sharding (nothing allocated)."""
     B, T, m = int(config.train.global_batch_size), int(config.model.seq_len), config.model
-    images = gpt.family_of(m.arch).data_kind == "images"
+    images = "images" in objectives.from_config(config).data_kinds
     shapes = data.image_batch_shapes(B, m.image_size, m.channels) if images else \
         data.batch_shapes(B, T, config.data.packing, ref_dtype(config))
     return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding) for k, (shape, dt) in shapes.items()}
@@ -60,7 +61,7 @@ def model_vocab(config) -> int:
 def ref_dtype(config):
     """The dtype of DPO's precomputed reference sums in a batch (`dpo.precompute_reference`), or None without them:
     float64 in float64 runs, else float32."""
-    if config.train.objective != "dpo" or not config.dpo.precompute_reference:
+    if objectives.from_config(config).reference != "batch":
         return None
     return np.float64 if config.train.compute_dtype == "float64" else np.float32
 

@@ -19,7 +19,7 @@ from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
 from jaxpar.cluster.preemption import Preempted, PreemptionWatch
 from jaxpar.interop import hf, hub, peft, runs
-from jaxpar.train import loss_scale, monitor, reference
+from jaxpar.train import loss_scale, monitor, objectives, reference
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
@@ -174,7 +174,8 @@ def open_data(config) -> tuple:
     """(the prepared data's info, its train and val batches, the model's vocabulary: a ViT's classes): the sources
     prepared once (process 0 first, then the others find them in the cache)."""
     B, T, seed, d = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed), config.data
-    if gpt.family_of(config.model.arch).data_kind == "images":
+    kinds = objectives.from_config(config).data_kinds
+    if "images" in kinds:
         info = distributed.process_0_first(lambda: data.prepare_images(config), "jaxpar/prepare")
         m = config.model
         splits = tuple(data.ImageBatches(info, split, B, seed, image_size=m.image_size, channels=m.channels,
@@ -184,7 +185,7 @@ def open_data(config) -> tuple:
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")
     vocab = data.model_vocab(config, info.vocab_size)
     return info, tuple(data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=d.packing,
-                                    truncate=d.truncate, pairs=config.train.objective == "dpo")
+                                    truncate=d.truncate, pairs="pairs" in kinds)
                        for split in ("train", "val")), vocab
 
 

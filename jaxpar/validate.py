@@ -10,11 +10,11 @@ import numbers
 
 import jax
 
-from jaxpar.train import loss_scale
+from jaxpar.train import loss_scale, objectives
 from jaxpar.kernels.attention import IMPLEMENTATIONS, choose
 from jaxpar.config import (DEFAULT_RULES, DTYPES, MESH_AXES, ConfigError, flat_keys, mlp_width, nearest_multiples,
                            unknown_keys)
-from jaxpar.config_keys import changed, key_errors
+from jaxpar.config_keys import key_errors
 from jaxpar.kernels import grouped
 from jaxpar.kernels.cross_entropy import chunk_size
 from jaxpar.layout import Layout
@@ -70,27 +70,6 @@ def _check_lora(config) -> list[str]:
         errs.append(f"lora.dropout={lo.dropout} with adapters on the routed experts (lora.targets={lo.targets!r}): "
                     f"their inputs are dispatched buffers, whose dropout jaxpar cannot key by sequence; set "
                     f"lora.dropout=0 or leave the experts' projections out of lora.targets.")
-    return errs
-
-
-def _check_objective(config, lay: Layout) -> list[str]:
-    """DPO's needs: pairs packed whole into rows (data.packing=bfd), no context parallelism; its keys only with it."""
-    family = FAMILIES.get(config.model.arch)
-    if family and family.data_kind == "images" and config.train.objective != "lm":
-        return [f"model.arch='vit' with train.objective={config.train.objective!r}: not supported for vision "
-                f"transformers; set train.objective='lm' (a ViT trains on labels: cross-entropy of its classes)."]
-    if config.train.objective != "dpo":
-        given = changed(config, "dpo")
-        return [f"dpo.{given[0]}={config.dpo[given[0]]!r} with train.objective={config.train.objective!r}: set "
-                f"--config.train.objective=dpo to train on preference pairs, or drop dpo.{given[0]}."] if given else []
-    errs = []
-    if config.data.packing != "bfd":
-        errs.append(f"train.objective='dpo' with data.packing={config.data.packing!r}: a preference pair's chosen and "
-                    f"rejected sequences must sit whole in one row; set --config.data.packing=bfd.")
-    if lay.context > 1:
-        errs.append(f"train.objective='dpo' with mesh.context={lay.context}: DPO's per-sequence sums are not "
-                    f"context-parallel yet; set mesh.context=1 (sequences up to model.seq_len fit one device's "
-                    f"row; use tensor or sequence parallelism for memory).")
     return errs
 
 
@@ -310,7 +289,7 @@ def validate(config, num_devices: int) -> Layout:
     errs += _check_kernels(config, t)
     errs += _check_float64(tr)
     errs += _check_loss_scale(config)
-    errs += _check_lora(config) + _check_objective(config, lay) + _check_trackers(config)
+    errs += _check_lora(config) + objectives.errors(config, lay) + _check_trackers(config)
     errs += family.errors(config, lay) if family else []  # the family's own rules (a ViT's)
     if o.warmup_steps < 0 or o.decay_steps < o.warmup_steps:
         errs.append(f"optim.warmup_steps={o.warmup_steps}, optim.decay_steps={o.decay_steps}: need "

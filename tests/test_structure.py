@@ -203,3 +203,58 @@ def inner_imports(root: pathlib.Path = ROOT) -> list[str]:
 def test_no_jaxpar_import_inside_a_function():
     """Every jaxpar import is at the top of its module, where the import graph (and a reader) sees it."""
     assert inner_imports() == [], "move these imports to the module's top"
+
+
+def _named_constants(node, names) -> set[str]:
+    """The names among `names` that `node` is (a string constant) or holds (a tuple, list or set of them)."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {i.value for i in items if isinstance(i, ast.Constant) and i.value in names}
+
+
+def name_comparisons(homes: dict[str, set[str]], root: pathlib.Path = ROOT) -> list[str]:
+    """Where a family's or an objective's name (a key of `homes`) is compared (`== "vit"`, `!= "dpo"`,
+    `in ("gpt2", ...)`) outside its homes (paths relative to the package's parent: its own module, its registry)."""
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        where = str(f.relative_to(root.parent))
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Compare):
+                for n in set().union(*(_named_constants(x, homes) for x in [node.left, *node.comparators])):
+                    if where not in homes[n]:
+                        out.append(f"{where}:{node.lineno} compares {n!r}")
+    return out
+
+
+def test_families_and_objectives_are_asked_not_named():
+    """A family's or an objective's name is compared only in its own module and its registry: everyone else asks
+    the object (`jaxpar/model/families/`, `jaxpar/train/objectives/`)."""
+    import inspect
+
+    from jaxpar.model import FAMILIES
+    from jaxpar.train import objectives
+
+    def home(cls, registry):
+        return {str(pathlib.Path(inspect.getsourcefile(cls)).relative_to(ROOT.parent)), registry}
+
+    homes = {n: home(type(f), "jaxpar/model/families/__init__.py") for n, f in FAMILIES.items()}
+    homes |= {c.name: home(c, "jaxpar/train/objectives/__init__.py")
+              for c in (*objectives.OBJECTIVES.values(), objectives.Classify)}
+    assert {"gpt2", "llama", "vit", "lm", "dpo", "classify"} <= set(homes), sorted(homes)
+    assert name_comparisons(homes) == []
+
+
+def test_the_name_check_catches_a_comparison(tmp_path):
+    pkg = tmp_path / "jaxpar"
+    pkg.mkdir()
+    (pkg / "a.py").write_text('def f(cfg, c):\n    return cfg.arch == "vit" or c.objective in ("lm", "x")\n')
+    (pkg / "vit.py").write_text('def g(cfg):\n    return cfg.arch != "vit"\n')
+    homes = {"vit": {"jaxpar/vit.py"}, "lm": {"jaxpar/lm.py"}}
+    assert sorted(name_comparisons(homes, pkg)) == ["jaxpar/a.py:2 compares 'lm'", "jaxpar/a.py:2 compares 'vit'"]
+
+
+def test_small_modules_and_a_small_model_face():
+    """No module in jaxpar/ over 400 lines; the model package's face (`model/__init__.py`) at most 150."""
+    long = [f"{f.relative_to(ROOT.parent)}: {n}" for f in sorted(ROOT.rglob("*.py"))
+            if (n := len(f.read_text().splitlines())) > 400]
+    assert not long, long
+    assert len((ROOT / "model" / "__init__.py").read_text().splitlines()) <= 150

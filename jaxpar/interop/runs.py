@@ -13,7 +13,8 @@ from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.config import base_config
 from jaxpar.model import Forward, family_of
 from jaxpar.train.optim import make_optimizer
-from jaxpar.train.step import init_state, model_config, reference_kind
+from jaxpar.train import objectives
+from jaxpar.train.step import init_state, model_config
 
 CLASSES_FILE = "classes.json"  # a ViT run's class names, a JSON list (index = label), written by the trainer
 
@@ -103,7 +104,7 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {ckpt.directory}.")
         dev = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-        copy = reference_kind(config) == "copy"  # a DPO run's frozen reference weights
+        copy = objectives.from_config(config).reference == "copy"  # a DPO run's frozen reference weights
         shapes = jax.eval_shape(lambda: init_state(cfg, optimizer, 0, reference=copy))
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), shapes)
         state, _ = ckpt.restore(step, target)

@@ -159,7 +159,7 @@ class Forward:
     def loss_and_stats(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None,
                        positions=None, head=None):
         """`loss`, and the MoE layers' stats (`layers_and_stats`). `head(params, x) -> (loss_sum, count)` replaces
-        the next-token loss (a training objective's own: `jaxpar/train/objective.py`)."""
+        the next-token loss (a training objective's own: `jaxpar/train/objectives/`)."""
         x = self.embed(params, tokens, rng, seq_ids, segments=segments, positions=positions)
         x, stats = self.layers_and_stats(params[_LAYERS], x, rng, seq_ids, prepare=prepare, segments=segments,
                                          positions=positions)

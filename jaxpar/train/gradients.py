@@ -7,7 +7,7 @@ ids int32 global row index, optional seg int32 `[.., seq]` document segments) an
         regularisers, MoE stats summed over the batch or None, the objective's count)   (at least float32)
     loss(params, xs, objective=None) -> (loss_sum, count)              (evaluation, a reference pass: no dropout)
 
-The loss is the training objective's (`jaxpar/train/objective.py`), computed where the head runs.
+The loss is the training objective's (`jaxpar/train/objectives/`), computed where the head runs.
 
 - `Accumulate` (no pipeline): a scan over the microbatches on each data shard; ZeRO's reductions by hand
   (`zero.DataParallel`).

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
-from jaxpar.train import gradients, loss_scale, objective as objectives
+from jaxpar.train import gradients, loss_scale, objectives
 from jaxpar import model as gpt
 from jaxpar.model import moe
 from jaxpar.train import spikes
@@ -59,9 +59,9 @@ class StepSettings:
     spike_threshold: float
     loss_scale: loss_scale.LossScaleConfig
     optim: OptimSettings
-    objective: object  # `jaxpar/train/objective.py`
-    reference: str  # DPO's reference model: "" (none), "copy" (frozen weights in the state), "adapters_off" (LoRA),
-    # "batch" (precomputed log-probs arrive with the batch, `ref`)
+    objective: objectives.Objective  # `jaxpar/train/objectives/`
+    reference: str  # the objective's reference model: "" (none), "copy" (frozen weights in the state),
+    # "adapters_off" (LoRA), "batch" (precomputed log-probs arrive with the batch, `ref`)
 
     @classmethod
     def from_config(cls, config, num_devices: int) -> "StepSettings":
@@ -72,17 +72,8 @@ class StepSettings:
                    skip_steps=tuple(int(s) for s in tr.skip_steps), skip_spikes=bool(tr.skip_spikes),
                    spike_window=int(tr.spike_window), spike_threshold=float(tr.spike_threshold),
                    loss_scale=loss_scale.from_config(config),
-                   optim=OptimSettings.from_config(config), objective=objectives.from_config(config),
-                   reference=reference_kind(config))
-
-
-def reference_kind(config) -> str:
-    """Where DPO's reference model comes from (`StepSettings.reference`)."""
-    if config.train.objective != "dpo":
-        return ""
-    if config.dpo.precompute_reference:
-        return "batch"
-    return "adapters_off" if int(config.lora.rank) > 0 else "copy"
+                   optim=OptimSettings.from_config(config), objective=(obj := objectives.from_config(config)),
+                   reference=obj.reference)
 
 
 def split_batch(batch):
@@ -151,7 +142,7 @@ class Steps:
     layer_order: tuple  # position p of the layer axis in this layout holds canonical layer layer_order[p]
     init_with: callable  # (params in this layout's order, seed) -> a fresh state holding them (donates them)
     init_adapters: callable  # (seed) -> the fresh params that train (LoRA: the adapters), in this layout's order
-    objective: object = objectives.LM()  # the training objective (`jaxpar/train/objective.py`)
+    objective: objectives.Objective = objectives.LM()  # the training objective (`jaxpar/train/objectives/`)
 
     def abstract_state(self):
         """The state as `jax.ShapeDtypeStruct`s carrying this layout's shardings (an Orbax restore target)."""
@@ -262,7 +253,7 @@ def reference_weights(cfg: gpt.ModelConfig, params):
 
 def reference_sums(st: StepSettings, grad_fn, reference, batch):
     """DPO: the reference model's (`reference`: its weights) sums of the batch's response log-probs per pair,
-    `[global batch, pairs_per_row(seq), 2]` (`objective.ReferenceSums`)."""
+    `[global batch, pairs_per_row(seq), 2]` (`objectives.ReferenceSums`)."""
     xs = microbatched(batch, st.layout.microbatches, st.layout.context)[1]
     return jax.lax.stop_gradient(grad_fn.loss(reference, xs, objectives.ReferenceSums(batch["tokens"].shape[0]))[1])
 

@@ -1,13 +1,6 @@
-"""Training objectives (`train.objective`): what the last layer's output becomes a loss of, for every engine.
+"""Direct preference optimisation (`train.objective='dpo'`, settings `dpo.*`), and its reference's pass.
 
-An objective's `head(fwd, params, x, mb) -> (loss_sum, count)` runs where the loss runs (the last pipeline stage, or
-after the layer scan) on one microbatch `mb` (x, y, w, seg, ids, and `ref` for DPO: see `jaxpar/train/step.py`);
-`count` is an array of sums the step adds over microbatches and data shards; `total(mask, seg)` is what the step's
-loss sum is divided by (the same on every layout and accumulation); `metrics(count, total)` names what is logged.
-
-- `LM`: next-token cross-entropy over the loss mask; divided by the step's masked tokens.
-- `Classify` (ViT): cross-entropy of the images' labels; divided by the step's images; top-1 accuracy logged.
-- `DPO` (Rafailov et al. 2023): on preference pairs packed as segments (pair k of a row: segment 2k its chosen
+`DPO` (Rafailov et al. 2023): on preference pairs packed as segments (pair k of a row: segment 2k its chosen
   sequence, 2k + 1 its rejected one, `jaxpar/data/packing.py`); a sequence's log-prob is the sum over its response
   tokens (the loss mask) of its tokens' log-probs, as TRL; the loss of a pair, with margin
   m = (log pi(chosen) - log pi_ref(chosen)) - (log pi(rejected) - log pi_ref(rejected)),
@@ -24,19 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.data.packing import pairs_per_row
-
-
-class LM:
-    reference = False
-
-    def head(self, fwd, params, x, mb):
-        return fwd.head_loss(params, x, mb["y"], mb["w"])
-
-    def total(self, mask, seg):
-        return mask.sum()
-
-    def metrics(self, count, total) -> dict:
-        return {}
+from jaxpar.train.objectives.base import Objective
 
 
 def pair_sums(values, w, seg):
@@ -50,24 +31,37 @@ def pair_sums(values, w, seg):
 _METRICS = ("pairs", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected")
 
 
-class Classify(LM):
-    """Image classification (ViT): cross-entropy of each image's label from the class token, weighted by the row
-    mask (0: padding rows of an evaluation); divided by the step's images (`LM.total` of the row mask). Logs top-1
-    `accuracy`."""
-
-    def head(self, fwd, params, x, mb):
-        return fwd.classify(params, x, mb["y"], mb["w"])
-
-    def metrics(self, count, total) -> dict:
-        return {"accuracy": count[1] / jnp.maximum(count[0], 1)}
-
-
 @dataclasses.dataclass(frozen=True)
-class DPO:
+class DPO(Objective):
     beta: float
     loss: str  # sigmoid | ipo
     label_smoothing: float
-    reference = True
+    reference: str = "copy"  # a frozen copy; "adapters_off" under LoRA; "batch": precomputed (`dpo.*`)
+    name = "dpo"
+    section = "dpo"
+    data_kinds = ("pairs",)
+    metric_names = _METRICS[1:] + ("rewards/margins",)
+
+    @classmethod
+    def from_config(cls, config) -> "DPO":
+        """DPO with `dpo.*`; its reference: precomputed (`dpo.precompute_reference`), else the base under LoRA (the
+        adapters off), else a frozen copy of the initial weights."""
+        d = config.dpo
+        reference = "batch" if d.precompute_reference else "adapters_off" if int(config.lora.rank) > 0 else "copy"
+        return cls(float(d.beta), str(d.loss), float(d.label_smoothing), reference)
+
+    @staticmethod
+    def errors(config, lay) -> list[str]:
+        """Pairs packed whole into rows (data.packing=bfd), no context parallelism."""
+        errs = []
+        if config.data.packing != "bfd":
+            errs.append(f"train.objective='dpo' with data.packing={config.data.packing!r}: a preference pair's chosen "
+                        f"and rejected sequences must sit whole in one row; set --config.data.packing=bfd.")
+        if lay.context > 1:
+            errs.append(f"train.objective='dpo' with mesh.context={lay.context}: DPO's per-sequence sums are not "
+                        f"context-parallel yet; set mesh.context=1 (sequences up to model.seq_len fit one device's "
+                        f"row; use tensor or sequence parallelism for memory).")
+        return errs
 
     def head(self, fwd, params, x, mb):
         lp = fwd.token_logps(params, x, mb["y"])
@@ -99,21 +93,10 @@ class DPO:
         return {**m, "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
 
 
-def from_config(config):
-    """The objective `train.objective` names, with its settings."""
-    if config.model.arch == "vit":
-        return Classify()
-    if config.train.objective == "dpo":
-        d = config.dpo
-        return DPO(float(d.beta), str(d.loss), float(d.label_smoothing))
-    return LM()
-
-
 class ReferenceSums:
     """The reference model's pass: no loss; its count is every row's sums of its response tokens' log-probs per pair
     (`pair_sums`), `[global batch, pairs_per_row(seq), 2]`, each microbatch writing its rows (`ids`) and zeros
     elsewhere, so that summing over microbatches and data shards assembles them (what DPO's `ref` is)."""
-    reference = False
 
     def __init__(self, rows: int):
         self.rows = rows

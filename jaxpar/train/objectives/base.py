@@ -1,0 +1,41 @@
+"""What a training objective is, as one object (`Objective`): the step, the trainer, the data opening and `validate`
+ask it instead of testing `train.objective`.
+
+An objective answers: its name (`train.objective`) and the config section of its settings (`section`, e.g. `dpo`);
+the data it reads (`data_kinds`: documents, conversations, pairs, images; `prompts` for RL); its head
+`head(fwd, params, x, mb) -> (loss_sum, count)`, run where the loss runs in every gradient engine (the last pipeline
+stage, or after the layer scan) on one microbatch `mb` (x, y, w, seg, ids, and `ref` with a reference: see
+`jaxpar/train/step.py`), `count` an array of sums the step adds over microbatches and data shards; `total(mask,
+seg)`, what the step's loss sum is divided by (the same on every layout and accumulation); `metrics(count, total)`
+and their names (`metric_names`); its reference model (`reference`: "" none, "copy" a frozen copy of the initial
+weights in the state, "adapters_off" the policy with its LoRA adapters off, "batch" precomputed sums that arrive with
+each batch); and its own rules (`errors`).
+"""
+from __future__ import annotations
+
+
+class Objective:
+    name = ""  # `train.objective`
+    section = ""  # the config section of its settings ("": none)
+    data_kinds: tuple = ()  # what its data is: documents | conversations | pairs | images | prompts
+    metric_names: tuple = ()  # the names `metrics` logs (besides the loss)
+    reference = ""  # its reference model: "" | copy | adapters_off | batch
+
+    @classmethod
+    def from_config(cls, config) -> "Objective":
+        """The objective with its settings (`config[section]`)."""
+        return cls()
+
+    @staticmethod
+    def errors(config, lay) -> list[str]:
+        """Its own rules on a run config that names it, one line each (`jaxpar/validate.py` adds them)."""
+        return []
+
+    def head(self, fwd, params, x, mb):
+        raise NotImplementedError
+
+    def total(self, mask, seg):
+        return mask.sum()
+
+    def metrics(self, count, total) -> dict:
+        return {}
