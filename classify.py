@@ -22,8 +22,9 @@ _TOP = flags.DEFINE_integer("top", 5, "Classes to print per image.")
 
 def load(where: str):
     """-> (Forward, params, class names, image mean, image std) of a run directory or an hf: directory."""
-    from jaxpar.interop import hf, hub, runs
-    from jaxpar.interop.hf.config import image_settings
+    from jaxpar.formats import hf, hub
+    from jaxpar.state import runs
+    from jaxpar.formats.hf.config import image_settings
 
     name = hub.model_name(where)  # hf:ORG/NAME[@REVISION]: into the Hugging Face cache
     directory = hf.directory_of("hf:" + hub.fetch(name)[0] if name else where)

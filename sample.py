@@ -48,9 +48,9 @@ def main(argv):
 
     from jaxpar.export import CONFIG_FILE, load_export
     from jaxpar.model.generate import generate
-    from jaxpar.interop.runs import load_params
+    from jaxpar.state.runs import load_params
 
-    from jaxpar.interop import hf, hub
+    from jaxpar.formats import hf, hub
 
     try:
         name = hub.model_name(_WORKDIR.value)  # hf:ORG/NAME[@REVISION]: into the Hugging Face cache

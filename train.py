@@ -50,7 +50,7 @@ def train(config):
     from jaxpar.config import ConfigError
     from jaxpar.data import DataError
     from jaxpar.cluster.preemption import PREEMPTED_EXIT_CODE, Preempted
-    from jaxpar.interop.checkpoint import CheckpointSaveError
+    from jaxpar.state.checkpoint import CheckpointSaveError
 
     workdir = _WORKDIR.value or os.path.join("runs", os.path.splitext(os.path.basename(flags.FLAGS["config"].config_filename))[0])
     try:

@@ -53,7 +53,7 @@ def start_step(log_path: str) -> int | None:
 
 def complete_steps(workdir: str) -> list[int]:
     """The steps a restart could restore (complete checkpoints), as the trainer lists them."""
-    from jaxpar.interop.checkpoint import Checkpointer
+    from jaxpar.state.checkpoint import Checkpointer
 
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         return []
@@ -67,9 +67,9 @@ def read_state(workdir: str, step: int | None = None):
     import jax
 
     from jaxpar import data
-    from jaxpar.interop.checkpoint import Checkpointer
+    from jaxpar.state.checkpoint import Checkpointer
     from jaxpar.train.optim import make_optimizer
-    from jaxpar.interop.runs import read_config
+    from jaxpar.state.runs import read_config
     from jaxpar.train.step import init_state, model_config
 
     config = read_config(workdir)

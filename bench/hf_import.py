@@ -5,7 +5,7 @@
 Builds (once, in --dir) a Llama checkpoint of about 1.2 GB, float32 random weights, in 400 MB shards: d 1024,
 16 layers, 16 heads, 4 KV heads, MLP 4096, vocab 32000 (largest tensor: the 131 MB embedding). Then, each in a fresh
 process, places it on a (data 2, tensor 2, stage 2) mesh:
-  * `jaxpar`: `jaxpar.interop.hf.load_params` (per device the slices it holds, one layer at a time);
+  * `jaxpar`: `jaxpar.formats.hf.load_params` (per device the slices it holds, one layer at a time);
   * `whole`: `safetensors.numpy.load_file` of every shard, then the same placement from those host arrays.
 Prints JSON: per mode the peak RSS (ru_maxrss), the RSS before the import (the process with JAX up: the fixed
 overhead), the bytes resident on the devices after it (fake CPU devices live in host memory), and
@@ -25,7 +25,7 @@ SHAPE = dict(embed=1024, layers=16, heads=16, kv_heads=4, mlp=4096, vocab=32000)
 
 def build(directory: str) -> None:
     from jaxpar.data import ByteTokenizer
-    from jaxpar.interop.hf import files, hf_config, keys, layer_names
+    from jaxpar.formats.hf import files, hf_config, keys, layer_names
     from jaxpar.model import ModelConfig
 
     if os.path.isfile(os.path.join(directory, "config.json")):
@@ -62,10 +62,10 @@ def rss_peak() -> int:
 def measure(directory: str, mode: str) -> dict:
     import jax
 
-    from jaxpar.interop import hf
+    from jaxpar.formats import hf
     from jaxpar.config import base_config
     from jaxpar.validate import validate
-    from jaxpar.interop.hf import files
+    from jaxpar.formats.hf import files
     from jaxpar.parallel.mesh import make_mesh
     from jaxpar.train.step import build as build_steps
 
@@ -100,9 +100,9 @@ def _whole(directory, cfg, shardings):
     placed with its sharding."""
     import jax
 
-    from jaxpar.interop import hf
+    from jaxpar.formats import hf
     from jaxpar.export import _items, unflatten
-    from jaxpar.interop.hf import keys
+    from jaxpar.formats.hf import keys
     from jaxpar.model import init_params
     from safetensors.numpy import load_file
 

@@ -13,7 +13,7 @@ import numpy as np
 from jaxpar.analysis import compile_report as report
 from jaxpar import data
 from jaxpar.cluster import distributed
-from jaxpar.interop import hf, peft
+from jaxpar.formats import hf, peft
 from jaxpar import model as gpt
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.mesh import make_mesh

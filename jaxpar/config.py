@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import pathlib
 import re
+import sys
 
 import ml_collections
 
@@ -34,7 +37,6 @@ def config_beside(config_file: str, name: str) -> ml_collections.ConfigDict:
     """`get_config()` of the config file `name` in the folder of `config_file` (a config file's `__file__`): for a
     config that starts from another one (ml_collections loads a config file without its folder on the path)."""
     import importlib.util
-    import os
 
     path = os.path.join(os.path.dirname(os.path.abspath(config_file)), name)
     spec = importlib.util.spec_from_file_location(os.path.splitext(name)[0], path)
@@ -45,6 +47,13 @@ def config_beside(config_file: str, name: str) -> ml_collections.ConfigDict:
 
 def mlp_width(config) -> int:
     return config.model.mlp or 4 * config.model.embed
+
+
+def cache_root(config) -> pathlib.Path:
+    """Where prepared data and compiled programs are cached: `config.data.cache_dir`, else `$JAXPAR_CACHE`, else
+    `~/.cache/jaxpar`."""
+    root = config.data.cache_dir or os.environ.get("JAXPAR_CACHE") or "~/.cache/jaxpar"
+    return pathlib.Path(os.path.expanduser(root))
 
 
 def padded_vocab(vocab_size: int, tensor: int) -> int:
@@ -144,3 +153,31 @@ def check_command_line(argv) -> None:
         raise ConfigError(" ".join(f"--config.{e}" for e in errs))
 
 
+# ---- docs/config.md's key table, from the key table ------------------------------------------------------------
+
+def _cell(v) -> str:
+    return "`DEFAULT_RULES`" if v is DEFAULT_RULES else f"`{v!r}`"
+
+
+def reference_table() -> str:
+    """The Markdown table of every key (docs/config.md, section "Keys")."""
+    rows = ["| key | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{k.name}` | {_cell(k.default)} | {k.meaning} |" for k in KEYS]
+    return "\n".join(rows) + "\n"
+
+
+def write_reference(path) -> bool:
+    """Replace the table of `path`'s "## Keys" section with `reference_table()`; True when it changed."""
+    path = pathlib.Path(path)
+    text = path.read_text()
+    head, rest = text.split("## Keys\n", 1)
+    start = rest.index("| key |")
+    end = rest.index("\n\n", start) + 1
+    new = head + "## Keys\n" + rest[:start] + reference_table() + rest[end:]
+    path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":  # python -m jaxpar.config [docs/config.md]
+    target = sys.argv[1] if len(sys.argv) > 1 else "docs/config.md"
+    print(f"{target}: {'rewritten' if write_reference(target) else 'up to date'}")

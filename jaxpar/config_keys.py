@@ -2,15 +2,13 @@
 
 `config.base_config()` is built from this table, `validate` checks each key's type and range from it (`key_errors`;
 the rules between keys stay in `validate`), and the key table of docs/config.md is generated from it
-(`python -m jaxpar.config_keys` rewrites it; `tests/test_docs.py` fails when the two differ). Imports nothing of
+(`python -m jaxpar.config` rewrites it; `tests/test_docs.py` fails when the two differ). Imports nothing of
 jaxpar.
 """
 from __future__ import annotations
 
 import dataclasses
 import numbers
-import pathlib
-import sys
 from typing import Callable
 
 # Logical axis -> mesh axis (None: replicated). Megatron's tensor-parallel pattern: heads and MLP width are split
@@ -376,31 +374,3 @@ def changed(config, section: str) -> list[str]:
 def key_errors(config) -> list[str]:
     """One line for each key whose value has the wrong type or lies outside its range (`Key.error`)."""
     return [e for k in KEYS if (e := k.error(get(config, k.name))) is not None]
-
-
-def _cell(v) -> str:
-    return "`DEFAULT_RULES`" if v is DEFAULT_RULES else f"`{v!r}`"
-
-
-def reference_table() -> str:
-    """The Markdown table of every key (docs/config.md, section "Keys")."""
-    rows = ["| key | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{k.name}` | {_cell(k.default)} | {k.meaning} |" for k in KEYS]
-    return "\n".join(rows) + "\n"
-
-
-def write_reference(path) -> bool:
-    """Replace the table of `path`'s "## Keys" section with `reference_table()`; True when it changed."""
-    path = pathlib.Path(path)
-    text = path.read_text()
-    head, rest = text.split("## Keys\n", 1)
-    start = rest.index("| key |")
-    end = rest.index("\n\n", start) + 1
-    new = head + "## Keys\n" + rest[:start] + reference_table() + rest[end:]
-    path.write_text(new)
-    return new != text
-
-
-if __name__ == "__main__":  # python -m jaxpar.config_keys [docs/config.md]
-    target = sys.argv[1] if len(sys.argv) > 1 else "docs/config.md"
-    print(f"{target}: {'rewritten' if write_reference(target) else 'up to date'}")

@@ -3,10 +3,10 @@
     python -m jaxpar.export --workdir DIR --out OUT [--step N] [--force] [--format jaxpar|hf|peft] [--dtype D]
                             [--max_shard_size 5GB]
 
-`--format hf` writes a Hugging Face directory (`jaxpar.interop.hf`: config.json, model.safetensors or shards with their
+`--format hf` writes a Hugging Face directory (`jaxpar.formats.hf`: config.json, model.safetensors or shards with their
 index, tokenizer.json; for a ViT, preprocessor_config.json and the class names of WORKDIR/classes.json) that
 transformers' `from_pretrained` loads with no custom code; `--format peft` a LoRA run's
-adapters as PEFT writes them (`jaxpar.interop.peft`), which the other two fold into the model (in float32). The default, `jaxpar`, writes,
+adapters as PEFT writes them (`jaxpar.formats.peft`), which the other two fold into the model (in float32). The default, `jaxpar`, writes,
 from WORKDIR's latest (or given) checkpoint, whatever layout trained it:
 
   OUT/model.safetensors   every parameter under a flat dotted key (`wte`, `blocks.wqkv`, `ln_f.scale`, ...), the
@@ -35,11 +35,11 @@ import tempfile
 import jax
 import ml_collections
 
-from jaxpar.interop import hf, peft
+from jaxpar.formats import hf, peft
 from jaxpar.config import DTYPES, base_config
 from jaxpar.errors import ConfigError
 from jaxpar.data import load_tokenizer
-from jaxpar.interop.runs import load_run, read_classes
+from jaxpar.state.runs import load_run, read_classes
 from jaxpar.model import LORA_FIELDS, merge_adapters, merge_trainable, split_adapters
 from jaxpar.model import (SHAPE_FIELDS, ZERO_COUNTS, Forward, ModelConfig, flatten, init_params,  # noqa: F401
                           param_items, unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
@@ -59,7 +59,7 @@ _ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64":
 def export(workdir: str, out: str, step: int | None = None, force: bool = False, fmt: str = "jaxpar",
            dtype: str | None = None, max_shard_bytes: int = 5 * 10 ** 9) -> dict:
     """Write WORKDIR's latest (or `step`'s) checkpoint params as an export in OUT: jaxpar's layout above (`fmt`
-    "jaxpar"), or a Hugging Face directory for the run's family (`fmt` "hf": `jaxpar.interop.hf.save`, weights in `dtype`,
+    "jaxpar"), or a Hugging Face directory for the run's family (`fmt` "hf": `jaxpar.formats.hf.save`, weights in `dtype`,
     default the param dtype, in shards of at most `max_shard_bytes`).
 
     The params are restored onto the host CPU (no accelerator memory is used). Either everything is written or

@@ -18,72 +18,19 @@ from jaxpar import data
 from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
 from jaxpar.cluster.preemption import Preempted, PreemptionWatch
-from jaxpar.interop import hf, hub, peft, runs
-from jaxpar.train import loss_scale, monitor, objectives, reference
+from jaxpar.formats import hf, hub, peft
+from jaxpar.state import runs
+from jaxpar.observe import monitor
+from jaxpar.train import loss_scale, reference
 from jaxpar import model as gpt
-from jaxpar.interop.checkpoint import Checkpointer
+from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
-from jaxpar.config import ConfigError
+from jaxpar.config import ConfigError  # noqa: F401 (trainer.ConfigError: what a run raises for bad input)
 from jaxpar.export import check_export, init_from_export
+from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint, samples_consumed
+from jaxpar.train.inputs import open_data, say_packing
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate
-
-# What a resume must keep identical (else: refuse before touching anything): the model's identity
-# (`model.IDENTITY_FIELDS`), the tokenizer and data, and the global batch size (unless train.allow_batch_change).
-# Layout, zero stage, schedule, microbatches, precision, cadence and steps may change.
-BATCH_KEY = "train.global_batch_size"
-
-
-def fingerprint(config, info, steps) -> dict:
-    fp = {f"model.{k}": v for k, v in gpt.identity(steps.cfg).items()}
-    fp.update({BATCH_KEY: int(config.train.global_batch_size), "tokenizer": getattr(info, "tokenizer_kind", "none"),
-               "data": info.identity})  # (images have no tokenizer)
-    if config.data.packing != "concat":  # absent from fingerprints written before packing existed
-        fp["data.packing"] = config.data.packing
-    if config.data.packing == "bfd":
-        fp["data.truncate"] = config.data.truncate
-    if steps.cfg.lora_rank:  # which adapters the state holds (absent from full fine-tuning's fingerprints)
-        fp.update({"lora.rank": steps.cfg.lora_rank, "lora.adapted": sorted(gpt.adapter_specs(steps.cfg))})
-    return fp
-
-
-def upgrade_fingerprint(saved: dict) -> dict:
-    """A fingerprint as older checkpoints wrote it -> today's keys: before the model spec (`model.mlp` the config's
-    value, 0 meaning 4 x embed, with the width under `mlp_width`; `vocab_real` without a prefix), and before the
-    llama family (no `model.arch`, `model.kv_heads`, ...: a gpt2 with the defaults), and before mixtures of experts
-    (no `model.experts`, ...: dense)."""
-    out = dict(saved)
-    if "mlp_width" in saved:
-        out = {k: v for k, v in saved.items() if k not in ("mlp_width", "vocab_real")}
-        out.update({"model.mlp": saved["mlp_width"], "model.vocab_real": saved.get("vocab_real")})
-    if "model.heads" in out:
-        old = {k[len("model."):]: v for k, v in out.items() if k.startswith("model.")}
-        out.update({f"model.{k}": v for k, v in gpt.identity_defaults(old).items() if f"model.{k}" not in out})
-    return out
-
-
-def check_resume(saved: dict, now: dict, allow_batch_change: bool = False) -> None:
-    """Raise ConfigError naming every difference between a checkpoint's fingerprint and this run's.
-
-    `allow_batch_change` (`train.allow_batch_change`) accepts a different `train.global_batch_size`."""
-    batch, saved = BATCH_KEY, upgrade_fingerprint(saved)
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs now {now[k]!r}" for k in now
-             if saved.get(k) != now[k] and not (allow_batch_change and k == batch)]
-    if diffs:
-        hint = ("\nto continue the data order with the new batch size, pass --config.train.allow_batch_change=True."
-                if any(d.startswith(batch + ":") for d in diffs) else "")
-        raise ConfigError("refusing to resume: the checkpoint was written for another model or data:\n  "
-                          + "\n  ".join(diffs)
-                          + "\nuse a fresh --workdir, or restore the original settings." + hint)
-
-
-def samples_consumed(meta: dict, step: int, batch: int) -> int:
-    """Positions of the training order consumed before `step`, from the meta of checkpoint `step`: its `samples`,
-    or (checkpoints written before it was recorded) `step` x the global batch size of its fingerprint (else `batch`)."""
-    if "samples" in meta:
-        return int(meta["samples"])
-    return int(step) * int(meta.get("fingerprint", {}).get("train.global_batch_size", batch))
-
 
 def check_health(config, state, done: int) -> dict:
     """Raise FloatingPointError if training must stop: a non-finite loss/grad under `train.nonfinite = stop` (every
@@ -170,37 +117,6 @@ def run(config, workdir: str, devices=None) -> dict:
         ckpt.close()
 
 
-def open_data(config) -> tuple:
-    """(the prepared data's info, its train and val batches, the model's vocabulary: a ViT's classes): the sources
-    prepared once (process 0 first, then the others find them in the cache)."""
-    B, T, seed, d = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed), config.data
-    kinds = objectives.from_config(config).data_kinds
-    if "images" in kinds:
-        info = distributed.process_0_first(lambda: data.prepare_images(config), "jaxpar/prepare")
-        m = config.model
-        splits = tuple(data.ImageBatches(info, split, B, seed, image_size=m.image_size, channels=m.channels,
-                                         mean=d.image_mean, std=d.image_std, augment=d.augment,
-                                         num_classes=m.num_classes) for split in ("train", "val"))
-        return info, splits, splits[0].num_classes
-    info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")
-    vocab = data.model_vocab(config, info.vocab_size)
-    return info, tuple(data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=d.packing,
-                                    truncate=d.truncate, pairs="pairs" in kinds)
-                       for split in ("train", "val")), vocab
-
-
-def say_packing(train_data, val_data) -> None:
-    """With `data.packing = "bfd"`: how the sequences went into rows, and how many were cut or left out."""
-    if not train_data.packed or jax.process_index() != 0:
-        return
-    for split, d in (("train", train_data), ("val", val_data)):
-        c = d.packing_counts()
-        what = "preference pairs" if d.packed[0].pairs else "sequences"
-        print(f"jaxpar: {split}: {c['sequences']:,} {what} packed into {c['rows']:,} rows of {d.seq_len + 1} "
-              f"tokens; {c['truncated']:,} cut to fit (data.truncate='right'), {c['skipped']:,} left out "
-              f"(data.truncate='skip')", flush=True)
-
-
 def check_before_writing(config, workdir: str, fp: dict, steps) -> int | None:
     """Refuse a mismatched resume (or a fine-tuning start from an export of another model) before anything is
     created or written. -> the latest checkpoint's step (None: a fresh run)."""
@@ -233,15 +149,6 @@ def check_hf_weights(config, workdir: str, tensor: int) -> None:
         hf.check(directory, cfg)
     if config.lora.adapter:  # (its r, alpha and targets are the config's already: `peft.apply`)
         peft.check(config.lora.adapter, cfg)
-
-
-def latest_checkpoint(workdir: str) -> tuple[int | None, dict | None]:
-    """(the latest complete checkpoint's step, its metadata), or (None, None); reads only."""
-    if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-        return None, None
-    with Checkpointer(workdir, 1, 1, async_save=False, read_only=True) as probe:
-        latest = probe.latest_step()
-        return latest, (None if latest is None else probe.read_meta(latest))
 
 
 def write_run_files(config, workdir: str, info, start: int) -> None:

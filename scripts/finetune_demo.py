@@ -100,8 +100,8 @@ def score(model: str, data: str, limit: int) -> dict:
     import jax.numpy as jnp
 
     from jaxpar.data.chat import ChatFormat
-    from jaxpar.interop import hf
-    from jaxpar.interop.runs import load_params
+    from jaxpar.formats import hf
+    from jaxpar.state.runs import load_params
     from jaxpar.model.generate import generate
 
     where = hf.directory_of(model)

@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxpar.interop.checkpoint import Checkpointer, CheckpointSaveError
+from jaxpar.state.checkpoint import Checkpointer, CheckpointSaveError
 from jaxpar.config import MESH_AXES, base_config
 
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
@@ -142,6 +142,22 @@ def test_restore_errors(tmp_path):
         with pytest.raises(ValueError, match="missing from the checkpoint: extra") as err:
             ck.restore(1, {"w": sds((4, 3), jnp.float32), "extra": sds((), jnp.int32)})
         assert "not in abstract_state: step" in str(err.value)
+
+
+def test_restore_part_reads_only_the_leaves_asked_for(tmp_path):
+    """`restore_part` (a run read back: its params, no optimizer state) returns the saved values of the leaves asked
+    for, bitwise, and refuses a leaf the checkpoint lacks or holds in another shape, before reading."""
+    state = _small_state(2.5)
+    with Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False) as ck:
+        ck.save(1, state, {})
+    dev = NamedSharding(_mesh((1, 1, 1)), P())
+    expect = {k: np.asarray(v) for k, v in state.items() if k == "w"}
+    with Checkpointer(str(tmp_path), 1, 1, async_save=False, read_only=True) as ck:
+        _assert_bitwise_equal(ck.restore_part(1, _abstract(expect, lambda x: dev)), expect)
+        with pytest.raises(ValueError, match="missing from the checkpoint: extra"):
+            ck.restore_part(1, {"extra": jax.ShapeDtypeStruct((), jnp.int32, sharding=dev)})
+        with pytest.raises(ValueError, match=r"w: saved float32\[4, 3\], requested float32\[5, 3\]"):
+            ck.restore_part(1, {"w": jax.ShapeDtypeStruct((5, 3), jnp.float32, sharding=dev)})
 
 
 def test_keep_and_latest_step(tmp_path):

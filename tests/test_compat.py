@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from jaxpar import data, trainer
-from jaxpar.interop import runs
-from jaxpar.interop.checkpoint import Checkpointer
+from jaxpar.state import runs
+from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.compiled import steps_for
 from jaxpar.model import identity_defaults
 

@@ -80,7 +80,7 @@ def test_evaluation_at_context_4_is_the_one_device_loss():
 
 def test_a_context_4_checkpoint_resumes_at_context_1(tmp_path):
     """2 steps at (data 2, context 4), a checkpoint, the third step on one device: the uninterrupted run's loss."""
-    from jaxpar.interop.checkpoint import Checkpointer
+    from jaxpar.state.checkpoint import Checkpointer
     c4, c1 = config(2, ctx=4), config(1, ctx=1)
     steps3 = [batch(16, 16, VOCAB, seed=i) for i in range(3)]
     st4 = steps_for(c4, VOCAB)

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from jaxpar import launch
-from jaxpar.interop import runs
-from jaxpar.interop.checkpoint import Checkpointer
+from jaxpar.state import runs
+from jaxpar.state.checkpoint import Checkpointer
 from helpers import command
 
 # processes timed against each other: one at a time, on one pytest-xdist worker (`--dist loadgroup`)

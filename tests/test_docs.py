@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from jaxpar.config import DEFAULT_RULES, _get, base_config, flat_keys
-from jaxpar.config_keys import KEYS as KEYS_TABLE, reference_table
+from jaxpar.config import DEFAULT_RULES, _get, base_config, flat_keys, reference_table
+from jaxpar.config_keys import KEYS as KEYS_TABLE
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md"))
@@ -72,10 +72,10 @@ def test_the_check_catches_a_stale_key():
 
 
 def test_config_reference_is_the_key_table():
-    """docs/config.md's key table is `config_keys.reference_table()` (regenerate: python -m jaxpar.config_keys), and
+    """docs/config.md's key table is `config.reference_table()` (regenerate: python -m jaxpar.config), and
     the key table is `base_config()`: every key, with its default."""
     text = (ROOT / "docs/config.md").read_text()
-    assert reference_table() in text.split("## Keys")[1], "docs/config.md: run python -m jaxpar.config_keys"
+    assert reference_table() in text.split("## Keys")[1], "docs/config.md: run python -m jaxpar.config"
     assert sorted(k.name for k in KEYS_TABLE) == sorted(KEYS)
     for logical, mesh in DEFAULT_RULES:  # the rules table
         shown = "none" if not mesh else f"`{mesh}`" if isinstance(mesh, str) else f"`{mesh!r}`"

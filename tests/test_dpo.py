@@ -17,7 +17,7 @@ from helpers import chat_tokenizer, float64_config, float64_oracle, steps_for, t
 from jaxpar import data, model, trainer  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
-from jaxpar.interop import hf  # noqa: E402
+from jaxpar.formats import hf  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_dpo")
 

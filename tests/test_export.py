@@ -16,7 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from helpers import assert_params_exact, run_config, steps_for
 from jaxpar import export, trainer
-from jaxpar.interop import runs
+from jaxpar.state import runs
 from jaxpar.data import ByteTokenizer
 from jaxpar.model.generate import generate
 from jaxpar import model as gpt

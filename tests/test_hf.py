@@ -21,7 +21,8 @@ transformers = pytest.importorskip("transformers")
 from helpers import run_config, steps_for  # noqa: E402
 from hf_checks import close, hf_logits, hf_tensors, logits_of  # noqa: E402
 from jaxpar import trainer  # noqa: E402
-from jaxpar.interop import hf, runs
+from jaxpar.formats import hf
+from jaxpar.state import runs
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import BPETokenizer, ByteTokenizer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402

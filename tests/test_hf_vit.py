@@ -22,9 +22,9 @@ from helpers import steps_for, tiny_config  # noqa: E402
 from hf_checks import hf_tensors  # noqa: E402
 from jaxpar import model as gpt  # noqa: E402
 from jaxpar.model import derived  # noqa: E402
-from jaxpar.interop.runs import read_classes  # noqa: E402
-from jaxpar.interop import hf  # noqa: E402
-from jaxpar.interop.hf import HFError, keys  # noqa: E402
+from jaxpar.state.runs import read_classes  # noqa: E402
+from jaxpar.formats import hf  # noqa: E402
+from jaxpar.formats.hf import HFError, keys  # noqa: E402
 from jaxpar.parallel.logical import activation_rules  # noqa: E402
 from jaxpar.train.state import fresh_params  # noqa: E402
 
@@ -285,7 +285,7 @@ def test_training_from_hf_on_parquet_images_starts_at_transformers_loss_and_expo
     trained run's, with the class names of the data."""
     from jaxpar import trainer
     from jaxpar.export import export
-    from jaxpar.interop.runs import load_run
+    from jaxpar.state.runs import load_run
 
     model, d = vit
     images, labels = parquet_images(tmp_path / "train.parquet", 8)

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 hf_constants = pytest.importorskip("huggingface_hub.constants")
 
 from helpers import ROOT, chat_tokenizer, losses  # noqa: E402
-from jaxpar.interop import hub  # noqa: E402
+from jaxpar.formats import hub  # noqa: E402
 from jaxpar.config import base_config  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
 

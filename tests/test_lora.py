@@ -23,7 +23,8 @@ from jaxpar.compiled import report_for  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402
-from jaxpar.interop import hf, peft as jpeft, runs  # noqa: E402
+from jaxpar.formats import hf, peft as jpeft  # noqa: E402
+from jaxpar.state import runs  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_lora")
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxpar.analysis import throughput as m
-from jaxpar.train import monitor as mon
+from jaxpar.model import model_flops_per_token
+from jaxpar.observe import monitor as mon
 
 # GPT-2 small (124M): L=12, d=768, vocab 50257, T=1024, tied embedding counted once, no position embedding.
 # Per block: 2 LayerNorms (2*2*768) + qkv (768*2304 + 2304) + attn out (768*768 + 768)
@@ -28,16 +29,16 @@ def test_gpt2_param_count_by_hand():
 
 def test_model_flops_per_token_gpt2():
     # 6 N = 741,920,256; 12 L d T = 12*12*768*1024 = 113,246,208; sum = 855,166,464
-    got = m.model_flops_per_token(GPT2_N, layers=12, embed=768, seq_len=1024)
+    got = model_flops_per_token(GPT2_N, layers=12, embed=768, seq_len=1024)
     assert got == 855_166_464.0
     assert isinstance(got, float)
 
 
 def test_model_flops_per_token_terms():
-    assert m.model_flops_per_token(1000, 0, 0, 0) == 6000.0
-    assert m.model_flops_per_token(0, 2, 3, 5) == 12 * 2 * 3 * 5
+    assert model_flops_per_token(1000, 0, 0, 0) == 6000.0
+    assert model_flops_per_token(0, 2, 3, 5) == 12 * 2 * 3 * 5
     with pytest.raises(ValueError):
-        m.model_flops_per_token(-1, 1, 1, 1)
+        model_flops_per_token(-1, 1, 1, 1)
 
 
 @pytest.mark.parametrize("kind,expected", [
@@ -70,7 +71,7 @@ def test_peak_flops_unknown(kind):
 
 
 def test_tflops_and_mfu():
-    fpt = m.model_flops_per_token(GPT2_N, 12, 768, 1024)
+    fpt = model_flops_per_token(GPT2_N, 12, 768, 1024)
     tps = 400_000.0  # whole job, 4 devices
     assert m.tflops_per_device(tps, fpt, 4) == pytest.approx(tps * fpt / 4 / 1e12)
     assert m.mfu(tps, fpt, 4, 989e12) == pytest.approx(tps * fpt / (4 * 989e12))

@@ -13,7 +13,7 @@ from helpers import (BATCHES, LOSS_F64_RTOL, VOCAB, assert_equals_one_device, as
                      losses, place, reference_run, run_config, steps_for, tiny_config)
 from jaxpar import model as gpt
 from jaxpar import trainer
-from jaxpar.model import moe
+from jaxpar.model import moe, moe_dispatch
 from jaxpar.config import ConfigError
 from jaxpar.validate import validate
 
@@ -71,11 +71,22 @@ def test_moe_layer_equals_per_token_reference(over):
         assert float(stats["dropped"]) == 0 and float(stats["load"].sum()) == 3 * cfg.seq_len * cfg.experts_per_token
 
 
+def slots(idx, experts: int, cap: int):
+    """Chosen experts `[b, t, k]` -> (each choice's buffer slot `[b, t, k]` in [0, E x C], E x C meaning dropped;
+    each slot's token `[b, E x C]`, t for an empty slot; choices per expert `[b, E]`), one device's sequences: the
+    dispatch's own steps (`jaxpar/model/moe_dispatch.py`)."""
+    b, t, k = idx.shape
+    order = moe_dispatch.priority_order(idx)
+    pos, counts, _ = moe_dispatch.queue_positions(order, experts, k)
+    dest, token = moe_dispatch.slots_of(order, pos < cap, experts, cap, t)
+    return dest.reshape(b, k, t).transpose(0, 2, 1), token, counts
+
+
 def test_capacity_drops_by_priority_within_each_sequence():
     """Capacity C per expert per sequence; all first choices before any second choice, each in token order; a
     dropped choice adds nothing."""
     idx = jnp.asarray([[[0, 1], [0, 2], [0, 1]]])  # one sequence, 3 tokens, k = 2, experts 0..2
-    dest, token, counts = moe.slots(idx, 3, 2)
+    dest, token, counts = slots(idx, 3, 2)
     sink = 3 * 2
     # first choices: expert 0 by tokens 0, 1, 2 -> slots 0, 1, dropped; second: expert 1 by 0, 2 -> 2, 3; expert 2
     np.testing.assert_array_equal(dest[0], [[0, 2], [1, 4], [sink, 3]])
@@ -91,7 +102,7 @@ def test_balancing_loss_and_bias_update_equal_the_formulas():
     cfg = tiny_cfg(experts=4, experts_per_token=2)
     logits = np.asarray(jax.random.normal(jax.random.key(3), (2, 5, 4)), np.float32)
     scores, idx, _ = moe.route(jnp.asarray(logits), jnp.zeros(4), cfg)
-    _, _, counts = moe.slots(idx, 4, 5)
+    _, _, counts = slots(idx, 4, 5)
     aux, z = moe.balance_stats(jnp.asarray(logits), scores, counts, cfg)
     p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     want_aux = want_z = 0.0

@@ -57,8 +57,8 @@ def assert_losses_equal(a, b, steps):
 def saved_state(workdir, step):
     """The whole train state of checkpoint `step` (params, optimizer state, step, rng) on one device."""
     from jaxpar import data
-    from jaxpar.interop import runs
-    from jaxpar.interop.checkpoint import Checkpointer
+    from jaxpar.state import runs
+    from jaxpar.state.checkpoint import Checkpointer
     from jaxpar.train.optim import make_optimizer
     from jaxpar.train.step import init_state, model_config
 

@@ -77,7 +77,7 @@ def test_the_step_moves_the_offloaded_state_to_the_device_and_back():
 @pytest.mark.parametrize("saved,restored", [("optimizer", "none"), ("none", "params")])
 def test_a_checkpoint_moves_between_offload_settings(tmp_path, saved, restored):
     """2 steps with one setting, a checkpoint, the third step with the other: the uninterrupted run, bitwise."""
-    from jaxpar.interop.checkpoint import Checkpointer
+    from jaxpar.state.checkpoint import Checkpointer
     _, state, st = train(layout_config("2x2x2-1f1b-z1", saved), BATCHES[:2])
     with Checkpointer(str(tmp_path), 1, 1, async_save=False) as ck:
         ck.save(2, st.to_canonical(state), {"step": 2}, force=True)

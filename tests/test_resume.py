@@ -11,7 +11,7 @@ import pytest
 
 from helpers import losses, run_config
 from jaxpar import data, trainer
-from jaxpar.interop.checkpoint import Checkpointer, CheckpointSaveError
+from jaxpar.state.checkpoint import Checkpointer, CheckpointSaveError
 from jaxpar.config import MESH_AXES
 from jaxpar.config import ConfigError
 

@@ -22,7 +22,7 @@ from helpers import (assert_params_exact, chat_tokenizer, float64_config, float6
                      tiny_config)
 from jaxpar import data, trainer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402
-from jaxpar.interop import hf  # noqa: E402
+from jaxpar.formats import hf  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("test_sft"), pytest.mark.slow]
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "chat_templates"

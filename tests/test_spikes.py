@@ -7,7 +7,7 @@ import pytest
 
 from helpers import VOCAB, batch, place, steps_for, tiny_config
 from jaxpar.train import spikes
-from jaxpar.interop.checkpoint import Checkpointer
+from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.errors import ConfigError
 from jaxpar.validate import validate
 

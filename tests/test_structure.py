@@ -40,8 +40,8 @@ def test_every_subpackage_is_installed():
 # The rooms in the order imports flow: a module may import its own room and the rooms before it, never one after.
 # A root module is a room of its own; a folder is one room (docs/architecture.md draws this map).
 ORDER = ("config_keys", "errors", "config", "dtypes", "layout",  # what every room may read
-         "data", "cluster", "parallel", "kernels", "model", "analysis", "train",  # the rooms
-         "validate", "interop", "compiled", "export", "plan", "trainer", "launch", "preprocess")  # entry points
+         "data", "cluster", "parallel", "kernels", "model", "analysis", "observe", "train",  # the rooms
+         "validate", "state", "formats", "compiled", "export", "plan", "trainer", "launch", "preprocess")  # entry points
 
 
 def room(module: str) -> str:
@@ -158,7 +158,7 @@ def test_imports_flow_one_way():
     assert graph["jaxpar.config"] <= {"jaxpar.errors", "jaxpar.config_keys"}, graph["jaxpar.config"]
     assert graph["jaxpar.config_keys"] == set(), graph["jaxpar.config_keys"]
     importers = {m for m, deps in graph.items() if "jaxpar.validate" in deps}
-    assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.export", "jaxpar.interop.hf", "jaxpar.plan.space",
+    assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.export", "jaxpar.formats.hf", "jaxpar.plan.space",
                          "jaxpar.plan.measure"}, importers
 
 

@@ -16,11 +16,8 @@ import time
 
 import jax
 
-from jaxpar.model import model_flops_per_token  # noqa: F401 (the model spec owns the formula)
-
 __all__ = [
     "PEAK_BF16_FLOPS",
-    "model_flops_per_token",
     "peak_flops",
     "mfu",
     "tflops_per_device",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from jaxpar.data.preprocess import cache_root
+from jaxpar.config import cache_root
 from jaxpar.errors import ConfigError
 
 GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",

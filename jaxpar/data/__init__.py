@@ -20,7 +20,8 @@ from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_r
 from jaxpar.data.images import ImageInfo, ImageSet, prepare_images
 from jaxpar.data.image_batches import ImageBatches, image_batch_shapes
 from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
-from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, cache_root, known_vocab, model_vocab, prepare
+from jaxpar.config import cache_root
+from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, known_vocab, model_vocab, prepare
 from jaxpar.data.sources import Source, parse_sources
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from jaxpar.data.tokens import TokenStream

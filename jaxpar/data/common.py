@@ -1,4 +1,5 @@
-"""Shared pieces of `jaxpar.data`: `DataError`, hashing, atomic JSON writes and the cache file lock."""
+"""Shared pieces of `jaxpar.data`: `DataError`, hashing, atomic JSON writes, the cache file lock, and the images'
+per-channel settings (`channel_values`)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,6 +8,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
+import numpy as np
 
 
 class DataError(ValueError):
@@ -51,3 +54,20 @@ def locked(lock_path: Path):
     finally:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
+
+
+def channel_values(value, channels: int, key: str, default: float = 0.5) -> np.ndarray:
+    """`data.image_mean` / `data.image_std` (comma-separated floats, one per channel or one for all; "" = `default`
+    each; or a sequence) -> float32 `[channels]`."""
+    words = str(value).replace(",", " ").split() if isinstance(value, str) else list(value)
+    try:
+        values = [float(w) for w in words] or [default]
+    except (TypeError, ValueError):
+        raise DataError(f"{key}={value!r}: give one number per channel, comma-separated (e.g. '0.5,0.5,0.5').") \
+            from None
+    if len(values) == 1:
+        values *= channels
+    if len(values) != channels:
+        raise DataError(f"{key}={value!r} has {len(values)} values; model.channels={channels} needs {channels} "
+                        f"(comma-separated) or one for all.")
+    return np.asarray(values, np.float32)

@@ -11,26 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxpar.data.common import DataError, check_split
+from jaxpar.data.common import DataError, channel_values, check_split
 from jaxpar.data.images import AUGMENTS, ImageInfo, _label, check_labels
-from jaxpar.data.loader import Batches, Blend
-
-
-def channel_values(value, channels: int, key: str, default: float = 0.5) -> np.ndarray:
-    """`data.image_mean` / `data.image_std` (comma-separated floats, one per channel or one for all; "" = `default`
-    each; or a sequence) -> float32 `[channels]`."""
-    words = str(value).replace(",", " ").split() if isinstance(value, str) else list(value)
-    try:
-        values = [float(w) for w in words] or [default]
-    except (TypeError, ValueError):
-        raise DataError(f"{key}={value!r}: give one number per channel, comma-separated (e.g. '0.5,0.5,0.5').") \
-            from None
-    if len(values) == 1:
-        values *= channels
-    if len(values) != channels:
-        raise DataError(f"{key}={value!r} has {len(values)} values; model.channels={channels} needs {channels} "
-                        f"(comma-separated) or one for all.")
-    return np.asarray(values, np.float32)
+from jaxpar.data.loader import Batches, Order
 
 
 def pixel_table(mean, std, channels: int) -> np.ndarray:
@@ -100,9 +83,7 @@ class ImageBatches(Batches):
 
     def __init__(self, info: ImageInfo, split: str, global_batch: int, seed: int = 0, *, image_size: int,
                  channels: int, mean="", std="", augment: str = "", num_classes: int = 0):
-        import grain
-
-        # Batches.__init__ reads token streams: not called; its order, blend and resume methods are shared
+        # Batches.__init__ reads token streams: not called; the order (`Order`) and its methods are shared
         self.split, self.global_batch, self.seed = check_split(split), int(global_batch), int(seed)
         if self.global_batch < 1:
             raise DataError(f"global_batch={global_batch} must be >= 1.")
@@ -117,14 +98,7 @@ class ImageBatches(Batches):
         self.num_classes = int(num_classes) or info.num_classes
         for p in self.parts:
             check_labels(p.images.labels, self.num_classes, p.images.where, info.num_classes, int(num_classes))
-        self.orders = []
-        for k, n in enumerate(self.num_samples):
-            order = grain.MapDataset.range(n)
-            if self.split == "train":
-                order = order.shuffle(seed=(self.seed + 1_000_003 * k) % 2**32)  # as `Batches`
-            self.orders.append(order.repeat())  # reseeds the shuffle every epoch
-        self.blend = Blend([s.weight for s, _ in sources])
-        self.origin_step, self.origin_sample = 0, 0
+        self.order = Order(self.num_samples, [s.weight for s, _ in sources], self.split, self.seed, self.global_batch)
         self.packed = None
         self.image_size, self.channels = int(image_size), int(channels)
         self.table = pixel_table(mean, std, self.channels).T.reshape(-1)  # [C * 256]: channel c's at c * 256
@@ -133,7 +107,7 @@ class ImageBatches(Batches):
 
     def tokens_by_source(self, step: int) -> dict:
         """Training images drawn from each source before batch `step`: {"images/<source name>": images}."""
-        n = self.blend.consumed(self.samples_before(step))
+        n = self.order.consumed(step)
         return {f"images/{name}": int(v) for name, v in zip(self.names, n)}
 
     def tokens_in(self, rows: dict) -> int:
@@ -148,7 +122,7 @@ class ImageBatches(Batches):
         samples = self.samples(step, start, stop)
         images, labels = self._read(samples[:, 0], samples[:, 1])
         if self.augment:
-            images = augment_images(images, self._positions(step, start, stop), self.seed, self.augment)
+            images = augment_images(images, self.order.positions(step, start, stop), self.seed, self.augment)
         return {"pixels": self.pixels(images), "labels": labels, "mask": np.ones(len(labels), np.float32)}
 
     def val_batch(self, i: int, start: int = 0, stop: int | None = None) -> dict:

@@ -49,6 +49,66 @@ class Blend:
         return b * self.counts + (self.before[:, o] if o else 0)
 
 
+class Order:
+    """The order of a blend of sources' samples, shared by token and image batches: source k's samples (`num_samples`
+    of each) in a grain shuffle (seed, k), reshuffled each epoch of k, for split="train"; in order for "val".
+    Position p of the blended order (`Blend`, by `weights`) is p = step * global_batch + r, or after
+    `resume_at(step0, samples0)` (a resume with another global batch size) p = samples0 + (step - step0) *
+    global_batch + r: none repeated or skipped."""
+
+    def __init__(self, num_samples, weights, split: str, seed: int, global_batch: int):
+        import grain
+
+        self.num_samples, self.global_batch = list(num_samples), int(global_batch)
+        self.orders = []
+        for k, n in enumerate(self.num_samples):
+            order = grain.MapDataset.range(n)
+            if split == "train":
+                order = order.shuffle(seed=(int(seed) + 1_000_003 * k) % 2**32)
+            self.orders.append(order.repeat())  # reseeds the shuffle every epoch
+        self.blend = Blend(weights)
+        self.origin_step, self.origin_sample = 0, 0  # batch `origin_step` starts at position `origin_sample`
+
+    def resume_at(self, step: int, samples: int) -> None:
+        """Make batch `step` start at position `samples` of the order (the samples consumed before it), so batches
+        from `step` on continue the order with this global batch size; batches before `step` are then unavailable.
+
+        Raises:
+          ValueError: `step` or `samples` < 0.
+        """
+        step, samples = int(step), int(samples)
+        if step < 0 or samples < 0:
+            raise ValueError(f"resume_at needs step >= 0 and samples >= 0; got {step=}, {samples=}.")
+        self.origin_step, self.origin_sample = step, samples
+
+    def samples_before(self, step: int) -> int:
+        """Positions of the order consumed before batch `step` (what a checkpoint of step `step` records)."""
+        return self.origin_sample + (int(step) - self.origin_step) * self.global_batch
+
+    def positions(self, step: int, start: int, stop: int | None) -> np.ndarray:
+        """The positions of rows start..stop (default: all) of batch `step`."""
+        stop = self.global_batch if stop is None else stop
+        if step < self.origin_step or not 0 <= start <= stop <= self.global_batch:
+            raise ValueError(f"need step >= {self.origin_step} and 0 <= start <= stop <= {self.global_batch}; got "
+                             f"{step=}, {start=}, {stop=}.")
+        base = self.samples_before(step)
+        return np.arange(base + start, base + stop, dtype=np.int64)
+
+    def samples(self, step: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """(source, sample index) of rows start..stop of batch `step`: int64 [stop - start, 2]."""
+        k, j = self.blend(self.positions(step, start, stop))
+        i = [self.orders[a][b] for a, b in zip(k.tolist(), j.tolist())]
+        return np.stack([k, np.asarray(i, np.int64)], axis=1).reshape(-1, 2)
+
+    def consumed(self, step: int) -> np.ndarray:
+        """Samples drawn from each source before batch `step`."""
+        return self.blend.consumed(self.samples_before(step))
+
+    def epoch(self, step: int) -> float:
+        """Epochs of the largest-share source completed at the start of batch `step` (fractional)."""
+        return float(max(u / n for u, n in zip(self.consumed(step), self.num_samples)))
+
+
 class Batches:
     """Global batches of `[seq_len + 1]`-token rows from the blended sources; row r of batch `step` is a pure function
     of (step, r).
@@ -69,8 +129,6 @@ class Batches:
     def __init__(self, info: DataInfo, split: str, seq_len: int, global_batch: int, seed: int = 0, *,
                  vocab_size: int | None = None, packing: str = "concat", truncate: str = "right",
                  pairs: bool = False):
-        import grain
-
         self.split, self.seq_len, self.global_batch = check_split(split), int(seq_len), int(global_batch)
         if self.seq_len < 1 or self.global_batch < 1:
             raise DataError(f"seq_len={seq_len} and global_batch={global_batch} must be >= 1.")
@@ -91,49 +149,25 @@ class Batches:
                        for p, n, (src, _) in zip(self.parts, self.names, sources)] if packing == "bfd" else None
         self.num_samples = [p.num_samples for p in self.packed] if self.packed else \
             [(p.num_tokens - 1) // self.seq_len for p in self.parts]
-        self.orders = []
-        for k, n in enumerate(self.num_samples):
-            order = grain.MapDataset.range(n)
-            if self.split == "train":
-                order = order.shuffle(seed=(int(seed) + 1_000_003 * k) % 2**32)
-            self.orders.append(order.repeat())  # reseeds the shuffle every epoch
-        self.blend = Blend([s.weight for s, _ in sources])
-        self.origin_step, self.origin_sample = 0, 0  # batch `origin_step` starts at position `origin_sample`
+        self.order = Order(self.num_samples, [s.weight for s, _ in sources], self.split, seed, self.global_batch)
 
+    # the order's (`Order`): the same for image batches
     def resume_at(self, step: int, samples: int) -> None:
-        """Make batch `step` start at position `samples` of the order (the samples consumed before it), so batches
-        from `step` on continue the order with this global batch size; batches before `step` are then unavailable.
-
-        Raises:
-          ValueError: `step` or `samples` < 0.
-        """
-        step, samples = int(step), int(samples)
-        if step < 0 or samples < 0:
-            raise ValueError(f"resume_at needs step >= 0 and samples >= 0; got {step=}, {samples=}.")
-        self.origin_step, self.origin_sample = step, samples
+        self.order.resume_at(step, samples)
 
     def samples_before(self, step: int) -> int:
-        """Positions of the order consumed before batch `step` (what a checkpoint of step `step` records)."""
-        return self.origin_sample + (int(step) - self.origin_step) * self.global_batch
+        return self.order.samples_before(step)
+
+    def samples(self, step: int, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.order.samples(step, start, stop)
+
+    def epoch(self, step: int) -> float:
+        return self.order.epoch(step)
 
     def tokens_by_source(self, step: int) -> dict:
         """Training tokens drawn from each source before batch `step`: {source name: tokens}."""
-        n = self.blend.consumed(self.samples_before(step)) * self.seq_len
+        n = self.order.consumed(step) * self.seq_len
         return {f"tokens/{name}": int(v) for name, v in zip(self.names, n)}
-
-    def _positions(self, step: int, start: int, stop: int | None) -> np.ndarray:
-        stop = self.global_batch if stop is None else stop
-        if step < self.origin_step or not 0 <= start <= stop <= self.global_batch:
-            raise ValueError(f"need step >= {self.origin_step} and 0 <= start <= stop <= {self.global_batch}; got "
-                             f"{step=}, {start=}, {stop=}.")
-        base = self.samples_before(step)
-        return np.arange(base + start, base + stop, dtype=np.int64)
-
-    def samples(self, step: int, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """(source, sample index) of rows start..stop of batch `step`: int64 [stop - start, 2]."""
-        k, j = self.blend(self._positions(step, start, stop))
-        i = [self.orders[a][b] for a, b in zip(k.tolist(), j.tolist())]
-        return np.stack([k, np.asarray(i, np.int64)], axis=1).reshape(-1, 2)
 
     def rows(self, step: int, start: int = 0, stop: int | None = None) -> dict:
         """Rows start..stop (default: all) of global batch `step`: {"tokens": int32 [n, seq_len + 1]} (+ "segments"
@@ -190,10 +224,6 @@ class Batches:
         """The real tokens of host rows (`real_tokens`): what throughput counts."""
         return real_tokens(rows)
 
-    def epoch(self, step: int) -> float:
-        """Epochs of the largest-share source completed at the start of batch `step` (fractional)."""
-        used = self.blend.consumed(self.samples_before(step))
-        return float(max(u / n for u, n in zip(used, self.num_samples)))
 
 
 def _check_enough(source, part, split: str, seq_len: int) -> None:

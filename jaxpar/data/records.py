@@ -2,6 +2,8 @@
 one document of ids, with its loss mask beside it (`PREFIX-mask.bin/.idx`, one uint8 per token)."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import numpy as np
 
 from jaxpar.data import chat, megatron, sources as src
@@ -13,7 +15,7 @@ def holds_records(source: src.Source, units) -> bool:
     """Whether a JSONL or Parquet source holds conversations or prompt/completion records (judged by its first
     record, as TRL judges a dataset): those are encoded as whole sequences with a loss mask."""
     return source.kind in ("jsonl", "parquet") and bool(units) and \
-        chat.record_kind(src.first_record(units[0])) is not None
+        chat.record_kind(first_record(units[0])) is not None
 
 
 def conversation_settings(d, tok_dir: str, any_records: bool) -> dict:
@@ -36,7 +38,7 @@ def encode_records(unit, prefix: str, tok, settings: dict) -> dict:
     docs = tokens = no_loss = identical = 0
     with megatron.Writer(prefix, megatron.best_dtype(tok.vocab_size)) as w, \
             megatron.Writer(prefix + MASK, np.uint8) as wm:
-        for obj, where in src.records(unit):
+        for obj, where in records(unit):
             ids, mask = _record_tokens(obj, where, fmt, tok, settings)
             w.write(ids)
             wm.write(mask)
@@ -59,3 +61,40 @@ def _record_tokens(obj, where: str, fmt, tok, settings: dict):
     ids = np.asarray(tok.encode(text) + ([] if settings["eot"] is None else [settings["eot"]]), np.int32)
     keep = settings["loss_on"] in ("auto", "all")  # a text record has no assistant or completion tokens
     return ids, np.full(ids.size, keep, np.uint8)
+
+
+def records(unit: Unit) -> Iterator[tuple[object, str]]:
+    """(record, where it is: "FILE, line N" or "FILE, row N") of a JSONL or Parquet unit, in order."""
+    for path, start, stop in unit.pieces():
+        if unit.kind == "parquet":
+            yield from _parquet_rows(path, start, stop)
+            continue
+        buf, off, line_no = b"", start, None
+        for block in src.read_blocks(path, start, stop):
+            buf += block
+            lines = buf.split(b"\n")
+            buf = lines.pop()
+            for line in lines:
+                line_no = src.line_number(path, off) if line_no is None else line_no + 1
+                if line.strip():
+                    yield src.parse_line(line, path, off), f"{path}, line {line_no}"
+                off += len(line) + 1
+        if buf.strip():
+            line_no = src.line_number(path, off) if line_no is None else line_no + 1
+            yield src.parse_line(buf, path, off), f"{path}, line {line_no}"
+
+
+def first_record(unit: Unit):
+    """The unit's first record (None for a unit without any)."""
+    return next((obj for obj, _ in records(unit)), None)
+
+
+def _parquet_rows(path: str, start: int, stop: int) -> Iterator[tuple[object, str]]:
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(path)
+    row = sum(f.metadata.row_group(g).num_rows for g in range(start))
+    for batch in f.iter_batches(batch_size=1024, row_groups=range(start, stop)):
+        for obj in batch.to_pylist():
+            yield obj, f"{path}, row {row}"
+            row += 1

@@ -255,7 +255,7 @@ def _decode(raw: bytes, path: str, offset: int) -> str:
         raise DataError(f"{path} is not UTF-8 at byte {offset + e.start}; convert it to UTF-8.") from None
 
 
-def _blocks(path: str, start: int, stop: int, size: int = 4 << 20) -> Iterator[bytes]:
+def read_blocks(path: str, start: int, stop: int, size: int = 4 << 20) -> Iterator[bytes]:
     with open(path, "rb") as f:
         f.seek(start)
         left = (os.path.getsize(path) if stop < 0 else stop) - start
@@ -270,7 +270,7 @@ def _blocks(path: str, start: int, stop: int, size: int = 4 << 20) -> Iterator[b
 def _whole_file(path: str) -> Iterator[tuple[str, bool]]:
     """The file as one document, newline-terminated, in pieces cut after a newline."""
     buf, off, empty = b"", 0, True
-    for block in _blocks(path, 0, -1):
+    for block in read_blocks(path, 0, -1):
         buf += block
         empty = False
         cut = buf.rfind(b"\n", 0, len(buf) - 1) + 1
@@ -285,7 +285,7 @@ def _whole_file(path: str) -> Iterator[tuple[str, bool]]:
 def _separated(path: str, start: int, stop: int, sep: bytes) -> Iterator[tuple[str, bool]]:
     """Documents between separators (the separator dropped, empty pieces skipped)."""
     buf, off = b"", start
-    for block in _blocks(path, start, stop):
+    for block in read_blocks(path, start, stop):
         buf += block
         parts = buf.split(sep)
         buf = parts.pop()
@@ -303,7 +303,7 @@ def _separated(path: str, start: int, stop: int, sep: bytes) -> Iterator[tuple[s
 
 def _jsonl(path: str, start: int, stop: int, field: str) -> Iterator[tuple[str, bool]]:
     buf, off = b"", start
-    for block in _blocks(path, start, stop):
+    for block in read_blocks(path, start, stop):
         buf += block
         lines = buf.split(b"\n")
         buf = lines.pop()
@@ -314,67 +314,30 @@ def _jsonl(path: str, start: int, stop: int, field: str) -> Iterator[tuple[str, 
         yield from _record(buf, path, off, field)
 
 
-def _line_number(path: str, offset: int) -> int:
-    return sum(b.count(b"\n") for b in _blocks(path, 0, offset)) + 1
+def line_number(path: str, offset: int) -> int:
+    return sum(b.count(b"\n") for b in read_blocks(path, 0, offset)) + 1
 
 
-def _parse(line: bytes, path: str, off: int):
+def parse_line(line: bytes, path: str, off: int):
     try:
         return json.loads(line)
     except ValueError as e:
-        raise DataError(f"{path}, line {_line_number(path, off)}: not JSON ({e}); JSONL needs one JSON object per "
+        raise DataError(f"{path}, line {line_number(path, off)}: not JSON ({e}); JSONL needs one JSON object per "
                         f"line. Fix or remove that line.") from None
 
 
 def _record(line: bytes, path: str, off: int, field: str) -> Iterator[tuple[str, bool]]:
     if not line.strip():
         return
-    obj = _parse(line, path, off)
+    obj = parse_line(line, path, off)
     text = obj.get(field) if isinstance(obj, dict) else None
     if not isinstance(text, str):
         keys = sorted(obj)[:8] if isinstance(obj, dict) else type(obj).__name__
-        raise DataError(f"{path}, line {_line_number(path, off)}: no string field {field!r} (has {keys}); set "
+        raise DataError(f"{path}, line {line_number(path, off)}: no string field {field!r} (has {keys}); set "
                         f"--config.data.text_field to the field holding the text, or give conversations as "
                         f"`messages` or `prompt`/`completion` records (docs/finetune.md).")
     if text:
         yield text, True
-
-
-def records(unit: Unit) -> Iterator[tuple[object, str]]:
-    """(record, where it is: "FILE, line N" or "FILE, row N") of a JSONL or Parquet unit, in order."""
-    for path, start, stop in unit.pieces():
-        if unit.kind == "parquet":
-            yield from _parquet_rows(path, start, stop)
-            continue
-        buf, off, line_no = b"", start, None
-        for block in _blocks(path, start, stop):
-            buf += block
-            lines = buf.split(b"\n")
-            buf = lines.pop()
-            for line in lines:
-                line_no = _line_number(path, off) if line_no is None else line_no + 1
-                if line.strip():
-                    yield _parse(line, path, off), f"{path}, line {line_no}"
-                off += len(line) + 1
-        if buf.strip():
-            line_no = _line_number(path, off) if line_no is None else line_no + 1
-            yield _parse(buf, path, off), f"{path}, line {line_no}"
-
-
-def first_record(unit: Unit):
-    """The unit's first record (None for a unit without any)."""
-    return next((obj for obj, _ in records(unit)), None)
-
-
-def _parquet_rows(path: str, start: int, stop: int) -> Iterator[tuple[object, str]]:
-    import pyarrow.parquet as pq
-
-    f = pq.ParquetFile(path)
-    row = sum(f.metadata.row_group(g).num_rows for g in range(start))
-    for batch in f.iter_batches(batch_size=1024, row_groups=range(start, stop)):
-        for obj in batch.to_pylist():
-            yield obj, f"{path}, row {row}"
-            row += 1
 
 
 def _parquet(path: str, start: int, stop: int, field: str) -> Iterator[tuple[str, bool]]:

@@ -21,15 +21,22 @@ from jaxpar.dtypes import at_least_f32
 from jaxpar.parallel.logical import constrain
 
 
-def _chunk(h, w, y, m, vocab_real: int, grads: bool):
-    """One chunk: h `[b, c, d]`, w `[d, V]`, y `[b, c]` int32, m `[b, c]` -> loss sum, and with `grads` (dh
-    `[b, c, d]` compute dtype, dw `[d, V]` float32) of that sum."""
-    f = at_least_f32(h.dtype)
-    z = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=f)
+def _masked_logits(h, w, vocab_real: int):
+    """One chunk's logits: h `[b, c, d]`, w `[d, V]` -> (z `[b, c, V]` at least float32 with the padded ids
+    (>= vocab_real) at -inf, the vocabulary's ids `[V]`)."""
+    z = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=at_least_f32(h.dtype))
     z = constrain(z, ("batch", "seq", "vocab"))
     ids = jnp.arange(z.shape[-1])
     if vocab_real < z.shape[-1]:
         z = jnp.where(ids < vocab_real, z, -jnp.inf)
+    return z, ids
+
+
+def _chunk(h, w, y, m, vocab_real: int, grads: bool):
+    """One chunk: h `[b, c, d]`, w `[d, V]`, y `[b, c]` int32, m `[b, c]` -> loss sum, and with `grads` (dh
+    `[b, c, d]` compute dtype, dw `[d, V]` float32) of that sum."""
+    f = at_least_f32(h.dtype)
+    z, ids = _masked_logits(h, w, vocab_real)
     lse = jax.nn.logsumexp(z, axis=-1)
     hit = ids == y[..., None]  # the target's logit by a compare: partitions over a vocab-sharded z, no gather
     loss = ((lse - jnp.where(hit, z, 0.0).sum(-1)) * m).sum()
@@ -104,15 +111,10 @@ def token_log_probs(h, w, targets, vocab_real: int, chunk: int):
     backward recomputes each chunk's logits (`jax.checkpoint`), so the float32 logits are never whole either (what
     a sequence-level objective, DPO, differentiates through)."""
     c = chunk_size(h.shape[1], chunk)
-    f = at_least_f32(h.dtype)
 
     @jax.checkpoint
     def one(hc, yc):
-        z = jnp.einsum("btd,dv->btv", hc, w.astype(h.dtype), preferred_element_type=f)
-        z = constrain(z, ("batch", "seq", "vocab"))
-        ids = jnp.arange(z.shape[-1])
-        if vocab_real < z.shape[-1]:
-            z = jnp.where(ids < vocab_real, z, -jnp.inf)
+        z, ids = _masked_logits(hc, w, vocab_real)
         return jnp.where(ids == yc[..., None], z, 0.0).sum(-1) - jax.nn.logsumexp(z, axis=-1)
 
     n = h.shape[1] // c

@@ -77,16 +77,6 @@ def route(logits, bias, cfg):
     return scores, idx, w
 
 
-def slots(idx, experts: int, cap: int):
-    """Chosen experts `[b, t, k]` -> (each choice's buffer slot `[b, t, k]` in [0, E x C], E x C meaning dropped;
-    each slot's token `[b, E x C]`, t for an empty slot; choices per expert `[b, E]`), one device's sequences."""
-    b, t, k = idx.shape
-    order = dispatch.priority_order(idx)
-    pos, counts, _ = dispatch.queue_positions(order, experts, k)
-    dest, token = dispatch.slots_of(order, pos < cap, experts, cap, t)
-    return dest.reshape(b, k, t).transpose(0, 2, 1), token, counts
-
-
 def balance_stats(logits, scores, counts, cfg, seq: int | None = None):
     """The per-sequence auxiliary losses, summed over the rows: (aux, z) scalars in the logits' dtype. `counts`
     `[b, E]`: each sequence's choices per expert; `seq`: its length (default: the logits'). Under context

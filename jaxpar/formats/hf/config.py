@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import os
 
-from jaxpar.data.image_batches import channel_values
-from jaxpar.interop.hf.files import HFError
+from jaxpar.data.common import channel_values
+from jaxpar.formats.hf.files import HFError
 from jaxpar.model import family_of
 
 PREPROCESSOR = "preprocessor_config.json"
@@ -316,6 +316,6 @@ def _llama_config(cfg, common: dict) -> dict:
             "rope_scaling": legacy, **common, **_exported(cfg)}  # the architecture's keys last (Mixtral's width)
 
 
-# each family's config.json reader and writer (by `model.arch`; its tensor maps: `jaxpar/interop/hf/__init__.py`)
+# each family's config.json reader and writer (by `model.arch`; its tensor maps: `jaxpar/formats/hf/__init__.py`)
 READERS = {"gpt2": _gpt2, "llama": _llama, "vit": _vit}
 WRITERS = {"gpt2": _gpt2_config, "llama": _llama_config}

@@ -2,7 +2,7 @@
 as `PeftModel.save_pretrained` writes it and `PeftModel.from_pretrained` (the Hub, vLLM, TRL) reads it.
 
 A tensor is `base_model.model.<the base module's name>.lora_A.weight` `[r, in_features]` or `.lora_B.weight`
-`[out_features, r]`, the module named as in the Hugging Face checkpoint (`jaxpar/interop/hf/keys.py`: jaxpar's weight
+`[out_features, r]`, the module named as in the Hugging Face checkpoint (`jaxpar/formats/hf/keys.py`: jaxpar's weight
 `[inputs.., outputs..]` is the module's `[in, out]` matrix, so A's and B's rows and columns flatten the same axes).
 
 In: `apply(config)` takes `r`, `lora_alpha`, `lora_dropout`, `use_rslora` and the adapted modules (from the tensors:
@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.model import init_params, lora, param_items, unflatten
-from jaxpar.interop.hf import maps
+from jaxpar.formats.hf import maps
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

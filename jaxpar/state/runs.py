@@ -1,4 +1,5 @@
-"""Reading a finished or running WORKDIR back: its config, tokenizer and latest parameters, on any devices."""
+"""Reading a finished or running WORKDIR back: its config, tokenizer and latest parameters, on any devices (the
+params alone are read: no optimizer is built, no optimizer state read)."""
 from __future__ import annotations
 
 import json
@@ -9,12 +10,11 @@ import jax
 import ml_collections
 
 from jaxpar import data
-from jaxpar.interop.checkpoint import Checkpointer
+from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.config import base_config
 from jaxpar.model import Forward, family_of
-from jaxpar.train.optim import make_optimizer
-from jaxpar.train import objectives
-from jaxpar.train.step import init_state, model_config
+from jaxpar.train.state import fresh_params
+from jaxpar.train.step import model_config
 
 CLASSES_FILE = "classes.json"  # a ViT run's class names, a JSON list (index = label), written by the trainer
 
@@ -95,7 +95,6 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
         tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
         vocab = data.model_vocab(config, tok.vocab_size)
     cfg = model_config(config, vocab, int(config.mesh.tensor))
-    optimizer = make_optimizer(config, cfg)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # the Checkpointer would create it
         raise FileNotFoundError(f"no checkpoints in {workdir}: train.py has not saved one yet.")
     ckpt = Checkpointer(workdir, 1, 1, async_save=False, read_only=True)
@@ -104,10 +103,9 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {ckpt.directory}.")
         dev = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-        copy = objectives.from_config(config).reference == "copy"  # a DPO run's frozen reference weights
-        shapes = jax.eval_shape(lambda: init_state(cfg, optimizer, 0, reference=copy))
+        shapes = jax.eval_shape(lambda: fresh_params(cfg, 0))  # the params alone: no optimizer built or read
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), shapes)
-        state, _ = ckpt.restore(step, target)
+        state = ckpt.restore_part(step, {"params": target})
     finally:
         ckpt.close()
     return Run(config, Forward(cfg), state["params"], tok, step)

@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 
 from jaxpar.cluster import distributed
 from jaxpar.train import spikes
-from jaxpar.interop.save_errors import CheckpointSaveError, disk_full, tree_bytes
+from jaxpar.state.save_errors import CheckpointSaveError, disk_full, tree_bytes
 
 log = logging.getLogger(__name__)
 
@@ -242,6 +242,18 @@ class Checkpointer:
             state = {**state, spikes.GROUP: jax.device_put(spikes.resize(host, target[0]), target[1])}
         return state, restored[_META]
 
+    def restore_part(self, step: int, abstract_part: Any) -> Any:
+        """Read only the leaves `abstract_part` names of checkpoint `step` (e.g. `{"params": ...}`: a run read back
+        for sampling or export, no optimizer state built or read) onto their shardings; raises as `restore` does (a
+        leaf not in the checkpoint, or of another shape or dtype, before any array is read)."""
+        step = self._existing(step)
+        self._check_abstract(step, abstract_part, part=True)
+        restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                                    dtype=a.dtype), abstract_part)
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(os.path.join(self.directory, str(step), _STATE), args=ocp.args.PyTreeRestore(
+                abstract_part, restore_args=restore_args, partial_restore=True))
+
     def _saved_leaves(self, step: int) -> dict:
         """{leaf name: metadata with .shape and .dtype} of checkpoint `step`'s state; no array is read."""
         saved_tree = self._mngr.metadata(step).item_metadata[_STATE]
@@ -272,7 +284,7 @@ class Checkpointer:
                 f"no complete checkpoint for step {step} in {self.directory}; complete steps: {steps or 'none'}.")
         return step
 
-    def _check_abstract(self, step: int, abstract_state: Any) -> None:
+    def _check_abstract(self, step: int, abstract_state: Any, part: bool = False) -> None:
         want = {}
         for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
             if getattr(leaf, "sharding", None) is None or not hasattr(leaf, "shape"):
@@ -282,7 +294,8 @@ class Checkpointer:
             want[_leaf_name(path)] = leaf
         saved = self._saved_leaves(step)
         problems = [f"missing from the checkpoint: {k}" for k in sorted(want.keys() - saved.keys())]
-        problems += [f"in the checkpoint but not in abstract_state: {k}" for k in sorted(saved.keys() - want.keys())]
+        problems += [f"in the checkpoint but not in abstract_state: {k}" for k in sorted(saved.keys() - want.keys())
+                     if not part]
         for k in sorted(want.keys() & saved.keys()):
             w, m = want[k], saved[k]
             if tuple(w.shape) != tuple(m.shape) or not _same_dtype(w.dtype, m.dtype):

@@ -25,10 +25,10 @@ from jaxpar import data
 from jaxpar.config import base_config
 from jaxpar.data import BPETokenizer
 from jaxpar.data.chat import chat_files
-from jaxpar.interop.hf import files, keys
-from jaxpar.interop.hf.config import (PREPROCESSOR, arch_of, hf_config, image_settings, model_settings, moe_family,
+from jaxpar.formats.hf import files, keys
+from jaxpar.formats.hf.config import (PREPROCESSOR, arch_of, hf_config, image_settings, model_settings, moe_family,
                                       preprocessor_config, read_json, vit_classes)
-from jaxpar.interop.hf.files import HFError
+from jaxpar.formats.hf.files import HFError
 from jaxpar.model import (Forward, config_from, derived, family_of, init_params, param_items, router_bias,
                           split_adapters, unflatten)
 from jaxpar.train.state import fresh_params
