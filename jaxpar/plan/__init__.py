@@ -14,7 +14,7 @@ from jaxpar.compiled import model_vocab
 from jaxpar.config import derived
 from jaxpar.plan import cost, memory
 from jaxpar.plan.hardware import GiB, Cluster
-from jaxpar.plan.space import Layout, Space, candidates
+from jaxpar.plan.space import Layout, Space, apply, candidates
 
 __all__ = ["plan", "Plan", "Candidate", "vocab_of"]
 
@@ -25,6 +25,14 @@ class Candidate:
     time: dict  # cost.step_time
     estimate: tuple  # memory.estimate: (state, activation) bytes
     memory: dict | None = None  # memory.Compiler.memory (compiled or derived), None: not compiled
+
+    def config(self, config):
+        """A copy of `config` that trains this candidate: its layout's keys, and the implementation a MoE model's
+        `model.moe_impl=auto` runs on it (`cost.step_time`'s "moe_impl")."""
+        out = apply(config, self.layout)
+        with out.unlocked():
+            out.model.moe_impl = self.time.get("moe_impl", out.model.moe_impl)
+        return out
 
     def peak(self) -> float:
         """Device bytes (with `optim.offload`, less what lives in host memory)."""
@@ -82,7 +90,7 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
         state, act = c.estimate
         if state + act * 0.8 * ratio.get(kind, 0.5) > capacity or not compiler.can_compile(c.layout):
             continue
-        c.memory = compiler.memory(c.layout)
+        c.memory = compiler.memory(c.layout, c.time.get("moe_impl"))  # what `auto` runs on this layout
         ratio[kind] = min(ratio.get(kind, float("inf")), max(c.memory["peak"] - state, 0.0) / max(act, 1.0))
         c.time = cost.step_time(model, c.layout, cluster, c.memory["data_collectives"])
         found += c.fits(capacity) is True

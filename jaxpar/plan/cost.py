@@ -10,9 +10,9 @@ Per microbatch and layer (b sequences of s tokens, width h, MLP width f, tensor 
 Tensor parallelism: 2 all-reduces of [b, s, h] per layer per forward pass, 2 per backward (Megatron-LM; sequence
   parallel: an all-gather + reduce-scatter pair each, the same bytes), ring time 2(t-1)/t·X / busbw, exposed.
 Mixture of experts: a MoE layer computes its fixed-size buffers, E·C slots per sequence (C: `moe.capacity`), not k·s
-(`model.moe_impl=buffers`), or its k·s choices (`ragged`, and `auto`: the planner prices GPUs; `expert_rows`), whose
-  weight gradient XLA:GPU computes over every expert's masked copy of the rows (E·k·s: its `RaggedDotRewriter`,
-  read from XLA's source; `weight_grad_rows`);
+(`model.moe_impl=buffers`), or its k·s choices (`ragged`; `expert_rows`), whose weight gradient XLA:GPU computes
+  over every expert's masked copy of the rows (E·k·s: its `RaggedDotRewriter`, read from XLA's source;
+  `weight_grad_rows`); `auto` is priced both ways and runs the cheaper (`moe_prices`, as `plan.target` resolves it);
   expert parallelism adds 2 all-to-alls of the buffer [b, E, C, h] (ragged: its k·s rows, by `ragged_all_to_all` on
   GPUs, into a receive buffer of the worst case or `expert_buffer_factor`) per forward pass and 2 per backward over
   the expert group, time (e-1)/e·X / busbw, exposed (jaxpar's program does not overlap them).
@@ -75,7 +75,8 @@ class Model:
     top_k: int = 0
     expert_mlp: int = 0
     capacity: int = 0  # slots per expert per sequence (`moe.capacity`)
-    ragged: bool = False  # `model.moe_impl` ragged (or auto: the planner prices GPUs): k·s rows, not E·C slots
+    ragged: bool = False  # `model.moe_impl=ragged`: k·s rows, not E·C slots
+    auto: bool = False  # `model.moe_impl=auto`: priced both ways, the cheaper taken (`step_time`)
     buffer_factor: float = 0.0  # `model.expert_buffer_factor` (0: the worst case)
     moe_layers: int = 0
     expert_params: int = 0  # the routed experts' weights, all layers
@@ -94,7 +95,7 @@ class Model:
         moe_layers = sum(bool(moe.is_moe_layer(cfg, i)) for i in range(cfg.layers))
         experts = dict(experts=cfg.experts, top_k=cfg.experts_per_token, expert_mlp=cfg.expert_mlp,
                        capacity=moe.capacity(cfg, cfg.seq_len) if cfg.experts else 0, moe_layers=moe_layers,
-                       expert_params=counts["experts"], ragged=cfg.moe_impl in ("ragged", "auto"),
+                       expert_params=counts["experts"], ragged=cfg.moe_impl == "ragged", auto=cfg.moe_impl == "auto",
                        buffer_factor=cfg.expert_buffer_factor)
         return cls(**experts, layers=cfg.layers, embed=cfg.embed, heads=cfg.heads, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
                    seq=cfg.seq_len, vocab=vocab, tied=cfg.tie_embeddings,
@@ -263,7 +264,13 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
     """Seconds per step, split into compute (incl. recompute), bubble, tensor / pipeline / data-parallel
     communication (exposed parts) and the optimizer update; the FLOPs each device runs. `compiled`: the step's
     collectives over `data` from its compile (`data_collectives`), used for the data-parallel / ZeRO term instead
-    of the analytic one."""
+    of the analytic one. A MoE model with `model.moe_impl=auto` is timed with the implementation `moe_prices` finds
+    cheaper (analytically), named under "moe_impl" with both prices under "moe_prices"."""
+    if model.experts and model.auto:
+        prices = moe_prices(model, lay, cl)
+        impl = min(prices, key=prices.get)  # a tie: buffers
+        out = step_time(dataclasses.replace(model, auto=False, ragged=impl == "ragged"), lay, cl, compiled)
+        return {**out, "moe_impl": impl, "moe_prices": prices}
     ly, (r_full, r_core) = _layer(model, lay, cl), recompute_passes(lay)
     M, Lc = lay.microbatches, model.layers / lay.stage
     head_passes = 6 if lay.stage > 1 and lay.schedule in ("gpipe", "circular") else 3  # checkpointed head: twice
@@ -284,6 +291,12 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
             "cp_comm_s": M * Lc * ((1 + r_full) * ly.cp + ly.cp_bwd), "dp_comm_s": dp["exposed"],
             "dp_overlapped_s": dp["hidden"], "dp_bytes": dp["bytes"], "dp_source": dp["source"], "optimizer_s": opt,
             "recompute_s": M * Lc * recompute, "offload_s": off, "device_flops": flops}
+
+
+def moe_prices(model: Model, lay: Layout, cl: Cluster) -> dict[str, float]:
+    """{"buffers": s, "ragged": s}: the analytic step seconds of a MoE model's layout with each implementation."""
+    return {impl: step_time(dataclasses.replace(model, auto=False, ragged=impl == "ragged"), lay, cl)["step_s"]
+            for impl in ("buffers", "ragged")}
 
 
 def offload_time(model: Model, lay: Layout, cl: Cluster) -> float:
