@@ -22,6 +22,7 @@ class Device:
     source: str
     host: str = "pcie4"  # the link to host memory (a key of HOST_LINKS): `optim.offload`'s transfers
     kinds: tuple = ()  # this part's `jax.Device.device_kind`s (CUDA's device names) less "NVIDIA "
+    hopper: bool = False  # compute capability 9.x: the Mosaic GPU grouped kernel runs (`kernels.grouped.choose`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +43,10 @@ DEVICES = {d.name: d for d in (
            "PCIe Gen4", kinds=("A100 80GB PCIe",)),
     Device("h100", 989e12, 3.35e12, 80 * GiB, "nvlink4",
            "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB; PCIe Gen5", "pcie5",
-           kinds=("H100 80GB HBM3", "H100 SXM5 80GB")),
+           kinds=("H100 80GB HBM3", "H100 SXM5 80GB"), hopper=True),
     Device("h200", 989e12, 4.8e12, 140 * GiB, "nvlink4",
            "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB; PCIe Gen5", "pcie5",
-           kinds=("H200",)),
+           kinds=("H200",), hopper=True),
 )}
 
 LINKS = {k.name: k for k in (

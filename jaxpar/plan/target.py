@@ -80,6 +80,7 @@ def resolve(config, vocab: int, layout: Layout, devices) -> tuple[object, dict |
     out.model.moe_impl = chosen["model.moe_impl"]
     try:
         validate(out, len(devices))
-    except ConfigError as e:
-        raise ConfigError(f"{chosen['why']}; then: {e}") from None
+    except ConfigError as e:  # validate's "invalid config:" and its lines, each after the choice that broke it
+        rules = str(e).split("\n  ")[1:] or [str(e)]
+        raise ConfigError("\n".join(f"{chosen['why']}; then: {r}" for r in rules)) from None
     return out, chosen
