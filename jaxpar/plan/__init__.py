@@ -76,8 +76,7 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
     model = cost.Model.from_config(config, vocab_of(config))
     capacity = cluster.device.memory * mem_fraction
     space = dataclasses.replace(space, gpus_per_node=cluster.gpus_per_node)
-    cands = [Candidate(lay, cost.step_time(model, lay, cluster), memory.estimate(model, lay))
-             for lay in candidates(config, cluster.gpus, space)]
+    cands = [_candidate(model, lay, cluster) for lay in candidates(config, cluster.gpus, space)]
     cands.sort(key=lambda c: c.time["step_s"])
     compiler = memory.Compiler(config, model.vocab, devices) if devices else None
     found, ratio = 0, {}  # per kind of recompute: the smallest (compiled - state) / activation estimate seen
@@ -96,6 +95,14 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
         found += c.fits(capacity) is True
     cands.sort(key=lambda c: c.rank(capacity))
     return Plan(model, cluster, capacity, cands, len(cands), compiler.compiles if compiler else 0)
+
+
+def _candidate(model: cost.Model, lay: Layout, cluster: Cluster) -> Candidate:
+    """A layout timed, and its memory estimated for the MoE implementation `auto` runs on it."""
+    time = cost.step_time(model, lay, cluster)
+    if "moe_impl" in time:
+        model = dataclasses.replace(model, auto=False, ragged=time["moe_impl"] == "ragged")
+    return Candidate(lay, time, memory.estimate(model, lay))
 
 
 def summary(p: Plan, c: Candidate) -> dict:

@@ -4,17 +4,19 @@ model, this layout and a server of the target's devices.
 
 The target is `mesh.device` when set (a device of `hardware.DEVICES`: a CPU host compiling what H100s would run,
 `--dry_run --config.mesh.device=h100`), else the devices present, by their `device_kind` (`hardware.device_named`).
-The priced cluster is the layout's devices, 8 to a server, with the planner's default links (`hardware.cluster`):
-the MoE all-to-all stays within a server, so the links between servers price both implementations alike. CPU
-devices with no `mesh.device` run `buffers`: XLA:CPU computes a ragged dot as a dense matmul over every expert, so
-`ragged` costs at least what `buffers` does there.
+The priced cluster is the layout's devices, 8 to a server (`per_server`), with the planner's default links
+(`hardware.cluster`): the MoE all-to-all stays within a server, so the links between servers price both
+implementations alike. CPU devices with no `mesh.device` run `buffers`: XLA:CPU computes a ragged dot as a dense
+matmul over every expert, so `ragged` costs at least what `buffers` does there.
 
-The trainer (`trainer.run`, `--dry_run` through `compiled.report_for`'s `resolve`) and the planner resolve; a step
-built from a config still saying `auto` (tests, decoding) runs `buffers` (`model.moe.implementation`).
+The trainer (`trainer.run`, `--dry_run` through `compiled.report_for`'s `resolve`), the planner (per layout, with
+`cost.step_time`'s same prices) and `bench/moe.py` resolve; a step built from a config still saying `auto` (tests,
+decoding) runs `buffers` (`model.moe.implementation`).
 """
 from __future__ import annotations
 
 import copy
+import math
 
 from jaxpar.config import ConfigError
 from jaxpar.layout import Layout
@@ -53,10 +55,17 @@ def choose_moe(config, vocab: int, layout: Layout, devices) -> dict:
         why = (f"model.moe_impl=auto runs buffers on CPU devices (XLA:CPU computes ragged's grouped matmuls over "
                f"every expert); --config.mesh.device=h100 (say) compiles what those GPUs would run")
         return {"model.moe_impl": "buffers", "device": "cpu", "source": source, "prices": {}, "why": why}
-    prices = cost.moe_prices(cost.Model.from_config(config, vocab), layout, hardware.cluster(device, n))
+    cluster = hardware.cluster(device, n, per_server(n))
+    prices = cost.moe_prices(cost.Model.from_config(config, vocab), layout, cluster)
     impl = min(prices, key=prices.get)  # a tie: buffers (as `cost.step_time`)
     return {"model.moe_impl": impl, "device": device, "source": source, "prices": prices,
             "why": explain(prices, f"{n} x {device} ({source})")}
+
+
+def per_server(devices: int) -> int:
+    """Devices per server of the priced cluster: all of them up to 8, else 8, or the largest power of 2 dividing
+    them when 8 does not (12 GPUs: 3 servers of 4): a function of the count alone, so every host prices alike."""
+    return devices if devices <= 8 else math.gcd(devices, 8)
 
 
 def explain(prices: dict, where: str) -> str:
