@@ -291,16 +291,16 @@ def test_auto_is_priced_with_the_grouped_kernel_the_target_runs():
     assert times["buffers"] < times["ragged"]
 
 
-def test_a_dry_run_for_h100s_on_this_host_compiles_and_reports_what_they_run(tmp_path, capsys):
+def test_a_dry_run_and_the_planner_for_h100s_on_this_host_compile_what_they_run(tmp_path, capsys):
     """`--dry_run --config.mesh.device=h100` on CPU devices: a tiny dropless MoE that the cost model prices cheaper
     with `ragged` on H100s (bfloat16, widths of 64: the Mosaic kernel's) is compiled as `ragged` (the model config
-    the step was built from), and the dry run prints why; a config naming an implementation is left alone."""
+    the step was built from), and the dry run prints why; the planner for 8 x H100 compiles the same program (the
+    same bytes)."""
     over = {"model.arch": "llama", "model.kv_heads": 4, "model.experts": 8, "model.experts_per_token": 2,
             "model.embed": 64, "model.expert_mlp": 64, "model.vocab_size": 256, "train.compute_dtype": "bfloat16",
-            "mesh.data": 8, "mesh.device": "h100"}
+            "mesh.data": 8, "train.global_batch_size": 8, "optim.zero_stage": 1, "mesh.device": "h100"}
     times = priced(tiny_config(**over), 256, "h100")
-    cheaper = min(times, key=times.get)
-    assert cheaper == "ragged", f"pick a config the cost model prices ragged cheaper on H100s: {times}"
+    assert min(times, key=times.get) == "ragged", f"pick a config the cost model prices ragged cheaper: {times}"
     rep = trainer.dry_run(tiny_config(**over), str(tmp_path))
     assert rep["layout"]["moe_impl"] == rep["resolved"]["model.moe_impl"] == "ragged"
     assert rep["resolved"]["prices"] == pytest.approx(times, rel=1e-12)
@@ -309,6 +309,12 @@ def test_a_dry_run_for_h100s_on_this_host_compiles_and_reports_what_they_run(tmp
            f"{times['ragged']:.3g} s/step against buffers at {times['buffers']:.3g} s" in said
     on_disk = json.loads((tmp_path / "compile_report.json").read_text())
     assert on_disk["layout"]["moe_impl"] == "ragged" and on_disk["resolved"]["device"] == "h100"
+    space = Space(tensor=(1,), stage=(1,), expert=(1,), context=(1,), zero=(1,), offload=("none",), remat=("none",),
+                  sp=(False,))
+    best = planner.plan(tiny_config(**over), hardware.cluster("h100", 8), space, compile_top=1,
+                        devices=jax.devices()[:8]).ranked[0]
+    assert best.time["moe_impl"] == "ragged" and best.memory["source"] == "compiled"
+    assert best.memory["peak"] == rep["memory"]["peak"]
 
 
 @pytest.mark.parametrize("over,devices,match", [
