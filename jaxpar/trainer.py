@@ -146,6 +146,7 @@ def run(config, workdir: str, devices=None) -> dict:
     # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...; a ViT's sequence from its patches
     config = derived(peft.apply(hf.apply(config)))
     layout = validate(config, len(devices))
+    target.check(config, devices)  # mesh.device, and the devices `auto` is priced for: before the data
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
     info, (train_data, val_data), vocab = open_data(config)

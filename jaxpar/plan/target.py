@@ -41,15 +41,28 @@ def target(config, devices) -> tuple[str, str]:
     return hardware.device_named(first.device_kind), PRESENT
 
 
+def auto_moe(config) -> bool:
+    """Whether the config is a MoE model whose `model.moe_impl` is `auto`."""
+    return bool(config.model.experts) and config.model.moe_impl == "auto"
+
+
+def check(config, devices) -> None:
+    """What `resolve` refuses whatever the vocabulary, so the trainer can say it before preparing the data: a
+    `mesh.device` the table lacks; devices it lacks, when a MoE model's `auto` is to be priced for them."""
+    if not (config.mesh.device or auto_moe(config)):
+        return
+    device, _ = target(config, devices)
+    if device is None and auto_moe(config):
+        raise ConfigError(f"model.moe_impl='auto' runs what the cost model prices cheaper on these devices, but "
+                          f"jaxpar/plan/hardware.py does not know {devices[0].device_kind!r}; set "
+                          f"--config.mesh.device to the nearest of {sorted(hardware.DEVICES)}, or model.moe_impl to "
+                          f"'buffers' or 'ragged'.")
+
+
 def choose_moe(config, vocab: int, layout: Layout, devices) -> dict:
     """{"model.moe_impl": what `auto` runs, "device", "source", "prices": {impl: step seconds} (none on CPU),
-    "why": one line} for a MoE config on `devices` (`validate`'s layout)."""
+    "why": one line} for a MoE config on `devices` (`validate`'s layout) that passes `check`."""
     device, source = target(config, devices)
-    if device is None:
-        kind = devices[0].device_kind
-        raise ConfigError(f"model.moe_impl='auto' runs what the cost model prices cheaper on these devices, but "
-                          f"jaxpar/plan/hardware.py does not know {kind!r}; set --config.mesh.device to the nearest "
-                          f"of {sorted(hardware.DEVICES)}, or model.moe_impl to 'buffers' or 'ragged'.")
     n = layout.data * layout.model_devices
     if device == "cpu":
         why = (f"model.moe_impl=auto runs buffers on CPU devices (XLA:CPU computes ragged's grouped matmuls over "
@@ -79,10 +92,9 @@ def explain(prices: dict, where: str) -> str:
 def resolve(config, vocab: int, layout: Layout, devices) -> tuple[object, dict | None]:
     """(`config` with its `auto` choices made for its target, what was chosen and why, or None when nothing was
     `auto`). The resolved config passes `validate` (a rule the choice breaks is one ConfigError naming the
-    choice); `mesh.device` is checked whatever the model."""
-    if config.mesh.device:
-        target(config, devices)
-    if not config.model.experts or config.model.moe_impl != "auto":
+    choice); `check`'s refusals first."""
+    check(config, devices)
+    if not auto_moe(config):
         return config, None
     chosen = choose_moe(config, vocab, layout, devices)
     out = copy.deepcopy(config)
