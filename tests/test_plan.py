@@ -317,6 +317,17 @@ def test_a_dry_run_and_the_planner_for_h100s_on_this_host_compile_what_they_run(
     assert best.memory["peak"] == rep["memory"]["peak"]
 
 
+def test_device_kinds_name_the_planners_devices():
+    """CUDA's device names of the parts the planner prices are its devices; other parts (their own peaks and
+    bandwidths) are none of them."""
+    named = {k: hardware.device_named(k) for k in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
+                                                   "NVIDIA A100 80GB PCIe", "NVIDIA H100 PCIe", "NVIDIA H200 NVL",
+                                                   "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-40GB", "cpu")}
+    assert named == {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100-80g",
+                     "NVIDIA A100 80GB PCIe": "a100-80g-pcie", "NVIDIA H100 PCIe": None, "NVIDIA H200 NVL": None,
+                     "NVIDIA GH200 480GB": None, "NVIDIA A100-SXM4-40GB": None, "cpu": None}
+
+
 @pytest.mark.parametrize("over,devices,match", [
     ({"mesh.device": "h800"}, None, r"mesh.device='h800' is not a device jaxpar/plan/hardware.py prices; pick one "
                                     r"of \['a100-80g', 'a100-80g-pcie', 'h100', 'h200'\]"),
