@@ -21,7 +21,7 @@ import math
 from jaxpar.config import ConfigError
 from jaxpar.layout import Layout
 from jaxpar.plan import cost, hardware
-from jaxpar.validate import validate
+from jaxpar.validate import check_experts, check_grouped
 
 PRESENT = "the devices present"
 
@@ -91,17 +91,15 @@ def explain(prices: dict, where: str) -> str:
 
 def resolve(config, vocab: int, layout: Layout, devices) -> tuple[object, dict | None]:
     """(`config` with its `auto` choices made for its target, what was chosen and why, or None when nothing was
-    `auto`). The resolved config passes `validate` (a rule the choice breaks is one ConfigError naming the
-    choice); `check`'s refusals first."""
+    `auto`). `check`'s refusals first; then `validate`'s MoE rules on the resolved keys (a rule the choice breaks
+    is a ConfigError line naming the choice and its prices)."""
     check(config, devices)
     if not auto_moe(config):
         return config, None
     chosen = choose_moe(config, vocab, layout, devices)
     out = copy.deepcopy(config)
     out.model.moe_impl = chosen["model.moe_impl"]
-    try:
-        validate(out, len(devices))
-    except ConfigError as e:  # validate's "invalid config:" and its lines, each after the choice that broke it
-        rules = str(e).split("\n  ")[1:] or [str(e)]
-        raise ConfigError("\n".join(f"{chosen['why']}; then: {r}" for r in rules)) from None
+    broken = check_experts(out.model, layout) + check_grouped(out.model, out.train.compute_dtype)
+    if broken:  # `validate`'s MoE rules on the choice, each after what chose it
+        raise ConfigError("\n".join(f"{chosen['why']}; then: {r}" for r in broken))
     return out, chosen
