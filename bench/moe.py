@@ -12,7 +12,9 @@ active_expert_flops}`: the routed experts' matmul FLOPs counted from the StableH
 and Mosaic GPU grouped kernel from its operand shapes, every row of its left operand counted, the group sizes'
 bound), against the active count 3 x 2 x tokens x k x 3 x embed x expert_mlp (forward and backward of the layer
 body, which the module holds once). With a GPU present the timed rows compare buffers, ragged with XLA's grouped
-matmul and, on Hopper, ragged with the Mosaic kernel.
+matmul and, on Hopper, ragged with the Mosaic kernel; the `moe` row runs `model.moe_impl=auto` as the trainer
+resolves it on these devices, its `auto` field the cost model's two prices (`jaxpar/plan/target.py`), to set beside
+the timed rows.
 
 Both models are llama blocks of width `--embed` over `--layers` layers; the MoE one routes each token to k of E SwiGLU
 experts of width F (expert parallel over `mesh.expert` = min(devices, E), the batch over data x expert), the dense
@@ -40,7 +42,9 @@ from jaxpar.model.moe_dispatch import SCOPE
 from jaxpar.config import base_config
 from jaxpar.layout import Layout
 from jaxpar.model import config_from, flops_per_token
+from jaxpar.plan import target
 from jaxpar.plan.measure import time_step
+from jaxpar.validate import validate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_results  # noqa: E402
@@ -88,6 +92,8 @@ def all_to_all_formula(config) -> float:
 
 def one(moe_layer: bool, impl: str = "auto", kernel: str = "auto") -> dict:
     config = model_config(moe_layer, impl, kernel)
+    devices = jax.devices()  # `auto` as the trainer resolves it here: the cost model's cheaper on these devices
+    config, chosen = target.resolve(config, VOCAB, validate(config, len(devices)), devices)
     got = time_step(config, VOCAB, steps=_STEPS.value)
     cfg = got["steps"].cfg
     fpt = flops_per_token(cfg)
@@ -95,7 +101,7 @@ def one(moe_layer: bool, impl: str = "auto", kernel: str = "auto") -> dict:
     row = {"kind": f"moe {kind}" if moe_layer else "dense", "mesh": got["mesh"],
            "step_s": got["step_s"],
            "model_flops_per_token": fpt, "tokens_per_s": _B.value * _T.value / got["step_s"],
-           "peak_bytes": got["memory"].get("peak")}
+           "peak_bytes": got["memory"].get("peak"), **({"auto": chosen} if chosen else {})}
     if moe_layer and config.mesh.expert > 1 and moe.implementation(got["steps"].cfg) == "buffers":  # the formula's
         rep = report_for(config, VOCAB)
         row["all_to_all_bytes"] = rep["collectives_by_kind"].get("all-to-all", {}).get("bytes", 0)

@@ -15,6 +15,7 @@ from jaxpar import data
 from jaxpar.cluster import distributed
 from jaxpar.formats import hf, peft
 from jaxpar import model as gpt
+from jaxpar.model import moe
 from jaxpar.errors import ConfigError
 from jaxpar.parallel.mesh import make_mesh
 from jaxpar.train import objectives
@@ -66,13 +67,17 @@ def ref_dtype(config):
     return np.float64 if config.train.compute_dtype == "float64" else np.float32
 
 
-def report_for(config, vocab: int = 0, devices=None) -> dict:
+def report_for(config, vocab: int = 0, devices=None, resolve=None) -> dict:
     """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
     allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
-    layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
+    layout (a MoE model's `moe_impl` with it), and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule
+    (`data.model_vocab`). `resolve(config, vocab, layout, devices) -> (config, what it chose or None)`: the entry
+    point's choice of `auto` values for its target before the compile (`plan.target.resolve`), under "resolved"."""
     config = gpt.derived(peft.apply(hf.apply(config)))
-    layout = validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
+    devices = list(jax.devices() if devices is None else devices)
+    layout = validate(config, len(devices))  # before the data is prepared
     vocab = vocab or distributed.process_0_first(lambda: model_vocab(config), "jaxpar/prepare")
+    config, resolved = resolve(config, vocab, layout, devices) if resolve else (config, None)
     steps = steps_for(config, vocab, devices, layout)
     abstract = steps.abstract_state()
     t0 = time.perf_counter()
@@ -89,5 +94,7 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
                      "params": int(sum(np.prod(a.shape) for a in jax.tree.leaves(abstract["params"]))),
                      "trainable": int(sum(np.prod(a.shape) for a in jax.tree.leaves(
                          gpt.trainable(abstract["params"], steps.cfg)))),
-                     "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype}
+                     "compute_dtype": config.train.compute_dtype, "param_dtype": config.train.param_dtype,
+                     **({"moe_impl": moe.implementation(steps.cfg)} if steps.cfg.experts else {})}
+    rep["resolved"] = resolved
     return rep

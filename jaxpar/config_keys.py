@@ -95,6 +95,9 @@ KEYS = (
       "expert: [moe](moe.md)"),
     K("mesh.context", 1, int, "context-parallel size: every sequence split over it, load-balanced, attention gathering "
       "K/V: [long context](context.md)"),
+    K("mesh.device", "", str, "the accelerator the run is for, as the planner names it (`h100`, `h200`, `a100-80g`, "
+      "`a100-80g-pcie`); `\"\"`: the devices present. `model.moe_impl=auto` is chosen for it: a CPU `--dry_run` "
+      "compiles what those GPUs would run: [moe](moe.md#implementations)"),
     # model
     K("model.arch", "gpt2", str, "`gpt2` (LayerNorm, learned positions, GELU MLP, biases), `llama` (RMSNorm, RoPE, "
       "GQA, SwiGLU) or `vit` (a vision transformer: patches in, a classifier out: [vision](vision.md))"),
@@ -160,8 +163,8 @@ KEYS = (
       "tokens of a sequence, the rest skip the layer; 0: dropless", lambda v: 0 <= v < _INF, "a number >= 0 "
       "(0: dropless)"),
     K("model.moe_impl", "auto", str, "MoE: `buffers` (fixed slots per expert, one batched matmul), `ragged` (the "
-      "choices sorted by expert, grouped matmuls over their counts: the active cost) or `auto` (`ragged` on GPUs, "
-      "`buffers` elsewhere): [moe](moe.md#implementations)", choices=("auto", "buffers", "ragged")),
+      "choices sorted by expert, grouped matmuls over their counts: the active cost) or `auto` (the one the "
+      "planner's cost model prices cheaper on `mesh.device`; `buffers` on CPUs): [moe](moe.md#implementations)", choices=("auto", "buffers", "ragged")),
     K("model.grouped_matmul", "auto", str, "MoE `ragged`: the grouped matmul kernel: `xla` (`jax.lax.ragged_dot`), "
       "`mosaic` (JAX's Hopper kernel, Mosaic GPU; bfloat16/float16) or `auto` (`mosaic` on Hopper GPUs where it "
       "applies): [moe](moe.md#implementations)", choices=("auto", "xla", "mosaic")),

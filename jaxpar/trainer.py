@@ -29,6 +29,7 @@ from jaxpar.config import ConfigError  # noqa: F401 (trainer.ConfigError: what a
 from jaxpar.export import check_export, init_from_export
 from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint, samples_consumed
 from jaxpar.train.inputs import open_data, say_packing
+from jaxpar.plan import target
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate
 
@@ -60,7 +61,8 @@ def dry_run(config, workdir: str) -> dict:
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
     needs_data = config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
-    rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0])
+    rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0],
+                     resolve=target.resolve)  # `auto` as the target (mesh.device, or the devices present) runs it
     hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
@@ -69,6 +71,8 @@ def dry_run(config, workdir: str) -> dict:
         with open(os.path.join(workdir, "train_step.hlo.txt"), "w") as f:  # the optimized HLO the report reads
             f.write(hlo)
         print(f"layout {rep['layout']}")
+        if rep["resolved"]:
+            print(rep["resolved"]["why"])
         lay = rep["layout"]
         if lay["trainable"] < lay["params"]:  # LoRA: the gradient buffer and AdamW's moments are the adapters'
             print(f"trainable parameters {lay['trainable']:,} of {lay['params']:,} "
@@ -89,10 +93,14 @@ def run(config, workdir: str, devices=None) -> dict:
     # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...; a ViT's sequence from its patches
     config = gpt.derived(peft.apply(hf.apply(config)))
     layout = validate(config, len(devices))
+    target.check(config, devices)  # mesh.device, and the devices `auto` is priced for: before the data
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
     info, (train_data, val_data), vocab = open_data(config)
     say_packing(train_data, val_data)
+    config, resolved = target.resolve(config, vocab, layout, devices)  # `auto` as the cost model prices it here
+    if resolved and jax.process_index() == 0:
+        print(f"jaxpar: {resolved['why']}", flush=True)
     steps = steps_for(config, vocab, devices, layout)
     fp = fingerprint(config, info, steps)
     latest = check_before_writing(config, workdir, fp, steps)

@@ -190,9 +190,9 @@ def check_grouped(m, compute_dtype: str) -> list[str]:
     """`model.grouped_matmul='mosaic'` where its kernel cannot run the routed experts' matmuls, or nothing reads it."""
     if m.grouped_matmul != "mosaic" or m.experts == 0:
         return []
-    if moe.implementation(m) != "ragged":
-        return [f"model.grouped_matmul='mosaic' runs `ragged`'s grouped matmuls, but model.moe_impl={m.moe_impl!r} "
-                f"runs buffers here; set model.moe_impl='ragged', or drop model.grouped_matmul."]
+    if m.moe_impl == "buffers":  # `auto` is checked again once resolved (`plan.target.resolve`)
+        return ["model.grouped_matmul='mosaic' runs `ragged`'s grouped matmuls, but model.moe_impl='buffers' runs "
+                "none; set model.moe_impl='ragged', or drop model.grouped_matmul."]
     if jax.default_backend() == "gpu" and not grouped.hopper():
         dev = jax.devices()[0]
         return [f"model.grouped_matmul='mosaic' runs JAX's Hopper kernel (compute capability 9.x), but this GPU is "

@@ -352,8 +352,8 @@ def test_resume_onto_another_expert_size(corpus, tmp_path):
      r"model.expert_buffer_factor=1.5 bounds the rows `ragged` sends .* but model.moe_impl='buffers' sends fixed"),
     ({"model.moe_impl": "ragged", "model.expert_buffer_factor": 1.5}, r"but mesh.expert=1 sends no rows"),
     ({"model.moe_impl": "grouped"}, r"model.moe_impl='grouped'"),
-    ({"model.grouped_matmul": "mosaic"}, r"grouped_matmul='mosaic' runs `ragged`'s .* model.moe_impl='auto' runs "
-                                         r"buffers here"),
+    ({"model.moe_impl": "buffers", "model.grouped_matmul": "mosaic"},
+     r"grouped_matmul='mosaic' runs `ragged`'s grouped matmuls, but model.moe_impl='buffers' runs none"),
     ({**RAGGED, "model.grouped_matmul": "mosaic"}, r"in train.compute_dtype=float32: the Mosaic GPU grouped kernel "
                                                    r"takes float16/bfloat16"),
     ({**RAGGED, "model.grouped_matmul": "mosaic", "train.compute_dtype": "bfloat16"},

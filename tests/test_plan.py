@@ -20,7 +20,7 @@ from jaxpar.validate import validate
 from jaxpar import plan as planner
 from jaxpar import model as gpt
 from jaxpar import trainer
-from jaxpar.plan import cost, hardware, memory
+from jaxpar.plan import cost, hardware, memory, target
 from jaxpar.plan.space import Layout, Space, apply, candidates, set_layout
 from jaxpar.parallel.pipeline.registry import NAMES
 from jaxpar.train.step import model_config
@@ -219,3 +219,129 @@ def test_the_moe_rows_the_planner_prices(impl, factor):
     cl = hardware.cluster("h100", 8)
     more = dataclasses.replace(m, top_k=4) if impl == "ragged" else dataclasses.replace(m, capacity=40)
     assert cost._layer(more, lay, cl).ep > cost._layer(m, lay, cl).ep  # more rows sent, more all-to-all time
+
+
+# ---- model.moe_impl=auto: the implementation the cost model prices cheaper on the target (jaxpar/plan/target.py) --
+
+H100S = [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")] * 8  # the hardware said to be
+
+
+def shipped(name: str, **over):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    config = mod.get_config()
+    for k, v in over.items():
+        section, key = k.split(".")
+        config[section][key] = v
+    return config
+
+
+def priced(config, vocab: int, device: str) -> dict:
+    """Each implementation's step seconds, by `cost.step_time` on a config naming it (not through `moe_prices`)."""
+    lay = validate(config, 8)
+    out = {}
+    for impl in ("buffers", "ragged"):
+        c = copy.deepcopy(config)
+        c.model.moe_impl = impl
+        out[impl] = cost.step_time(cost.Model.from_config(c, vocab), lay, hardware.cluster(device, 8))["step_s"]
+    return out
+
+
+@pytest.mark.parametrize("name,factor", [("qwen3_30b_a3b", 1.25), ("qwen3_30b_a3b", 0.0), ("mixtral_8x7b", 1.25)])
+def test_auto_is_the_cheaper_priced_the_same_on_a_cpu_host_planning_for_h100s_as_on_h100s(name, factor):
+    """configs/qwen3_30b_a3b.py and configs/mixtral_8x7b.py (as shipped; Qwen3 also dropless, where the cost model
+    prices the other implementation cheaper) on 8 x H100: `auto` resolves
+    to the implementation `cost.step_time` prices cheaper, the same on this CPU host with `mesh.device=h100` as on
+    devices whose `device_kind` says H100, and the planner ranks that layout with the same choice; on CPU devices
+    without `mesh.device`, `buffers`."""
+    config = shipped(name, **{"model.capacity_factor": factor})
+    vocab = planner.vocab_of(config)
+    times = priced(config, vocab, "h100")
+    cheaper = min(times, key=times.get)
+    lay = validate(config, 8)
+    on_h100s = target.resolve(config, vocab, lay, H100S)
+    config.mesh.device = "h100"
+    planning = target.resolve(config, vocab, lay, jax.devices()[:8])
+    for resolved, chose in (on_h100s, planning):
+        assert resolved.model.moe_impl == chose["model.moe_impl"] == cheaper and chose["device"] == "h100"
+        assert chose["prices"] == pytest.approx(times, rel=1e-12) and f"runs {cheaper} on 8 x h100" in chose["why"]
+    assert on_h100s[1]["source"] == "the devices present" and planning[1]["source"] == "mesh.device"
+    space = Space(tensor=(1,), stage=(1,), expert=(8,), context=(1,), zero=(2,), offload=(config.optim.offload,),
+                  remat=("full",), sp=(False,))
+    best = planner.plan(config, hardware.cluster("h100", 8), space).ranked[0]
+    assert best.layout == lay and best.time["moe_impl"] == cheaper
+    assert best.config(config).model.moe_impl == cheaper
+    config.mesh.device = ""
+    assert target.resolve(config, vocab, lay, jax.devices()[:8])[0].model.moe_impl == "buffers"
+
+
+def test_auto_is_priced_with_the_grouped_kernel_the_target_runs():
+    """Off Hopper (an A100) `ragged`'s grouped matmuls are XLA's ragged dot, expanded over every expert in the
+    forward and input gradient too: Mixtral dropless costs E x its active rows there; on H100s the Mosaic kernel
+    takes those two, and only the weight gradient is expanded."""
+    config = shipped("mixtral_8x7b", **{"model.capacity_factor": 0.0})
+    m, lay = cost.Model.from_config(config, 32000), validate(config, 8)
+    m = dataclasses.replace(m, auto=False, ragged=True)
+    assert not cost.ragged_expanded(m, hardware.cluster("h100", 8))
+    assert cost.ragged_expanded(m, hardware.cluster("a100-80g", 8))
+    assert not cost.ragged_expanded(dataclasses.replace(m, ragged=False), hardware.cluster("a100-80g", 8))
+    assert cost.ragged_expanded(dataclasses.replace(m, compute_dtype="float32"), hardware.cluster("h100", 8))
+    times = priced(config, 32000, "a100-80g")
+    assert times["buffers"] < times["ragged"]
+
+
+def test_a_dry_run_and_the_planner_for_h100s_on_this_host_compile_what_they_run(tmp_path, capsys):
+    """`--dry_run --config.mesh.device=h100` on CPU devices: a tiny dropless MoE that the cost model prices cheaper
+    with `ragged` on H100s (bfloat16, widths of 64: the Mosaic kernel's) is compiled as `ragged` (the model config
+    the step was built from), and the dry run prints why; the planner for 8 x H100 compiles the same program (the
+    same bytes)."""
+    over = {"model.arch": "llama", "model.kv_heads": 4, "model.experts": 8, "model.experts_per_token": 2,
+            "model.embed": 64, "model.expert_mlp": 64, "model.vocab_size": 256, "train.compute_dtype": "bfloat16",
+            "mesh.data": 8, "train.global_batch_size": 8, "optim.zero_stage": 1, "mesh.device": "h100"}
+    times = priced(tiny_config(**over), 256, "h100")
+    assert min(times, key=times.get) == "ragged", f"pick a config the cost model prices ragged cheaper: {times}"
+    rep = trainer.dry_run(tiny_config(**over), str(tmp_path))
+    assert rep["layout"]["moe_impl"] == rep["resolved"]["model.moe_impl"] == "ragged"
+    assert rep["resolved"]["prices"] == pytest.approx(times, rel=1e-12)
+    said = capsys.readouterr().out
+    assert f"model.moe_impl=auto runs ragged on 8 x h100 (mesh.device): the cost model prices ragged at " \
+           f"{times['ragged']:.3g} s/step against buffers at {times['buffers']:.3g} s" in said
+    on_disk = json.loads((tmp_path / "compile_report.json").read_text())
+    assert on_disk["layout"]["moe_impl"] == "ragged" and on_disk["resolved"]["device"] == "h100"
+    space = Space(tensor=(1,), stage=(1,), expert=(1,), context=(1,), zero=(1,), offload=("none",), remat=("none",),
+                  sp=(False,))
+    best = planner.plan(tiny_config(**over), hardware.cluster("h100", 8), space, compile_top=1,
+                        devices=jax.devices()[:8]).ranked[0]
+    assert best.time["moe_impl"] == "ragged" and best.memory["source"] == "compiled"
+    assert best.memory["peak"] == rep["memory"]["peak"]
+
+
+def test_device_kinds_name_the_planners_devices():
+    """CUDA's device names of the parts the planner prices are its devices; other parts (their own peaks and
+    bandwidths) are none of them."""
+    named = {k: hardware.device_named(k) for k in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA A100-SXM4-80GB",
+                                                   "NVIDIA A100 80GB PCIe", "NVIDIA H100 PCIe", "NVIDIA H200 NVL",
+                                                   "NVIDIA GH200 480GB", "NVIDIA A100-SXM4-40GB", "cpu")}
+    assert named == {"NVIDIA H100 80GB HBM3": "h100", "NVIDIA H200": "h200", "NVIDIA A100-SXM4-80GB": "a100-80g",
+                     "NVIDIA A100 80GB PCIe": "a100-80g-pcie", "NVIDIA H100 PCIe": None, "NVIDIA H200 NVL": None,
+                     "NVIDIA GH200 480GB": None, "NVIDIA A100-SXM4-40GB": None, "cpu": None}
+
+
+@pytest.mark.parametrize("over,devices,match", [
+    ({"mesh.device": "h800"}, None, r"mesh.device='h800' is not a device jaxpar/plan/hardware.py prices; pick one "
+                                    r"of \['a100-80g', 'a100-80g-pcie', 'h100', 'h200'\]"),
+    ({}, [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA L40S")] * 8,
+     r"does not know 'NVIDIA L40S'; set --config.mesh.device to the nearest of .* or model.moe_impl to 'buffers' "
+     r"or 'ragged'"),
+    ({"model.grouped_matmul": "mosaic", "train.compute_dtype": "bfloat16", "model.embed": 64, "model.expert_mlp": 64},
+     None, r"runs buffers on CPU devices .*; then: model.grouped_matmul='mosaic' "
+                                               r"runs `ragged`'s grouped matmuls, but model.moe_impl='buffers' runs"),
+    ({"mesh.expert": 4, "mesh.data": 2, "model.expert_buffer_factor": 1.5}, None,
+     r"runs buffers on CPU devices .*; then: model.expert_buffer_factor=1.5 bounds the rows `ragged` sends"),
+])
+def test_auto_that_cannot_be_resolved_is_one_clear_error(over, devices, match):
+    c = tiny_config(**{"model.arch": "llama", "model.kv_heads": 4, "model.experts": 8, "model.experts_per_token": 2,
+                       "model.expert_mlp": 32, **over})
+    with pytest.raises(jcfg.ConfigError, match=match):
+        target.resolve(c, 256, validate(c, 8), devices or jax.devices()[:8])

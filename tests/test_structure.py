@@ -159,7 +159,7 @@ def test_imports_flow_one_way():
     assert graph["jaxpar.config_keys"] == set(), graph["jaxpar.config_keys"]
     importers = {m for m, deps in graph.items() if "jaxpar.validate" in deps}
     assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.export", "jaxpar.formats.hf", "jaxpar.plan.space",
-                         "jaxpar.plan.measure"}, importers
+                         "jaxpar.plan.measure", "jaxpar.plan.target"}, importers
 
 
 def test_the_cycle_check_catches_a_cycle(tmp_path):

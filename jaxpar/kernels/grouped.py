@@ -49,13 +49,15 @@ def hopper(backend: str | None = None) -> bool:
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
 
 
-def choose(implementation: str, dtype, fan_in: int, fan_out: int, backend: str | None = None) -> str:
-    """`model.grouped_matmul` for one matmul -> the kernel that runs it: xla | mosaic (see the module docstring)."""
+def choose(implementation: str, dtype, fan_in: int, fan_out: int, backend: str | None = None,
+           on_hopper: bool | None = None) -> str:
+    """`model.grouped_matmul` for one matmul -> the kernel that runs it: xla | mosaic (see the module docstring).
+    `on_hopper`: whether the target is a Hopper GPU (the planner's device), instead of asking this process's."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"model.grouped_matmul={implementation!r}: pick one of {IMPLEMENTATIONS}")
     if implementation == "xla" or mosaic_reason(dtype, fan_in, fan_out) is not None:
         return "xla"
-    if implementation == "auto" and not hopper(backend):
+    if implementation == "auto" and not (hopper(backend) if on_hopper is None else on_hopper):
         return "xla"
     return "mosaic"
 

@@ -60,7 +60,7 @@ class ModelConfig:
     router_bias_rate: float = 0.0
     first_dense_layers: int = 0
     moe_every: int = 1
-    moe_impl: str = "auto"  # buffers | ragged | auto (ragged on GPUs)
+    moe_impl: str = "auto"  # buffers | ragged | auto (resolved by jaxpar/plan/target.py; unresolved: buffers)
     grouped_matmul: str = "auto"  # ragged's grouped matmul kernel: xla | mosaic | auto (mosaic on Hopper)
     expert_buffer_factor: float = 0.0  # ragged under expert parallelism: the rows per destination (0: worst case)
     # LoRA adapters (`jaxpar/model/lora.py`; config keys lora.*); lora_rank = 0: none

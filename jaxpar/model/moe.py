@@ -92,10 +92,10 @@ def balance_stats(logits, scores, counts, cfg, seq: int | None = None):
 
 
 def implementation(cfg) -> str:
-    """`buffers` or `ragged`: `model.moe_impl`, `auto` being `ragged` on GPUs."""
-    if cfg.moe_impl == "auto":
-        return "ragged" if jax.default_backend() == "gpu" else "buffers"
-    return cfg.moe_impl
+    """`buffers` or `ragged`: `model.moe_impl`. The trainer and the planner resolve `auto` before building the step
+    (`jaxpar/plan/target.py`: the one the cost model prices cheaper on the target); a config that still says `auto`
+    here (a step built without them: tests, decoding) runs `buffers`, on every backend."""
+    return "buffers" if cfg.moe_impl == "auto" else cfg.moe_impl
 
 
 class SwiGLU(nnx.Module):

@@ -14,7 +14,7 @@ from jaxpar.compiled import model_vocab
 from jaxpar.model import derived
 from jaxpar.plan import cost, memory
 from jaxpar.plan.hardware import GiB, Cluster
-from jaxpar.plan.space import Layout, Space, candidates
+from jaxpar.plan.space import Layout, Space, apply, candidates
 
 __all__ = ["plan", "Plan", "Candidate", "vocab_of"]
 
@@ -25,6 +25,14 @@ class Candidate:
     time: dict  # cost.step_time
     estimate: tuple  # memory.estimate: (state, activation) bytes
     memory: dict | None = None  # memory.Compiler.memory (compiled or derived), None: not compiled
+
+    def config(self, config):
+        """A copy of `config` that trains this candidate: its layout's keys, and the implementation a MoE model's
+        `model.moe_impl=auto` runs on it (`cost.step_time`'s "moe_impl")."""
+        out = apply(config, self.layout)
+        with out.unlocked():
+            out.model.moe_impl = self.time.get("moe_impl", out.model.moe_impl)
+        return out
 
     def peak(self) -> float:
         """Device bytes (with `optim.offload`, less what lives in host memory)."""
@@ -68,8 +76,7 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
     model = cost.Model.from_config(config, vocab_of(config))
     capacity = cluster.device.memory * mem_fraction
     space = dataclasses.replace(space, gpus_per_node=cluster.gpus_per_node)
-    cands = [Candidate(lay, cost.step_time(model, lay, cluster), memory.estimate(model, lay))
-             for lay in candidates(config, cluster.gpus, space)]
+    cands = [_candidate(model, lay, cluster) for lay in candidates(config, cluster.gpus, space)]
     cands.sort(key=lambda c: c.time["step_s"])
     compiler = memory.Compiler(config, model.vocab, devices) if devices else None
     found, ratio = 0, {}  # per kind of recompute: the smallest (compiled - state) / activation estimate seen
@@ -82,12 +89,20 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
         state, act = c.estimate
         if state + act * 0.8 * ratio.get(kind, 0.5) > capacity or not compiler.can_compile(c.layout):
             continue
-        c.memory = compiler.memory(c.layout)
+        c.memory = compiler.memory(c.layout, c.time.get("moe_impl"))  # what `auto` runs on this layout
         ratio[kind] = min(ratio.get(kind, float("inf")), max(c.memory["peak"] - state, 0.0) / max(act, 1.0))
         c.time = cost.step_time(model, c.layout, cluster, c.memory["data_collectives"])
         found += c.fits(capacity) is True
     cands.sort(key=lambda c: c.rank(capacity))
     return Plan(model, cluster, capacity, cands, len(cands), compiler.compiles if compiler else 0)
+
+
+def _candidate(model: cost.Model, lay: Layout, cluster: Cluster) -> Candidate:
+    """A layout timed, and its memory estimated for the MoE implementation `auto` runs on it."""
+    time = cost.step_time(model, lay, cluster)
+    if "moe_impl" in time:
+        model = dataclasses.replace(model, auto=False, ragged=time["moe_impl"] == "ragged")
+    return Candidate(lay, time, memory.estimate(model, lay))
 
 
 def summary(p: Plan, c: Candidate) -> dict:

@@ -82,7 +82,7 @@ def main(argv):
     import jax
 
     from jaxpar import plan as planner
-    from jaxpar.plan import hardware, table
+    from jaxpar.plan import hardware, table, target
 
     try:
         cl = hardware.cluster(_DEVICE.value, _GPUS.value, _PER_NODE.value, _INTER.value, _NICS.value, _INTRA.value)
@@ -111,6 +111,8 @@ def main(argv):
                  f"offload (--offload), recompute or a smaller micro batch (--max_micro_batch) may.")
     print(f"\ntrain the best layout with:\n  python train.py --config {flags.FLAGS['config'].config_filename} "
           f"{best.layout.flags()}" + ("" if best.memory else "\n(its memory is an estimate: not compiled)"))
+    if "moe_impl" in best.time:  # model.moe_impl=auto: what it runs on the best layout, and why
+        print(target.explain(best.time["moe_prices"], f"this layout on {cl.gpus} x {cl.device.name} (--device)"))
     if _JSON.value:
         print(f"written to {_JSON.value}")
     if _MEASURE.value:
@@ -121,12 +123,11 @@ def _measure(config, p, best):
     import jax
 
     from jaxpar.plan.measure import time_step
-    from jaxpar.plan.space import apply
 
     n = best.layout.data * best.layout.model_devices
     if n > len(jax.devices()):
         sys.exit(f"--measure: the best layout needs {n} devices, {len(jax.devices())} are present.")
-    got = time_step(apply(config, best.layout), p.model.vocab, devices=jax.devices()[:n])
+    got = time_step(best.config(config), p.model.vocab, devices=jax.devices()[:n])
     print(json.dumps({"layout": best.layout.name(), "predicted_for": p.cluster.device.name,
                       "measured_on": got["device_kind"],
                       "predicted_step_s": best.time["step_s"], "measured_step_s": got["step_s"],

@@ -10,9 +10,11 @@ Per microbatch and layer (b sequences of s tokens, width h, MLP width f, tensor 
 Tensor parallelism: 2 all-reduces of [b, s, h] per layer per forward pass, 2 per backward (Megatron-LM; sequence
   parallel: an all-gather + reduce-scatter pair each, the same bytes), ring time 2(t-1)/t·X / busbw, exposed.
 Mixture of experts: a MoE layer computes its fixed-size buffers, E·C slots per sequence (C: `moe.capacity`), not k·s
-(`model.moe_impl=buffers`), or its k·s choices (`ragged`, and `auto`: the planner prices GPUs; `expert_rows`), whose
-  weight gradient XLA:GPU computes over every expert's masked copy of the rows (E·k·s: its `RaggedDotRewriter`,
-  read from XLA's source; `weight_grad_rows`);
+(`model.moe_impl=buffers`), or its k·s choices (`ragged`; `expert_rows`), whose weight gradient XLA:GPU computes
+  over every expert's masked copy of the rows (E·k·s: its `RaggedDotRewriter`, read from XLA's source;
+  `weight_grad_rows`), and its forward and input gradient too where the grouped kernel is XLA's (`ragged_expanded`:
+  off Hopper, in float32, ...); `auto` is priced both ways and runs the cheaper (`moe_prices`, as `plan.target`
+  resolves it);
   expert parallelism adds 2 all-to-alls of the buffer [b, E, C, h] (ragged: its k·s rows, by `ragged_all_to_all` on
   GPUs, into a receive buffer of the worst case or `expert_buffer_factor`) per forward pass and 2 per backward over
   the expert group, time (e-1)/e·X / busbw, exposed (jaxpar's program does not overlap them).
@@ -37,6 +39,7 @@ import math
 
 from jaxpar import model as gpt
 from jaxpar.model import moe
+from jaxpar.kernels import grouped
 from jaxpar.kernels.attention import choose
 from jaxpar.config import padded_vocab
 from jaxpar.analysis.hlo_groups import axes_of
@@ -75,8 +78,11 @@ class Model:
     top_k: int = 0
     expert_mlp: int = 0
     capacity: int = 0  # slots per expert per sequence (`moe.capacity`)
-    ragged: bool = False  # `model.moe_impl` ragged (or auto: the planner prices GPUs): k·s rows, not E·C slots
+    ragged: bool = False  # `model.moe_impl=ragged`: k·s rows, not E·C slots
+    auto: bool = False  # `model.moe_impl=auto`: priced both ways, the cheaper taken (`step_time`)
     buffer_factor: float = 0.0  # `model.expert_buffer_factor` (0: the worst case)
+    grouped_matmul: str = "auto"  # `ragged`'s kernel setting (`kernels.grouped.choose` per target)
+    compute_dtype: str = "bfloat16"
     moe_layers: int = 0
     expert_params: int = 0  # the routed experts' weights, all layers
     trained: float = 1.0  # the fraction of the parameters that trains (LoRA: the adapters'; no gradient, no AdamW)
@@ -94,8 +100,9 @@ class Model:
         moe_layers = sum(bool(moe.is_moe_layer(cfg, i)) for i in range(cfg.layers))
         experts = dict(experts=cfg.experts, top_k=cfg.experts_per_token, expert_mlp=cfg.expert_mlp,
                        capacity=moe.capacity(cfg, cfg.seq_len) if cfg.experts else 0, moe_layers=moe_layers,
-                       expert_params=counts["experts"], ragged=cfg.moe_impl in ("ragged", "auto"),
-                       buffer_factor=cfg.expert_buffer_factor)
+                       expert_params=counts["experts"], ragged=cfg.moe_impl == "ragged", auto=cfg.moe_impl == "auto",
+                       buffer_factor=cfg.expert_buffer_factor, grouped_matmul=cfg.grouped_matmul,
+                       compute_dtype=tr.compute_dtype)
         return cls(**experts, layers=cfg.layers, embed=cfg.embed, heads=cfg.heads, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
                    seq=cfg.seq_len, vocab=vocab, tied=cfg.tie_embeddings,
                    positions=cfg.max_positions if cfg.family.learned_positions else 0,
@@ -164,6 +171,14 @@ def weight_grad_rows(model: Model, lay: Layout) -> float:
     return rows * model.experts if model.ragged else rows
 
 
+def ragged_expanded(model: Model, cl: Cluster) -> bool:
+    """Whether `ragged`'s forward and input-gradient matmuls run on XLA's ragged dot on the cluster's device (the
+    kernel `grouped.choose` picks there: not the Mosaic kernel), which XLA:GPU expands over every expert as it does
+    the weight gradient."""
+    return model.ragged and grouped.choose(model.grouped_matmul, model.compute_dtype, model.embed, model.expert_mlp,
+                                           on_hopper=cl.device.hopper) == "xla"
+
+
 def activation_bytes(model: Model, lay: Layout) -> float:
     """One layer's activations for one microbatch (Korthikanti et al. 2022, Table 2, 2-byte values):
     s·b·h·(10 + 24/t + 5·a·s/(h·t)); with sequence parallelism 34/t for the first terms; no a·s² scores under a fused
@@ -228,6 +243,7 @@ def _layer(model: Model, lay: Layout, cl: Cluster) -> _Layer:
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     moe_share = model.moe_layers / model.layers
     rows, _, sent = expert_rows(model, lay)
+    rows *= model.experts if ragged_expanded(model, cl) else 1  # the forward (and input gradient) over every expert
     slots = b * (rows - model.top_k * s)  # rows computed beyond the active k·s choices
     lin = 2 * b * s * model.layer_params() / t + moe_share * 2 * slots * 3 * h * model.expert_mlp / t
     core = 4 * b * s * (s * c) * h / t * (0.5 if model.fused_attention or c > 1 else 1.0)
@@ -263,7 +279,13 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
     """Seconds per step, split into compute (incl. recompute), bubble, tensor / pipeline / data-parallel
     communication (exposed parts) and the optimizer update; the FLOPs each device runs. `compiled`: the step's
     collectives over `data` from its compile (`data_collectives`), used for the data-parallel / ZeRO term instead
-    of the analytic one."""
+    of the analytic one. A MoE model with `model.moe_impl=auto` is timed with the implementation `moe_prices` finds
+    cheaper (analytically), named under "moe_impl" with both prices under "moe_prices"."""
+    if model.experts and model.auto:
+        prices = moe_prices(model, lay, cl)
+        impl = min(prices, key=prices.get)  # a tie: buffers
+        out = step_time(dataclasses.replace(model, auto=False, ragged=impl == "ragged"), lay, cl, compiled)
+        return {**out, "moe_impl": impl, "moe_prices": prices}
     ly, (r_full, r_core) = _layer(model, lay, cl), recompute_passes(lay)
     M, Lc = lay.microbatches, model.layers / lay.stage
     head_passes = 6 if lay.stage > 1 and lay.schedule in ("gpipe", "circular") else 3  # checkpointed head: twice
@@ -284,6 +306,12 @@ def step_time(model: Model, lay: Layout, cl: Cluster, compiled: list | None = No
             "cp_comm_s": M * Lc * ((1 + r_full) * ly.cp + ly.cp_bwd), "dp_comm_s": dp["exposed"],
             "dp_overlapped_s": dp["hidden"], "dp_bytes": dp["bytes"], "dp_source": dp["source"], "optimizer_s": opt,
             "recompute_s": M * Lc * recompute, "offload_s": off, "device_flops": flops}
+
+
+def moe_prices(model: Model, lay: Layout, cl: Cluster) -> dict[str, float]:
+    """{"buffers": s, "ragged": s}: the analytic step seconds of a MoE model's layout with each implementation."""
+    return {impl: step_time(dataclasses.replace(model, auto=False, ragged=impl == "ragged"), lay, cl)["step_s"]
+            for impl in ("buffers", "ragged")}
 
 
 def offload_time(model: Model, lay: Layout, cl: Cluster) -> float:

@@ -7,6 +7,7 @@ kept beside it. `--measure` (python -m jaxpar.plan) checks the whole model again
 from __future__ import annotations
 
 import dataclasses
+import re
 
 GiB = 2 ** 30
 
@@ -20,6 +21,8 @@ class Device:
     intra_node: str  # default link between GPUs of one server (a key of LINKS)
     source: str
     host: str = "pcie4"  # the link to host memory (a key of HOST_LINKS): `optim.offload`'s transfers
+    kinds: tuple = ()  # this part's `jax.Device.device_kind`s (CUDA's device names) less "NVIDIA "
+    hopper: bool = False  # compute capability 9.x: the Mosaic GPU grouped kernel runs (`kernels.grouped.choose`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,14 +36,17 @@ class Link:
 
 DEVICES = {d.name: d for d in (
     Device("a100-80g", 312e12, 2.039e12, 80 * GiB, "nvlink3",
-           "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e, 80 GB; PCIe Gen4"),
+           "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16 dense, 2,039 GB/s HBM2e, 80 GB; PCIe Gen4",
+           kinds=("A100-SXM4-80GB",)),
     Device("a100-80g-pcie", 312e12, 1.935e12, 80 * GiB, "pcie4",
            "NVIDIA A100 datasheet (PCIe 80GB): 312 TFLOP/s bf16 dense, 1,935 GB/s HBM2e, 80 GB, no NVLink switch; "
-           "PCIe Gen4"),
+           "PCIe Gen4", kinds=("A100 80GB PCIe",)),
     Device("h100", 989e12, 3.35e12, 80 * GiB, "nvlink4",
-           "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB; PCIe Gen5", "pcie5"),
+           "NVIDIA H100 datasheet (SXM5): 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, 80 GB; PCIe Gen5", "pcie5",
+           kinds=("H100 80GB HBM3", "H100 SXM5 80GB"), hopper=True),
     Device("h200", 989e12, 4.8e12, 140 * GiB, "nvlink4",
-           "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB; PCIe Gen5", "pcie5"),
+           "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 4.8 TB/s HBM3e, 141 GB; PCIe Gen5", "pcie5",
+           kinds=("H200",), hopper=True),
 )}
 
 LINKS = {k.name: k for k in (
@@ -71,6 +77,14 @@ HOST_LINKS = {k.name: k for k in (
          "PCIe Gen5 x16: 32 GT/s x 16 lanes = 63 GB/s per direction (PCI-SIG); the same ~80 % taken for pinned "
          "copies (assumed; bench/offload.py measures it on the device present)"),
 )}
+
+
+def device_named(device_kind: str) -> str | None:
+    """The `DEVICES` name of a `jax.Device.device_kind` ("NVIDIA H100 80GB HBM3" -> "h100"), or None for a part
+    the table does not hold (an H100 PCIe, an H200 NVL, an A100 40GB, a CPU): the device_kind without the vendor's
+    "NVIDIA " equals one of the part's `kinds`, case aside."""
+    name = re.sub(r"^NVIDIA ", "", device_kind.strip(), flags=re.IGNORECASE)
+    return next((d.name for d in DEVICES.values() for k in d.kinds if name.lower() == k.lower()), None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,18 +59,20 @@ class Compiler:
         return (compile_data_size(lay) * lay.model_devices <= len(self.devices)
                 and not xla_cpu_aborts(self.devices[0].platform, self.config.train.param_dtype, lay.zero_stage))
 
-    def memory(self, lay: Layout) -> dict:
+    def memory(self, lay: Layout, moe_impl: str | None = None) -> dict:
         """{"peak": device bytes, "host": pinned host bytes, "xla_peak", "temp", "argument", ..., "source":
         "compiled" | "derived (data 2)", "compile_s",
-        "collectives_by_kind", "data_collectives" (`cost.data_collectives`)} of the layout's train step."""
+        "collectives_by_kind", "data_collectives" (`cost.data_collectives`)} of the layout's train step; `moe_impl`:
+        the implementation `auto` runs on this layout (`cost.step_time`'s "moe_impl")."""
         B = int(self.config.train.global_batch_size)
-        k = key(lay, B)
+        k = key(lay, B) + (moe_impl,)
         if k not in self.cache:
             dc = compile_data_size(lay)
             c = apply(self.config, k[0])
             with c.unlocked():
                 c.train.global_batch_size = B // lay.data * dc
                 c.xla.compile_cache = False
+                c.model.moe_impl = moe_impl or c.model.moe_impl
             n = dc * lay.model_devices
             rep = report_for(c, self.vocab, self.devices[:n])
             self.compiles += 1
