@@ -218,6 +218,19 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if 
           "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")  # with generation markers
 
 
+def released_template(name: str) -> str:
+    """A released model's chat template, as TRL's wheel ships it (package data trl/chat_templates/NAME.jinja: its
+    byte-exact copies of the models' templates and its `*_training` ones with `{% generation %}` markers); the
+    calling test is skipped where trl (jaxpar[interop]) is not installed."""
+    import importlib.resources
+
+    import pytest
+
+    pytest.importorskip("trl", reason="released chat templates are read from trl's package data: "
+                                      "pip install -e '.[interop]'")
+    return (importlib.resources.files("trl") / "chat_templates" / f"{name}.jinja").read_text()
+
+
 def chat_tokenizer(directory, template: str = CHATML, bos: str | None = "<|endoftext|>", eos: str = "<|im_end|>",
                    texts=("What is 2+2? It is 4. The quick brown fox jumps over the lazy dog.\n" * 4,
                           "system user assistant: be brief, hello world, the answer is")):

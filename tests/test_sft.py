@@ -1,6 +1,6 @@
 """Supervised fine-tuning on conversations, against `transformers`: tiny random Llama, Qwen3 and Qwen3-MoE checkpoints
-(every tensor random, their own chat templates) fine-tuned from `init_from=hf:DIR` on conversations and
-prompt/completion records, packed whole (`data.packing=bfd`) with the loss on the assistant tokens.
+(every tensor random, their own chat templates as TRL's wheel ships them) fine-tuned from `init_from=hf:DIR` on
+conversations and prompt/completion records, packed whole (`data.packing=bfd`) with the loss on the assistant tokens.
 
 The step's loss on the checkpoint's weights equals transformers' loss with -100 labels on the masked positions (each
 packed conversation run alone through transformers in float64; the mean over the unmasked tokens of the whole
@@ -18,28 +18,27 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from helpers import (assert_params_exact, chat_tokenizer, float64_config, float64_oracle, place, steps_for,  # noqa: E402
-                     tiny_config)
+from helpers import (assert_params_exact, chat_tokenizer, float64_config, float64_oracle, place,  # noqa: E402
+                     released_template, steps_for, tiny_config)
 from jaxpar import data, trainer  # noqa: E402
 from jaxpar.export import main as export_main  # noqa: E402
 from jaxpar.formats import hf  # noqa: E402
 
 pytestmark = [pytest.mark.xdist_group("test_sft"), pytest.mark.slow]
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "chat_templates"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMON = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-6, bos_token_id=0,
               eos_token_id=0)
-KINDS = {  # name: (model, its chat template, bos token)
+KINDS = {  # name: (model, its chat template as TRL ships it, bos token, eos token)
     "llama": (lambda v: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, vocab_size=v,
                                                                                intermediate_size=48)),
-              "llama3_1.jinja", "<|begin_of_text|>", "<|eot_id|>"),
+              "llama3_1", "<|begin_of_text|>", "<|eot_id|>"),
     "qwen3": (lambda v: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, vocab_size=v,
                                                                               intermediate_size=48, head_dim=16)),
-              "qwen3.jinja", None, "<|im_end|>"),
+              "qwen3", None, "<|im_end|>"),
     "qwen3_moe": (lambda v: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **COMMON, vocab_size=v, intermediate_size=48, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        moe_intermediate_size=24, norm_topk_prob=True)), "qwen3.jinja", None, "<|im_end|>"),
+        moe_intermediate_size=24, norm_topk_prob=True)), "qwen3", None, "<|im_end|>"),
 }
 
 
@@ -65,7 +64,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for kind, (make, template, bos, eos) in KINDS.items():
         d = root / kind
-        tok = chat_tokenizer(d, (FIXTURES / template).read_text(), bos, eos)
+        tok = chat_tokenizer(d, released_template(template), bos, eos)
         torch.manual_seed(0)
         model = make(tok.vocab_size)
         with torch.no_grad():  # norm scales away from 1, every bias and router random
@@ -166,7 +165,7 @@ def test_a_fine_tuned_run_exports_a_checkpoint_transformers_chats_with(checkpoin
     trainer.run(c, str(wd))
     assert export_main(["--workdir", str(wd), "--out", str(out), "--format", "hf", "--dtype", "float32"]) == 0
     config = json.loads((out / "tokenizer_config.json").read_text())
-    assert config["chat_template"] == (FIXTURES / "llama3_1.jinja").read_text() and config["eos_token"] == "<|eot_id|>"
+    assert config["chat_template"] == released_template("llama3_1") and config["eos_token"] == "<|eot_id|>"
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the answer"}]

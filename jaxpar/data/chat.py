@@ -13,18 +13,24 @@ tokenizer's special tokens (`bos_token`, `eos_token`, ...); the rendered text is
 tokens (the template writes them), so special tokens are single ids and BOS is never doubled.
 
 The loss mask (`data.loss_on`): `assistant` marks what `apply_chat_template(..., return_assistant_tokens_mask=True)`
-marks: every token overlapping an assistant span. A template with `{% generation %}` markers gives the spans. A
-template without them (Llama 3's, Qwen3's) gets them by rendering: the span of assistant message i starts where the
-conversation up to message i, rendered with the generation prompt, ends (what the model is asked to write from), and
-ends with the first end-of-turn token after it (found by rendering a probe conversation: the first special token the
-template writes after an assistant's content). `completion` marks the completion's assistant spans (messages) or the
-completion's characters and the end-of-sequence token (strings); `all` every token; `auto` is `assistant` for
-`messages`, `completion` for `prompt`/`completion` and `all` for `text`.
+marks: every token overlapping an assistant span. A template with `{% generation %}` markers gives the spans (all of
+them, as transformers unites them). A template without them (Llama 3's, Qwen3's) gets them by rendering, reply by
+reply: the span of assistant message i starts where the conversation up to message i, rendered with the generation
+prompt, stops agreeing with the whole conversation (where the model is asked to write from; a generation prompt that
+opens a block the reply then writes, as DeepSeek-R1-Distill's `<think>\n`, is followed as far as the reply writes
+it), and ends with the end-of-turn token the template writes after that reply, found by rendering the conversation
+with that reply's content replaced by a probe (so each position gets its own closing token, gpt-oss's `<|end|>` or its
+last reply's `<|return|>`, and the reply's text, end-of-turn strings included, is never searched). A reasoning field
+(`reasoning_content`, `thinking` or `reasoning`) reaches the template under all three names, as transformers 5 passes
+it. `completion` marks the completion's assistant spans (messages) or the completion's characters and the
+end-of-sequence token (strings; appended only when the completion does not already end with it, as TRL does); `all`
+every token; `auto` is `assistant` for `messages`, `completion` for `prompt`/`completion` and `all` for `text`.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -38,7 +44,10 @@ LOSS_ON = ("auto", "assistant", "completion", "all")
 TEMPLATE_FILE = "chat_template.jinja"  # beside tokenizer.json in a Hugging Face directory (transformers >= 4.43)
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # a reply's reasoning, as transformers 5 names it
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around each `{% generation %}` block while rendering
+_PROBE = "\ue002"  # a reply's content while finding where that reply ends
+RULES = 2  # the version of how records are rendered and masked: in the data cache's key (a change re-encodes)
 
 
 def _environment():
@@ -130,7 +139,8 @@ class ChatFormat:
             raise DataError(f"{where}: the chat template does not parse (line {e.lineno}: {e.message}); fix it or "
                             f"give another with data.chat_template.") from None
         added = tokenizer.get_added_tokens_decoder()
-        self.special_ids = {i for i, t in added.items() if t.special}
+        longest = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)  # as split first
+        self.special_re = re.compile("|".join(map(re.escape, longest)) or "(?!)")
         eos = special.get("eos_token")
         self.eos_id = tokenizer.token_to_id(eos) if eos else None
         self.end_of_turn = self._end_of_turn()
@@ -158,7 +168,7 @@ class ChatFormat:
         import jinja2
 
         try:
-            raw = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            raw = self.template.render(messages=alias_reasoning(messages), add_generation_prompt=add_generation_prompt,
                                        **self.special)
         except jinja2.TemplateError as e:
             raise TemplateFailure(f"the chat template ({self.where}) fails to render it: {e}") from None
@@ -170,51 +180,83 @@ class ChatFormat:
             n += len(piece)
         return "".join(text), spans
 
+    def _special_after(self, text: str, k: int) -> tuple[str, int] | None:
+        """(the first special token in text[k:], where it ends in `text`), or None."""
+        found = self.special_re.search(text, k)
+        return (found.group(), found.end()) if found else None
+
     def _end_of_turn(self) -> str | None:
-        """The end-of-turn token: the first special token the template writes after an assistant's content."""
-        probe = "\ue002"
-        try:
-            text, _ = self.render([{"role": "user", "content": "u"}, {"role": "assistant", "content": probe}])
-        except TemplateFailure:
-            return None
-        after = text[text.rfind(probe) + len(probe):]
-        enc = self.hf.encode(after, add_special_tokens=False)
-        return next((after[a:b] for i, (a, b) in zip(enc.ids, enc.offsets) if i in self.special_ids), None)
+        """The end-of-turn token: the first special token the template writes after a last reply's content, else after
+        an earlier reply's (a template may close only the replies that others follow)."""
+        user, reply = {"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}
+        for conversation in ([user, reply], [user, reply, user, dict(reply, content="a")]):
+            try:
+                text, _ = self.render(conversation)
+            except TemplateFailure:
+                continue
+            if (found := self._special_after(text, text.find(_PROBE) + len(_PROBE))) is not None:
+                return found[0]
+        return None
+
+    def _reply_start(self, messages: list, i: int, text: str) -> int:
+        """Where assistant message i starts in `text`: where the conversation before it, with the generation prompt,
+        stops agreeing with `text` (the generation prompt followed as far as the reply writes it). The conversation
+        before it must agree with `text` as far as it agrees with itself with the generation prompt (a template may
+        close a conversation differently, as Phi-3's writes EOS, when no generation prompt follows)."""
+        before, _ = self.render(messages[:i])
+        prompt, _ = self.render(messages[:i], add_generation_prompt=True)
+        start = _agreed(prompt, text)
+        if start < _agreed(before, prompt):
+            raise TemplateFailure(f"the chat template ({self.where}) renders the conversation before assistant "
+                                  f"message {i} differently from the whole conversation, so its tokens cannot be "
+                                  f"told apart; give a template with {{% generation %}} markers (data.chat_template)")
+        return start
+
+    def _reply_end(self, messages: list, i: int, text: str, start: int) -> int:
+        """Where assistant message i ends in `text`: after the end-of-turn token the template writes after this reply
+        (found with the reply's content replaced by a probe, so text in the content is never taken for it); at the
+        content's end for a last reply that the template leaves open."""
+        probe, _ = self.render(messages[:i] + [dict(messages[i], content=_PROBE)] + messages[i + 1:])
+        if probe.count(_PROBE) != 1:
+            raise TemplateFailure(f"the chat template ({self.where}) does not write assistant message {i}'s content "
+                                  f"once, so where it ends is unknown; give a template with {{% generation %}} markers "
+                                  f"(data.chat_template)")
+        k = probe.index(_PROBE) + len(_PROBE)
+        found = self._special_after(probe, k)
+        if found is None and (self.end_of_turn is None or probe[k:].strip()):
+            raise TemplateFailure(f"the chat template ({self.where}) writes no special token after assistant message "
+                                  f"{i}'s reply, so where it ends is unknown; give a template with {{% generation %}} "
+                                  f"markers (data.chat_template)")
+        suffix = probe[found[1] if found else k:]
+        if not text.endswith(suffix) or len(text) - len(suffix) < start:
+            raise TemplateFailure(f"the chat template ({self.where}) renders what follows assistant message {i} "
+                                  f"differently with another reply, so where the reply ends is unknown; give a "
+                                  f"template with {{% generation %}} markers (data.chat_template)")
+        return len(text) - len(suffix)
 
     def assistant_spans(self, messages: list, text: str, spans: list, first: int = 0) -> list:
-        """The character spans of the assistant messages from index `first` on, in `text` (`messages` rendered)."""
+        """The character spans of the assistant messages from index `first` on, in `text` (`messages` rendered):
+        the template's `{% generation %}` spans from where message `first` starts (TRL's completion mask and
+        assistant mask together), else each reply's span found by rendering."""
         if self.markers:
-            owned = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-            if len(spans) != len(owned):
-                raise TemplateFailure(f"the chat template ({self.where}) marks {len(spans)} generation blocks for "
-                                      f"{len(owned)} assistant messages")
-            return [s for s, i in zip(spans, owned) if i >= first]
+            cut = self._reply_start(messages, first, text) if first else 0
+            return [(max(s, cut), e) for s, e in spans if e > cut]
         out = []
         for i, m in enumerate(messages):
-            if m["role"] != "assistant" or i < first:
-                continue
-            if not self.end_of_turn:
-                raise TemplateFailure(f"the chat template ({self.where}) writes no special token after an assistant's "
-                                      f"reply, so where a reply ends is unknown; give a template with "
-                                      f"{{% generation %}} markers (data.chat_template)")
-            prompt, _ = self.render(messages[:i], add_generation_prompt=True)
-            if not text.startswith(prompt):
-                raise TemplateFailure(f"the chat template ({self.where}) renders the conversation before assistant "
-                                      f"message {i} differently from the whole conversation, so its tokens cannot be "
-                                      f"told apart; give a template with {{% generation %}} markers "
-                                      f"(data.chat_template)")
-            end = text.find(self.end_of_turn, len(prompt))
-            out.append((len(prompt), end + len(self.end_of_turn) if end >= 0 else len(text.rstrip())))
+            if m["role"] == "assistant" and i >= first:
+                start = self._reply_start(messages, i, text)
+                out.append((start, self._reply_end(messages, i, text, start)))
         return out
 
     def encode(self, text: str, spans: list, add_special_tokens: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(ids int32, mask uint8): `text` tokenized; a token is 1 when it overlaps one of `spans`."""
         enc = self.hf.encode(text, add_special_tokens=add_special_tokens)
         ids = np.asarray(enc.ids, np.int32)
-        mask = np.zeros(len(ids), np.uint8)
-        for k, (a, b) in enumerate(enc.offsets):
-            mask[k] = any(b > s and a < e for s, e in spans) and b > a
-        return ids, mask
+        a, b = np.asarray(enc.offsets, np.int64).reshape(-1, 2).T
+        mask = np.zeros(len(ids), bool)
+        for s, e in spans:
+            mask |= (b > s) & (a < e)
+        return ids, (mask & (b > a)).astype(np.uint8)
 
     def conversation(self, messages: list, loss_on: str, first: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """A conversation's (ids, mask): the assistant messages from index `first` on (`assistant`, `completion`),
@@ -230,11 +272,31 @@ class ChatFormat:
 
     def plain(self, prompt: str, completion: str, loss_on: str) -> tuple[np.ndarray, np.ndarray]:
         """A string prompt and completion: `prompt + completion` with the tokenizer's special tokens, then the
-        end-of-sequence token; the completion's tokens (and that token) in the mask (`all`: every token)."""
+        end-of-sequence token unless the completion ends with it (TRL's rule); the completion's tokens (and that
+        token) in the mask (`all`: every token)."""
         ids, mask = self.encode(prompt + completion, [(len(prompt), len(prompt) + len(completion))], True)
-        if self.eos_id is not None:
+        if self.eos_id is not None and not completion.endswith(self.special["eos_token"]):
             ids, mask = np.append(ids, np.int32(self.eos_id)), np.append(mask, np.uint8(1))
         return ids, (np.ones_like(mask) if loss_on == "all" else mask)
+
+
+def _agreed(a: str, b: str) -> int:
+    """The length of the longest common prefix of `a` and `b` (bisected with slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b)) + 1  # a[:lo] == b[:lo]; a[:hi] != b[:hi] (or hi past the shorter one)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
+
+
+def alias_reasoning(messages: list) -> list:
+    """The messages as transformers 5 gives them to a template: a reply's reasoning, given under any of
+    `REASONING_FIELDS`, under `reasoning_content` and `thinking` too (gpt-oss's template reads `thinking`)."""
+    out = []
+    for m in messages:
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
 
 
 class TemplateFailure(Exception):
@@ -267,6 +329,9 @@ def check_messages(messages, field: str, where: str) -> list:
                             f"{', '.join(ROLES)}.")
         if not isinstance(m.get("content"), str):
             raise DataError(f"{where}: {field}[{k}] ({m['role']}) has no string `content`; every message needs one.")
+        if (f := next((f for f in REASONING_FIELDS if m.get(f) is not None and not isinstance(m[f], str)), None)):
+            raise DataError(f"{where}: {field}[{k}] ({m['role']}) has a `{f}` that is not a string; give the "
+                            f"reasoning as a string (or drop the field).")
         out.append({k2: v for k2, v in m.items() if v is not None})
     return out
 

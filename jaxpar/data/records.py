@@ -20,14 +20,16 @@ def holds_records(source: src.Source, units) -> bool:
 
 def conversation_settings(d, tok_dir: str, any_records: bool) -> dict:
     """What encoding records depends on (part of their cache entries' key): the chat template, the special tokens,
-    `data.loss_on`. Checked here, before anything is written: a template is there and parses."""
+    the rules that render and mask them (`chat.RULES`), `data.loss_on`. Checked here, before anything is written: a
+    template is there and parses."""
     if d.loss_on not in ("auto", "all") and not any_records:
         raise DataError(f"data.loss_on={d.loss_on!r} needs conversations or prompt/completion records; "
                         f"data.sources={d.sources!r} holds text (use auto or all).")
     if not any_records:
         return {}
     fmt = chat.ChatFormat.from_dir(tok_dir)
-    return {"chat": {"template": fmt.source, "where": fmt.where, "special": fmt.special}, "loss_on": d.loss_on}
+    return {"chat": {"template": fmt.source, "where": fmt.where, "special": fmt.special, "rules": chat.RULES},
+            "loss_on": d.loss_on}
 
 
 def encode_records(unit, prefix: str, tok, settings: dict) -> dict:
