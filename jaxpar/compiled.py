@@ -13,7 +13,7 @@ import numpy as np
 from jaxpar.analysis import compile_report as report
 from jaxpar import data
 from jaxpar.cluster import distributed
-from jaxpar.interop import hf, peft
+from jaxpar.interop import peft, start
 from jaxpar import model as gpt
 from jaxpar.config import derived
 from jaxpar.errors import ConfigError
@@ -68,7 +68,7 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
     allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
     layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
-    config = derived(peft.apply(hf.apply(config)))
+    config = derived(peft.apply(start.apply(config)))
     layout = validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
     vocab = vocab or distributed.process_0_first(lambda: model_vocab(config), "jaxpar/prepare")
     steps = steps_for(config, vocab, devices, layout)

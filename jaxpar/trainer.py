@@ -19,12 +19,13 @@ from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
 from jaxpar.cluster.preemption import Preempted, PreemptionWatch
 from jaxpar.interop import hf, hub, peft, runs
+from jaxpar.interop import start as starting_point
 from jaxpar.train import loss_scale, monitor, reference
 from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
 from jaxpar.config import ConfigError, derived
-from jaxpar.export import check_export, init_from_export
+from jaxpar.export import init_from_export
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate
 
@@ -139,8 +140,8 @@ def run(config, workdir: str, devices=None) -> dict:
     devices = list(jax.devices() if devices is None else devices)
     named = config  # hf:ORG/NAME, hfds:ORG/NAME -> where they are in the HF cache; the weights once validated
     config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
-    # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...; a ViT's sequence from its patches
-    config = derived(peft.apply(hf.apply(config)))
+    # init_from (hf:DIR, an export, a run): its shape and tokenizer; lora.adapter: its r, ...; a ViT's patches
+    config = derived(peft.apply(starting_point.apply(config)))
     layout = validate(config, len(devices))
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
@@ -207,7 +208,7 @@ def check_before_writing(config, workdir: str, fp: dict, steps) -> int | None:
     if latest is not None:
         check_resume(meta.get("fingerprint", {}), fp, bool(config.train.allow_batch_change))
     if config.init_from and latest is None and hf.directory_of(config.init_from) is None:
-        check_export(config.init_from, steps.cfg)  # (hf:DIR: `check_hf_weights`, before the data)
+        starting_point.check(config.init_from, steps.cfg)  # (hf:DIR: `check_hf_weights`, before the data)
     distributed.barrier("jaxpar/resume_check")  # every process looked (isdir) before process 0 creates the folder
     return latest
 
