@@ -44,7 +44,7 @@ def abstract_batch(config, steps: Steps) -> dict:
     """A global batch of `jax.ShapeDtypeStruct`s with the steps' batch sharding (nothing allocated)."""
     B, T, m = int(config.train.global_batch_size), int(config.model.seq_len), config.model
     shapes = data.image_batch_shapes(B, m.image_size, m.channels) if m.arch == "vit" else \
-        data.batch_shapes(B, T, config.data.packing, ref_dtype(config))
+        data.batch_shapes(B, T, data.packing(config), ref_dtype(config))
     return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding) for k, (shape, dt) in shapes.items()}
 
 
@@ -68,7 +68,7 @@ def report_for(config, vocab: int = 0, devices=None) -> dict:
     """Compile the train step for the config's layout on `devices` (default: all) with abstract inputs (nothing is
     allocated) and return its `report.compile_report` with `compile_s`, the float32 gradient buffer's bytes, the
     layout, and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule (`data.model_vocab`)."""
-    config = derived(peft.apply(start.apply(config)))
+    config = data.with_packing(derived(peft.apply(start.apply(config))))
     layout = validate(config, len(jax.devices() if devices is None else devices))  # before the data is prepared
     vocab = vocab or distributed.process_0_first(lambda: model_vocab(config), "jaxpar/prepare")
     steps = steps_for(config, vocab, devices, layout)

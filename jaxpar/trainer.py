@@ -113,7 +113,8 @@ def dry_run(config, workdir: str) -> dict:
     shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
-    needs_data = config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
+    needs_data = (config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
+                  or config.data.packing == "auto")  # (`data.packing`: the sources' first records tell it)
     rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0])
     hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
@@ -141,7 +142,7 @@ def run(config, workdir: str, devices=None) -> dict:
     named = config  # hf:ORG/NAME, hfds:ORG/NAME -> where they are in the HF cache; the weights once validated
     config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
     # init_from (hf:DIR, an export, a run): its shape and tokenizer; lora.adapter: its r, ...; a ViT's patches
-    config = derived(peft.apply(starting_point.apply(config)))
+    config = data.with_packing(derived(peft.apply(starting_point.apply(config))))
     layout = validate(config, len(devices))
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours

@@ -79,7 +79,7 @@ def _check_objective(config, lay: Layout) -> list[str]:
         return [f"dpo.{given[0]}={config.dpo[given[0]]!r} with train.objective={config.train.objective!r}: set "
                 f"--config.train.objective=dpo to train on preference pairs, or drop dpo.{given[0]}."] if given else []
     errs = []
-    if config.data.packing != "bfd":
+    if config.data.packing not in ("bfd", "auto"):
         errs.append(f"train.objective='dpo' with data.packing={config.data.packing!r}: a preference pair's chosen and "
                     f"rejected sequences must sit whole in one row; set --config.data.packing=bfd.")
     if lay.context > 1:
@@ -107,7 +107,8 @@ def check_vision(config, lay: Layout) -> list[str]:
                 "train.objective='lm' (a ViT trains on labels: cross-entropy of its classes)"),
                (int(config.lora.rank) > 0, f"lora.rank={config.lora.rank}", "lora.rank=0 (LoRA is wired for the "
                                                                              "language families)"),
-               (config.data.packing != "concat", f"data.packing={config.data.packing!r}", "data.packing='concat'")]
+               (config.data.packing not in ("concat", "auto"), f"data.packing={config.data.packing!r}",
+                "data.packing='concat'")]
     errs += [f"model.arch='vit' with {what}: not supported for vision transformers; set {fix}." for bad, what, fix
              in refused if bad]
     needs = [("PIL", "Pillow")] + [("sklearn", "scikit-learn")] * ("digits" in str(config.data.sources).split())

