@@ -185,9 +185,10 @@ def open_data(config) -> tuple:
         return info, splits, splits[0].num_classes
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")
     vocab = data.model_vocab(config, info.vocab_size)
-    return info, tuple(data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=d.packing,
-                                    truncate=d.truncate, pairs=config.train.objective == "dpo")
-                       for split in ("train", "val")), vocab
+    splits = tuple(data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=d.packing, truncate=d.truncate,
+                                pairs=config.train.objective == "dpo") for split in ("train", "val"))
+    splits[1].check_loss_tokens(int(config.eval.batches))  # before compiling, not at the first evaluation
+    return info, splits, vocab
 
 
 def say_packing(train_data, val_data) -> None:
@@ -363,10 +364,8 @@ class Loop:
         for i in range(int(self.config.eval.batches)):
             s, c = self.eval_step(state["params"], self.batch_at(self.val_data.val_batch, i), *reference_of(state))
             tot, n = tot + float(s), n + np.asarray(c, np.float64)
-        if np.ravel(n)[0] <= 0:
-            raise data.DataError(f"the {int(self.config.eval.batches)} validation batches (eval.batches) hold no "
-                                 f"token the loss counts: give more validation data (data.val_fraction) or more "
-                                 f"batches, or check the data's loss masks.")
+        if np.ravel(n)[0] <= 0:  # (checked when the data was prepared: `Batches.check_loss_tokens`)
+            raise data.no_loss_tokens(self.config.eval.batches)
         metrics = self.steps.objective.metrics(n, np.ravel(n)[0]) if np.ndim(n) else {}
         return {"val_loss": tot / np.ravel(n)[0]} | {f"val_{k}": float(v) for k, v in metrics.items()}
 

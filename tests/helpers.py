@@ -3,6 +3,8 @@ the 1-device run" (float32 before the optimizer, float64 after it), with session
 import hashlib
 import json
 import os
+import pathlib
+import struct
 import sys
 
 import jax
@@ -268,3 +270,42 @@ def float64_oracle(model):
         elif type(m).__name__.endswith("TopKRouter"):
             m.forward = router(m)
     return model
+
+
+def wandb_records(path):
+    """The protobuf records of a W&B run file (`run-ID.wandb`): wandb's transaction log, LevelDB's log format (a
+    7-byte header ":W&B", then 32 KiB blocks of chunks: crc32, length, type full/first/middle/last), parsed as wandb's
+    own `Record` messages."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, block = open(path, "rb").read(), 32768
+    assert raw[:4] == b":W&B", raw[:7]
+    pos, pending = 7, b""
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:  # the block's tail is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(pending)
+            pending = b""
+            yield rec
+        elif kind == 0:
+            break
+
+
+def wandb_history(directory) -> dict:
+    """{run id: [(W&B's _step, the logged `step`, loss), ...]} from the offline run files under DIRECTORY/wandb (a
+    WORKDIR, or `$WANDB_DIR`), in the order logged."""
+    out = {}
+    for f in sorted(pathlib.Path(directory, "wandb").glob("offline-run-*/run-*.wandb")):
+        for rec in wandb_records(f):
+            if rec.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                if "loss" in items:
+                    out.setdefault(f.stem[len("run-"):], []).append((items["_step"], items["step"], items["loss"]))
+    return out

