@@ -3,6 +3,7 @@ import io
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -239,13 +240,13 @@ def test_wandb_honours_wandb_dir_and_keeps_the_steps_a_resume_does_again(corpus,
     for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wb"), "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(k, v)
     (tmp_path / "wb").mkdir()
-    c = run_config(corpus, tmp_path, **{"mesh.data": 8, "train.steps": 4})
+    c = run_config(corpus, tmp_path, **{"mesh.data": 1, "train.steps": 4, "model.layers": 1})
     c.checkpoint.update(every_steps=2, async_save=False)
     c.log.wandb_project = "jaxpar-test"
-    wd = tmp_path / "run"
-    trainer.run(c, str(wd))
+    wd, one = tmp_path / "run", jax.devices()[:1]
+    trainer.run(c, str(wd), one)
     shutil.rmtree(wd / "checkpoints" / "4")  # the resume starts from step 2: steps 3 and 4 are done again
-    trainer.run(c, str(wd))
+    trainer.run(c, str(wd), one)
     history, run_id = wandb_history(tmp_path / "wb"), (wd / "wandb_id").read_text().strip()
     assert list(history) == [run_id] and not (wd / "wandb").exists()
     logged = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
