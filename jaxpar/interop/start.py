@@ -20,6 +20,7 @@ from jaxpar.interop.exported import CONFIG_FILE, START_FIELDS, is_export, load_e
 from jaxpar.interop.runs import TOKENIZER_DIR, host_device, is_run, load_run, read_config, read_model
 from jaxpar.model import IDENTITY_FIELDS, merge_adapters
 
+VIT_FIELDS = ("image_size", "patch_size", "channels", "num_classes")  # a language model's are 0 (no `model.*` key)
 IMAGE_KEYS = ("image_mean", "image_std")  # a ViT run's preprocessing (`hf.RUN_WINS`: the run's when it sets them)
 
 
@@ -64,7 +65,8 @@ def settings(init_from: str, k: str) -> dict:
 def model_keys(cfg) -> dict:
     """{`model.*` name: value} of a `ModelConfig`'s identity (its `model.seq_len` aside: the run's): its
     vocabulary's symbols as `vocab_size` (a ViT's classes as `num_classes`), a size that equals what 0 derives as 0."""
-    out = {f: getattr(cfg, f) for f in IDENTITY_FIELDS if f not in ("seq_len", "vocab_real")}
+    unused = ("seq_len", "vocab_real") + (() if cfg.arch == "vit" else VIT_FIELDS)
+    out = {f: getattr(cfg, f) for f in IDENTITY_FIELDS if f not in unused}
     derived = {"kv_heads": cfg.heads, "head_dim": cfg.embed // cfg.heads, "expert_mlp": cfg.mlp}
     out.update({f: 0 for f, v in derived.items() if out[f] == v})
     return out if cfg.arch == "vit" else {**out, "vocab_size": cfg.vocab_real}
