@@ -236,6 +236,21 @@ def chat_tokenizer(directory, template: str = CHATML, bos: str | None = "<|endof
     return tok
 
 
+def random_hf_llama(directory, tok, seed: int = 0, **shape):
+    """A random Llama of `shape` (`ModelConfig` fields over a tiny default) saved as a Hugging Face directory by
+    jaxpar's own writer (`interop.hf.save`, no torch needed): config.json, model.safetensors, and `tok` (a tokenizer
+    loaded from a directory, its chat template and special tokens beside it)."""
+    from jaxpar.interop import hf
+    from jaxpar.model import ModelConfig, init_params
+
+    cfg = ModelConfig(**{"vocab_size": jcfg.padded_vocab(tok.vocab_size, 1), "vocab_real": tok.vocab_size,
+                         "seq_len": 128, "layers": 2, "embed": 32, "heads": 4, "kv_heads": 2, "mlp": 64, "arch": "llama",
+                         "tie_embeddings": False, "max_positions": 256, **shape})
+    os.makedirs(directory, exist_ok=True)
+    hf.save(jax.device_get(init_params(cfg, jax.random.key(seed))), cfg, tok, str(directory), "float32", 10 ** 9)
+    return cfg
+
+
 def float64_oracle(model):
     """`model` computing in float64 throughout. transformers computes RoPE's cos/sin, RMSNorm and the router's
     softmax in float32 whatever the model's dtype (relative errors of 1e-7 in the loss), which would make no float64

@@ -10,10 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import ROOT, chat_tokenizer
-from jaxpar import config as jcfg, data, export, trainer
-from jaxpar.interop import hf, start
-from jaxpar.model import ModelConfig, init_params
+from helpers import ROOT, chat_tokenizer, random_hf_llama
+from jaxpar import data, export, trainer
+from jaxpar.interop import start
 
 pytestmark = [pytest.mark.xdist_group("test_start")]
 LAYERS, EMBED = 2, 32  # the checkpoint's shape (the Shakespeare config's is 4 x 128)
@@ -55,12 +54,7 @@ def points(tmp_path_factory):
     for name, rows in (("chat.jsonl", chats), ("pairs.jsonl", pairs)):
         (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     chat_tokenizer(root / "tok")
-    tok = data.load_tokenizer(root / "tok")
-    cfg = ModelConfig(vocab_size=jcfg.padded_vocab(tok.vocab_size, 1), vocab_real=tok.vocab_size, seq_len=128,
-                      layers=LAYERS, embed=EMBED, heads=4, kv_heads=2, mlp=64, arch="llama", tie_embeddings=False,
-                      max_positions=256)
-    (root / "hf").mkdir()
-    hf.save(jax.device_get(init_params(cfg, jax.random.key(0))), cfg, tok, str(root / "hf"), "float32", 10 ** 9)
+    random_hf_llama(root / "hf", data.load_tokenizer(root / "tok"), layers=LAYERS, embed=EMBED)
     out = {"root": root, "hf": f"hf:{root / 'hf'}", "chat": str(root / "chat.jsonl"), "pairs": str(root / "pairs.jsonl"),
            "sft": root / "sft", "export": root / "export"}
     train(out, out["hf"], out["chat"], out["sft"])
