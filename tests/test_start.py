@@ -109,3 +109,36 @@ def test_a_run_directory_starts_as_its_export(points):
     got = export.flatten(jax.device_get(steps.to_canonical(state)["params"]))
     want = export.flatten(export.load_export(str(points["export"]))[1])
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_validation_set_without_loss_tokens_is_refused_when_the_data_is_prepared(points, tmp_path):
+    """Validation conversations whose replies are all cut off (`data.truncate=right`) leave no token in the loss: one
+    line when the data is prepared, before anything compiles, not hours later at the first evaluation."""
+    long = " ".join(["word"] * 300)  # longer than a row: the reply is cut away
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"messages": [{"role": "user", "content": long},
+                                            {"role": "assistant", "content": "yes"}]}) + "\n")
+    c = shakespeare(**{"init_from": points["hf"], "data.sources": points["chat"], "data.val_source": str(val),
+                       "data.cache_dir": str(points["root"] / "cache")})
+    with pytest.raises(data.DataError, match=r"^the 1 validation batches \(eval.batches\) hold no token the loss "
+                                             r"counts: [^\n]*$"):
+        trainer.run(c, str(tmp_path / "run"), jax.devices()[:1])
+    assert not (tmp_path / "run").exists()  # no step ran (step 1 logs before the first evaluation), nothing written
+
+
+@pytest.mark.parametrize("pairs", [False, True])
+def test_the_loss_weight_of_host_rows_is_the_steps(points, pairs):
+    """`data.loss_weight` (what the check above counts) equals what the step divides its loss by (the objective's
+    `total` of `split_batch`'s mask and segments), on packed conversations and on preference pairs."""
+    from jaxpar.train import objective
+    from jaxpar.train.step import split_batch
+
+    c = data.with_packing(start.apply(shakespeare(**{
+        "init_from": points["hf"], "data.sources": points["pairs" if pairs else "chat"],
+        "data.cache_dir": str(points["root"] / "cache"), "train.objective": "dpo" if pairs else "lm"}), say=False))
+    b = data.Batches(data.prepare(c), "train", 128, 32, packing=c.data.packing, pairs=pairs)
+    obj = objective.DPO(0.1, "sigmoid", 0.0) if pairs else objective.LM()
+    for i in range(2):
+        rows = b.rows(i)
+        _, _, mask, seg = split_batch(rows)
+        assert data.loss_weight(rows, pairs) == int(obj.total(mask, seg)) > 0
