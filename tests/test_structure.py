@@ -158,7 +158,8 @@ def test_imports_flow_one_way():
     assert graph["jaxpar.config"] <= {"jaxpar.errors", "jaxpar.config_keys"}, graph["jaxpar.config"]
     assert graph["jaxpar.config_keys"] == set(), graph["jaxpar.config_keys"]
     importers = {m for m, deps in graph.items() if "jaxpar.validate" in deps}
-    assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.export", "jaxpar.interop.hf", "jaxpar.plan.space",
+    assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.interop.exported", "jaxpar.interop.hf",
+                         "jaxpar.plan.space",
                          "jaxpar.plan.measure"}, importers
 
 
