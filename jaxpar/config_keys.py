@@ -296,10 +296,10 @@ KEYS = (
     K("data.val_split", "documents", str, "`documents` or `tokens` (the last fraction of the tokens, as older runs "
       "split)",
       choices=('documents', 'tokens')),
-    K("data.packing", "concat", str, "`concat` (windows over the documents back to back), `documents` (the same "
-      "windows, attention within each document) or `bfd` (whole sequences packed best-fit decreasing, padded: "
-      "conversations) ([fine-tuning](finetune.md))",
-      choices=('concat', 'documents', 'bfd')),
+    K("data.packing", "auto", str, "`auto` (`bfd` for conversation, prompt/completion and preference records and DPO, "
+      "else `concat`), `concat` (windows over the documents back to back), `documents` (the same windows, attention "
+      "within each document) or `bfd` (whole sequences packed best-fit decreasing, padded) ([data](data.md#packing))",
+      choices=('auto', 'concat', 'documents', 'bfd')),
     K("data.truncate", "right", str, "with `bfd`: a sequence longer than `model.seq_len` + 1 is cut (`right`) or "
       "left out (`skip`), counted in the log",
       choices=('right', 'skip')),

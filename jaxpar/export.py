@@ -33,25 +33,15 @@ import sys
 import tempfile
 
 import jax
-import ml_collections
 
-from jaxpar.formats import hf, peft
-from jaxpar.config import DTYPES, base_config
-from jaxpar.errors import ConfigError
-from jaxpar.data import load_tokenizer
-from jaxpar.state.runs import load_run, read_classes
+from jaxpar.formats import hf, peft, start
+from jaxpar.formats.exported import (CONFIG_FILE, FORMAT, ST_DTYPES, TOKENIZER_DIR, WEIGHTS_FILE,  # noqa: F401
+                                      load_export, read_export_config)  # (the read side, re-exported)
+from jaxpar.state.runs import host_device, load_run, read_classes
 from jaxpar.model import LORA_FIELDS, merge_adapters, merge_trainable, split_adapters
-from jaxpar.model import (SHAPE_FIELDS, ZERO_COUNTS, Forward, ModelConfig, flatten, init_params,  # noqa: F401
-                          param_items, unflatten)  # flatten, unflatten: re-exported (canonical keys: the model spec's)
-from jaxpar.validate import check_model
+from jaxpar.model import flatten, unflatten  # noqa: F401 (re-exported: canonical keys are the model spec's)
 
-FORMAT = "jaxpar-gpt-v1"
 FORMATS = ("jaxpar", "hf", "peft")  # --format
-WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "model_config.json"
-TOKENIZER_DIR = "tokenizer"
-# param dtypes -> safetensors dtype tags
-_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 
 
 # ----------------------------------------------------------------------------------------------- export
@@ -74,16 +64,16 @@ def export(workdir: str, out: str, step: int | None = None, force: bool = False,
       ValueError: the checkpoint does not match config.json's model; the tokenizer is unreadable; a bad `fmt`/`dtype`.
     """
     workdir, out = os.path.abspath(os.fspath(workdir)), os.path.abspath(os.fspath(out))
-    if fmt not in FORMATS or (dtype is not None and dtype not in _ST_DTYPES):
+    if fmt not in FORMATS or (dtype is not None and dtype not in ST_DTYPES):
         raise ValueError(f"--format {fmt!r} / --dtype {dtype!r}: pick one of {FORMATS}, and a dtype of "
-                         f"{list(_ST_DTYPES)}.")
+                         f"{list(ST_DTYPES)}.")
     if not os.path.isdir(workdir):
         raise FileNotFoundError(f"--workdir {workdir} does not exist or is not a directory.")
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"--out {out} exists and is not a directory.")
     if os.path.isdir(out) and os.listdir(out) and not force:
         raise FileExistsError(f"--out {out} exists and is not empty; pass --force to replace an export in it.")
-    run = load_run(workdir, step, device=_host_device())
+    run = load_run(workdir, step, device=host_device())
     if fmt == "jaxpar" and run.tokenizer is None:
         raise ValueError(f"--format jaxpar: {workdir} is a ViT run (no tokenizer); export it as a Hugging Face "
                          f"directory with --format hf.")
@@ -149,130 +139,6 @@ def _write_atomically(out: str, fill) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _host_device():
-    """The host CPU device (so exporting needs no accelerator memory), or the default one if JAX has no CPU backend."""
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        return jax.local_devices()[0]
-
-
-# ------------------------------------------------------------------------------------------------- load
-
-_FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
-
-
-def _gpt_config(meta: dict, where: str):
-    """ModelConfig from model_config.json's fields, type-checked; ValueError naming the first bad field."""
-
-    kw = {}
-    for f in dataclasses.fields(ModelConfig):
-        if f.name in LORA_FIELDS:  # (an export is a model without adapters)
-            continue
-        if f.name not in meta:
-            if f.default is dataclasses.MISSING:
-                raise ValueError(f"{where}: missing field {f.name!r}.")
-            continue
-        v, types = meta[f.name], _FIELD_TYPES[str(f.type)]
-        if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
-            raise ValueError(f"{where}: field {f.name!r} is {v!r}; expected {str(f.type)}.")
-        kw[f.name] = v
-    cfg = ModelConfig(**kw)
-    counts = [f for f in SHAPE_FIELDS if type(getattr(cfg, f)) is int]  # noqa: E721 (bool is an int subclass)
-    for name in counts:
-        if getattr(cfg, name) < (0 if name in ZERO_COUNTS else 1):
-            raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)}; expected >= "
-                             f"{0 if name in ZERO_COUNTS else 1}.")
-    model = ml_collections.ConfigDict({k: getattr(cfg, k) for k in base_config().model if hasattr(cfg, k)})
-    errs = check_model(model, 1, cfg.mlp)  # the model's rules, the ones `validate` applies to a run
-    if errs:
-        raise ValueError(f"{where}: {errs[0]}")
-    if cfg.vocab_real > cfg.vocab_size:
-        raise ValueError(f"{where}: vocab_real={cfg.vocab_real} > vocab_size={cfg.vocab_size}.")
-    for name in ("param_dtype", "compute_dtype"):
-        if getattr(cfg, name) not in DTYPES:
-            raise ValueError(f"{where}: field {name!r} is {getattr(cfg, name)!r}; expected one of {DTYPES}.")
-    return cfg
-
-
-def read_export_config(directory: str):
-    """The `ModelConfig` of an export, from DIRECTORY/model_config.json alone (no array is read).
-
-    Raises:
-      FileNotFoundError: DIRECTORY/model_config.json is missing.
-      ValueError: not JSON, a wrong or missing format tag, or a bad config field.
-    """
-    cpath = os.path.join(os.fspath(directory), CONFIG_FILE)
-    if not os.path.isfile(cpath):
-        raise FileNotFoundError(f"{cpath} not found: {directory} is not an export written by jaxpar.export.")
-    try:
-        with open(cpath) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{cpath} is not JSON: {e}.") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{cpath}: format is {got!r}; expected {FORMAT!r}.")
-    return _gpt_config(meta, cpath)
-
-
-def load_export(directory: str, device=None):
-    """-> (Forward, params, tokenizer) from an export written by `export` / `python -m jaxpar.export`.
-
-    Reads only DIRECTORY/model_config.json, DIRECTORY/model.safetensors and the tokenizer's JSON: no pickle, no
-    code from disk. Every array is checked before any is read: each key the model expects (from `jax.eval_shape`
-    of `init_params`) must be present with the expected shape and dtype, and no other key may be.
-
-    Args:
-      directory: the export directory.
-      device: where the params go (default `jax.devices()[0]`).
-
-    Returns:
-      `Forward(cfg)`; params, the canonical nested dict `{wte, wpe, blocks: {...}, ln_f, [lm_head]}` of jax arrays
-      on `device` in the param dtype (block leaves `[layers, ...]`); the tokenizer.
-
-    Raises:
-      FileNotFoundError: DIRECTORY, its model_config.json, model.safetensors or tokenizer/ is missing.
-      ValueError: a wrong or missing format tag, a bad config field, an unreadable safetensors file or tokenizer,
-        a missing, unexpected, wrong-shape or wrong-dtype array; the message names the first mismatch.
-    """
-    from safetensors import SafetensorError, safe_open
-
-
-    directory = os.fspath(directory)
-    cpath, wpath, tdir = (os.path.join(directory, n) for n in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_DIR))
-    for p, isit in ((cpath, os.path.isfile), (wpath, os.path.isfile), (tdir, os.path.isdir)):
-        if not isit(p):
-            raise FileNotFoundError(f"{p} not found: {directory} is not an export written by jaxpar.export.")
-    cfg = read_export_config(directory)
-    tok = load_tokenizer(tdir)  # DataError (a ValueError) if unreadable
-    if tok.vocab_size > cfg.vocab_real:
-        raise ValueError(f"{tdir}: the tokenizer has {tok.vocab_size} ids but the model only vocab_real="
-                         f"{cfg.vocab_real}.")
-
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
-    expected = dict(param_items(shapes))
-    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    try:
-        with safe_open(wpath, framework="numpy") as f:
-            present = set(f.keys())
-            for k, s in expected.items():
-                want = f"{_ST_DTYPES[str(s.dtype)]}{list(s.shape)}"
-                if k not in present:
-                    raise ValueError(f"{wpath}: missing array {k!r} (expected {want}).")
-                sl = f.get_slice(k)
-                got = f"{sl.get_dtype()}{list(sl.get_shape())}"
-                if got != want:
-                    raise ValueError(f"{wpath}: array {k!r} is {got}; expected {want}.")
-            extra = sorted(present - expected.keys())
-            if extra:
-                raise ValueError(f"{wpath}: unexpected array {extra[0]!r} (the model has no such parameter).")
-            flat = {k: jax.device_put(f.get_tensor(k), sharding) for k in expected}
-    except SafetensorError as e:
-        raise ValueError(f"{wpath} is not a readable safetensors file: {e}.") from e
-    return Forward(cfg), unflatten(flat), tok
-
-
 # -------------------------------------------------------------------------------------------------- CLI
 
 def parse_size(text: str) -> int:
@@ -287,33 +153,17 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * units[m.group(2).upper()])
 
 
-def check_export(directory: str, cfg) -> None:
-    """Check that the export in `directory` holds the model `cfg` (a `ModelConfig`) describes, reading only its
-    model_config.json; the trainer calls it before anything is written.
-
-    Raises:
-      ConfigError: the export is missing or unreadable, or its model differs from `cfg` (shape or vocabulary).
-    """
-    try:
-        got = read_export_config(directory)
-    except (FileNotFoundError, ValueError) as e:
-        raise ConfigError(f"--config.init_from={directory}: {e}") from e
-    diffs = [f"{f}: export {getattr(got, f)!r} vs config {getattr(cfg, f)!r}"
-             for f in SHAPE_FIELDS if getattr(got, f) != getattr(cfg, f)]
-    if diffs:
-        raise ConfigError(f"--config.init_from={directory} holds another model:\n  " + "\n  ".join(diffs))
-
-
 def init_from_export(directory: str, steps, state) -> dict:
-    """`state` with its params replaced by those of an export (`python -m jaxpar.export`), placed in this layout.
+    """`state` with its params replaced by those of an export (`python -m jaxpar.export`) or a run directory's latest
+    checkpoint (`formats/start.py`), placed in this layout.
 
     Raises:
-      ConfigError: the export's model differs from this config's (shape or vocabulary).
+      ConfigError: the starting point's model differs from this config's (shape or vocabulary).
     """
-    check_export(directory, steps.cfg)
-    _, params, _ = load_export(directory)
+    start.check(directory, steps.cfg)
+    params = start.load(directory)
     canon = steps.to_canonical(state)
-    adapters, base = split_adapters(canon["params"])  # LoRA: the export is the base model; the adapters stay
+    adapters, base = split_adapters(canon["params"])  # LoRA: the start is the base model; the adapters stay
     base = jax.tree.map(lambda p, q: p.astype(q.dtype), params, base)
     canon["params"] = merge_trainable(adapters, jax.device_put(base, split_adapters(steps.state_shardings["params"])[1]))
     return steps.from_canonical(canon)
@@ -331,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", default="jaxpar", choices=FORMATS,
                     help="jaxpar (model.safetensors + model_config.json), hf (a transformers directory) or peft "
                          "(a LoRA run's adapters as PEFT saves them; jaxpar and hf merge them into the model)")
-    ap.add_argument("--dtype", default=None, choices=sorted(_ST_DTYPES), help="hf: weight dtype (default: param dtype)")
+    ap.add_argument("--dtype", default=None, choices=sorted(ST_DTYPES), help="hf: weight dtype (default: param dtype)")
     ap.add_argument("--max_shard_size", default="5GB", help="hf: largest weight file, e.g. 5GB, 200MB")
     args = ap.parse_args(argv)
     from absl import logging as absl_logging

@@ -19,6 +19,7 @@ from jaxpar.analysis import throughput
 from jaxpar.cluster import distributed, watchdog
 from jaxpar.cluster.preemption import Preempted, PreemptionWatch
 from jaxpar.formats import hf, hub, peft
+from jaxpar.formats import start as starting_point
 from jaxpar.state import runs
 from jaxpar.observe import monitor
 from jaxpar.train import loss_scale, reference
@@ -26,7 +27,7 @@ from jaxpar import model as gpt
 from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
 from jaxpar.config import ConfigError  # noqa: F401 (trainer.ConfigError: what a run raises for bad input)
-from jaxpar.export import check_export, init_from_export
+from jaxpar.export import init_from_export
 from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint, samples_consumed
 from jaxpar.train.inputs import open_data, say_packing
 from jaxpar.plan import target
@@ -60,7 +61,8 @@ def dry_run(config, workdir: str) -> dict:
     shardings, params, optimizer state and the float32 gradient buffer), the analytic model FLOPs per step, and every
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
-    needs_data = config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
+    needs_data = (config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
+                  or config.data.packing == "auto")  # (`data.packing`: the sources' first records tell it)
     rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0],
                      resolve=target.resolve)  # `auto` as the target (mesh.device, or the devices present) runs it
     hlo = rep.pop("hlo_text")
@@ -90,8 +92,8 @@ def run(config, workdir: str, devices=None) -> dict:
     devices = list(jax.devices() if devices is None else devices)
     named = config  # hf:ORG/NAME, hfds:ORG/NAME -> where they are in the HF cache; the weights once validated
     config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
-    # init_from=hf:DIR: DIR's shape and tokenizer; lora.adapter: its r, ...; a ViT's sequence from its patches
-    config = gpt.derived(peft.apply(hf.apply(config)))
+    # init_from (hf:DIR, an export, a run): its shape and tokenizer; lora.adapter: its r, ...; a ViT's patches
+    config = data.with_packing(gpt.derived(peft.apply(starting_point.apply(config))))
     layout = validate(config, len(devices))
     target.check(config, devices)  # mesh.device, and the devices `auto` is priced for: before the data
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
@@ -132,7 +134,7 @@ def check_before_writing(config, workdir: str, fp: dict, steps) -> int | None:
     if latest is not None:
         check_resume(meta.get("fingerprint", {}), fp, bool(config.train.allow_batch_change))
     if config.init_from and latest is None and hf.directory_of(config.init_from) is None:
-        check_export(config.init_from, steps.cfg)  # (hf:DIR: `check_hf_weights`, before the data)
+        starting_point.check(config.init_from, steps.cfg)  # (hf:DIR: `check_hf_weights`, before the data)
     distributed.barrier("jaxpar/resume_check")  # every process looked (isdir) before process 0 creates the folder
     return latest
 
@@ -277,10 +279,8 @@ class Loop:
         for i in range(int(self.config.eval.batches)):
             s, c = self.eval_step(state["params"], self.batch_at(self.val_data.val_batch, i), *reference_of(state))
             tot, n = tot + float(s), n + np.asarray(c, np.float64)
-        if np.ravel(n)[0] <= 0:
-            raise data.DataError(f"the {int(self.config.eval.batches)} validation batches (eval.batches) hold no "
-                                 f"token the loss counts: give more validation data (data.val_fraction) or more "
-                                 f"batches, or check the data's loss masks.")
+        if np.ravel(n)[0] <= 0:  # (checked when the data was prepared: `Batches.check_loss_tokens`)
+            raise data.no_loss_tokens(self.config.eval.batches)
         metrics = self.steps.objective.metrics(n, np.ravel(n)[0]) if np.ndim(n) else {}
         return {"val_loss": tot / np.ravel(n)[0]} | {f"val_{k}": float(v) for k, v in metrics.items()}
 

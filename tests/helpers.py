@@ -3,6 +3,8 @@ the 1-device run" (float32 before the optimizer, float64 after it), with session
 import hashlib
 import json
 import os
+import pathlib
+import struct
 import sys
 
 import jax
@@ -247,6 +249,21 @@ def chat_tokenizer(directory, template: str = CHATML, bos: str | None = "<|endof
     return tok
 
 
+def random_hf_llama(directory, tok, seed: int = 0, **shape):
+    """A random Llama of `shape` (`ModelConfig` fields over a tiny default) saved as a Hugging Face directory by
+    jaxpar's own writer (`interop.hf.save`, no torch needed): config.json, model.safetensors, and `tok` (a tokenizer
+    loaded from a directory, its chat template and special tokens beside it)."""
+    from jaxpar.formats import hf
+    from jaxpar.model import ModelConfig, init_params
+
+    cfg = ModelConfig(**{"vocab_size": jcfg.padded_vocab(tok.vocab_size, 1), "vocab_real": tok.vocab_size,
+                         "seq_len": 128, "layers": 2, "embed": 32, "heads": 4, "kv_heads": 2, "mlp": 64, "arch": "llama",
+                         "tie_embeddings": False, "max_positions": 256, **shape})
+    os.makedirs(directory, exist_ok=True)
+    hf.save(jax.device_get(init_params(cfg, jax.random.key(seed))), cfg, tok, str(directory), "float32", 10 ** 9)
+    return cfg
+
+
 def float64_oracle(model):
     """`model` computing in float64 throughout. transformers computes RoPE's cos/sin, RMSNorm and the router's
     softmax in float32 whatever the model's dtype (relative errors of 1e-7 in the loss), which would make no float64
@@ -281,3 +298,42 @@ def float64_oracle(model):
         elif type(m).__name__.endswith("TopKRouter"):
             m.forward = router(m)
     return model
+
+
+def wandb_records(path):
+    """The protobuf records of a W&B run file (`run-ID.wandb`): wandb's transaction log, LevelDB's log format (a
+    7-byte header ":W&B", then 32 KiB blocks of chunks: crc32, length, type full/first/middle/last), parsed as wandb's
+    own `Record` messages."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, block = open(path, "rb").read(), 32768
+    assert raw[:4] == b":W&B", raw[:7]
+    pos, pending = 7, b""
+    while pos + 7 <= len(raw):
+        left = block - pos % block
+        if left < 7:  # the block's tail is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        pending += raw[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(pending)
+            pending = b""
+            yield rec
+        elif kind == 0:
+            break
+
+
+def wandb_history(directory) -> dict:
+    """{run id: [(W&B's _step, the logged `step`, loss), ...]} from the offline run files under DIRECTORY/wandb (a
+    WORKDIR, or `$WANDB_DIR`), in the order logged."""
+    out = {}
+    for f in sorted(pathlib.Path(directory, "wandb").glob("offline-run-*/run-*.wandb")):
+        for rec in wandb_records(f):
+            if rec.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                if "loss" in items:
+                    out.setdefault(f.stem[len("run-"):], []).append((items["_step"], items["step"], items["loss"]))
+    return out

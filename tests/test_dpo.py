@@ -9,11 +9,15 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+try:  # the `interop` extra: only the tests against transformers need it (the fixture `models` skips them without it)
+    import torch
+    import transformers
+except ImportError:
+    torch = transformers = None
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import chat_tokenizer, float64_config, float64_oracle, steps_for, tiny_config  # noqa: E402
+from helpers import (chat_tokenizer, float64_config, float64_oracle, random_hf_llama, steps_for,  # noqa: E402
+                     tiny_config)
 from jaxpar import data, model, trainer  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
@@ -61,6 +65,8 @@ def rows_of(pairs):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """(policy dir, reference dir, policy model, reference model): two random float64 Llamas of one shape."""
+    for name in ("torch", "transformers"):
+        pytest.importorskip(name)
     out = []
     for seed in (0, 1):
         torch.manual_seed(seed)
@@ -188,14 +194,11 @@ def write_jsonl(path, recs):
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """(root, a random float64 Llama with a ChatML tokenizer) and pairs.jsonl."""
+    """(root, a random Llama with a ChatML tokenizer, written by jaxpar: no torch needed) and pairs.jsonl."""
     root = tmp_path_factory.mktemp("dpo_chat")
     d = root / "model"
-    tok = chat_tokenizer(d)
-    torch.manual_seed(2)
-    m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "vocab_size": tok.vocab_size,
-                                                                  "max_position_embeddings": 128})).double()
-    m.save_pretrained(d)
+    chat_tokenizer(d)
+    random_hf_llama(d, data.load_tokenizer(d), seed=2, layers=4, mlp=48, max_positions=128)
     write_jsonl(root / "pairs.jsonl", preference_records())
     return root, d
 

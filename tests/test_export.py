@@ -17,10 +17,12 @@ from safetensors.numpy import load_file, save_file
 from helpers import assert_params_exact, run_config, steps_for
 from jaxpar import export, trainer
 from jaxpar.state import runs
+from jaxpar.formats import start
 from jaxpar.data import ByteTokenizer
 from jaxpar.model.generate import generate
 from jaxpar import model as gpt
 from jaxpar.model import ModelConfig, init_params
+from jaxpar.train.step import model_config
 
 # one worker builds this module's shared fixtures once (under pytest-xdist `--dist loadgroup`)
 pytestmark = pytest.mark.xdist_group("test_export")
@@ -253,15 +255,21 @@ def test_init_from_places_the_export_in_another_layout(tensor_run, corpus, tmp_p
     assert int(state["step"]) == 0
 
 
-def test_init_from_refuses_another_model_before_writing_anything(tensor_run, corpus, tmp_path):
+def test_init_from_brings_the_exports_model_and_refuses_another_before_writing_anything(tensor_run, corpus,
+                                                                                         tmp_path):
+    """A start from an export takes its model shape and tokenizer (as `hf:DIR`), whatever the config says; a model
+    that still differs (the check behind it) and a path that is no starting point are refused before any write."""
     _, out = tensor_run
-    c = run_config(corpus, tmp_path, **{"mesh.data": 8, "model.embed": 64, "train.steps": 1})
+    c = run_config(corpus, tmp_path, **{"mesh.data": 8, "model.embed": 64, "model.seq_len": 8, "train.steps": 1})
     c.init_from = str(out)
+    got = start.apply(c, say=False)
+    want = json.loads((out / export.CONFIG_FILE).read_text())
+    assert (got.model.embed, got.model.layers, got.model.seq_len) == (want["embed"], want["layers"], 8)
+    assert got.data.tokenizer == "byte" and c.model.embed == 64  # (the config given is not changed)
     with pytest.raises(trainer.ConfigError, match="embed: export 32 vs config 64"):
-        trainer.run(c, str(tmp_path / "ft"))
-    assert not (tmp_path / "ft").exists()  # checked before the workdir is created
+        start.check(str(out), model_config(c, 256, 1))
     c = run_config(corpus, tmp_path, **{"mesh.data": 8, "train.steps": 1})
     c.init_from = str(tmp_path / "no_export")
-    with pytest.raises(trainer.ConfigError, match="not an export"):
+    with pytest.raises(trainer.ConfigError, match="neither a jaxpar export"):
         trainer.run(c, str(tmp_path / "ft"))
     assert not (tmp_path / "ft").exists()

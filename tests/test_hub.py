@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 hf_constants = pytest.importorskip("huggingface_hub.constants")
 
-from helpers import ROOT, chat_tokenizer, losses  # noqa: E402
+from helpers import ROOT, chat_tokenizer, losses, wandb_history  # noqa: E402
 from jaxpar.formats import hub  # noqa: E402
 from jaxpar.config import base_config  # noqa: E402
 from jaxpar.errors import ConfigError  # noqa: E402
@@ -211,44 +210,6 @@ def test_a_local_directory_wins_over_a_hub_name(tmp_path, monkeypatch):
     assert hub.model_name("hf:org/other@v2").revision == "v2" and hub.model_name("runs/x") is None
 
 
-def wandb_records(path):
-    """The protobuf records of a W&B run file (`run-ID.wandb`): wandb's transaction log, LevelDB's log format (a
-    7-byte header ":W&B", then 32 KiB blocks of chunks: crc32, length, type full/first/middle/last), parsed as wandb's
-    own `Record` messages."""
-    from wandb.proto import wandb_internal_pb2
-
-    raw, block = open(path, "rb").read(), 32768
-    assert raw[:4] == b":W&B", raw[:7]
-    pos, pending = 7, b""
-    while pos + 7 <= len(raw):
-        left = block - pos % block
-        if left < 7:  # the block's tail is padding
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
-        pending += raw[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # a full record, or the last chunk of one
-            rec = wandb_internal_pb2.Record()
-            rec.ParseFromString(pending)
-            pending = b""
-            yield rec
-        elif kind == 0:
-            break
-
-
-def wandb_history(workdir) -> dict:
-    """{run id: [(step, loss), ...]} from the offline run files under WORKDIR/wandb."""
-    out = {}
-    for f in sorted((workdir / "wandb").glob("offline-run-*/run-*.wandb")):
-        for rec in wandb_records(f):
-            if rec.WhichOneof("record_type") == "history":
-                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
-                if "loss" in items:
-                    out.setdefault(f.stem[len("run-"):], []).append((items["_step"], items["loss"]))
-    return out
-
-
 def test_a_wandb_run_holds_the_logged_metrics_and_a_resume_continues_it(hub_cache, corpus, tmp_path):
     """Offline W&B: the run's files hold metrics.jsonl's losses at its steps; SIGTERM, then the resumed job logs
     into the same run id."""
@@ -276,7 +237,7 @@ def test_a_wandb_run_holds_the_logged_metrics_and_a_resume_continues_it(hub_cach
     history = wandb_history(tmp_path / "run")
     run_id = (tmp_path / "run" / "wandb_id").read_text().strip()
     assert list(history) == [run_id] and len(list((tmp_path / "run" / "wandb").glob("offline-run-*"))) == 2
-    assert history[run_id] == sorted(losses(tmp_path / "run").items())
+    assert [(step, loss) for _, step, loss in history[run_id]] == sorted(losses(tmp_path / "run").items())
 
 
 def test_asking_for_wandb_without_the_package_is_one_line(corpus, tmp_path):

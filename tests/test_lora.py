@@ -11,13 +11,15 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+try:  # the `interop` extra: only the tests against peft need it (the fixture `checkpoints` skips them without it)
+    import peft
+    import torch
+    import transformers
+except ImportError:
+    peft = torch = transformers = None
 
 from helpers import (BATCHES, VOCAB, assert_equals_one_device, float64_config, pipe_config, run_config,  # noqa: E402
                      steps_for, tiny_config)
-from hf_checks import close, hf_logits, logits_of  # noqa: E402
 from jaxpar import model as gpt, trainer  # noqa: E402
 from jaxpar.compiled import report_for  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
@@ -51,6 +53,8 @@ def randomize(model, lora_only=False):
 def checkpoints(tmp_path_factory):
     """{kind: (base directory, adapter directory, the PEFT model)}: random base, random r=4 adapters on every
     projection (rsLoRA for qwen3)."""
+    for name in ("torch", "transformers", "peft"):
+        pytest.importorskip(name)
     out = {}
     for kind, make in MODELS.items():
         d = tmp_path_factory.mktemp(kind)
@@ -81,6 +85,8 @@ def placed_params(config, adapter, devices=1):
 
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_a_peft_adapter_gives_peft_logits_and_loss(checkpoints, kind):
+    from hf_checks import close, hf_logits, logits_of
+
     base, adapter, model = checkpoints[kind]
     config = lora_config(base, **{"lora.adapter": str(adapter)})
     assert (config.lora.rank, config.lora.alpha, config.lora.rslora) == (4, 8.0, kind == "qwen3")
@@ -100,6 +106,8 @@ def test_a_peft_adapter_gives_peft_logits_and_loss(checkpoints, kind):
 def test_after_training_the_peft_and_merged_exports_give_jaxpars_logits(checkpoints, corpus, tmp_path):
     """LoRA (every projection) from the HF base on (2,2,2) 1F1B: the base bitwise unchanged; `--format peft` loads
     with `PeftModel.from_pretrained` and `--format hf` (merged) with plain transformers, both with jaxpar's logits."""
+    from hf_checks import close, hf_logits, logits_of
+
     base, _, _ = checkpoints["llama"]
     over = {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2, "pipeline.schedule": "1f1b",
             "init_from": f"hf:{base}", "train.steps": 3, "lora.rank": 4, "lora.alpha": 16.0,

@@ -3,6 +3,7 @@ import io
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -225,3 +226,30 @@ def test_profiler_real_trace_cpu(tmp_path):
     assert p.maybe_stop(1, block_on=x)
     files = [f for _, _, fs in os.walk(tmp_path / "profile") for f in fs]
     assert files, "profiler wrote no trace"
+
+
+def test_wandb_honours_wandb_dir_and_keeps_the_steps_a_resume_does_again(corpus, tmp_path, monkeypatch):
+    """Offline W&B: its files go to `$WANDB_DIR` when set (not WORKDIR/wandb); a resume from a checkpoint older than
+    the last log logs the steps it does again a second time, W&B's own `_step` growing through both jobs and every
+    record carrying its training `step` (what W&B plots against): none is dropped."""
+    pytest.importorskip("wandb")
+    import shutil
+
+    from helpers import run_config, wandb_history
+    from jaxpar import trainer
+
+    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wb"), "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(k, v)
+    (tmp_path / "wb").mkdir()
+    c = run_config(corpus, tmp_path, **{"mesh.data": 1, "train.steps": 4, "model.layers": 1})
+    c.checkpoint.update(every_steps=2, async_save=False)
+    c.log.wandb_project = "jaxpar-test"
+    wd, one = tmp_path / "run", jax.devices()[:1]
+    trainer.run(c, str(wd), one)
+    shutil.rmtree(wd / "checkpoints" / "4")  # the resume starts from step 2: steps 3 and 4 are done again
+    trainer.run(c, str(wd), one)
+    history, run_id = wandb_history(tmp_path / "wb"), (wd / "wandb_id").read_text().strip()
+    assert list(history) == [run_id] and not (wd / "wandb").exists()
+    logged = [json.loads(line) for line in (wd / "metrics.jsonl").read_text().splitlines()]
+    assert [(s, loss) for _, s, loss in history[run_id]] == [(r["step"], r["loss"]) for r in logged]
+    assert [s for s, _, _ in history[run_id]] == list(range(6)) and [r["step"] for r in logged] == [1, 2, 3, 4, 3, 4]

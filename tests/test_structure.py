@@ -158,7 +158,7 @@ def test_imports_flow_one_way():
     assert graph["jaxpar.config"] <= {"jaxpar.errors", "jaxpar.config_keys"}, graph["jaxpar.config"]
     assert graph["jaxpar.config_keys"] == set(), graph["jaxpar.config_keys"]
     importers = {m for m, deps in graph.items() if "jaxpar.validate" in deps}
-    assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.export", "jaxpar.formats.hf", "jaxpar.plan.space",
+    assert importers <= {"jaxpar.trainer", "jaxpar.compiled", "jaxpar.export", "jaxpar.formats.exported", "jaxpar.formats.hf", "jaxpar.plan.space",
                          "jaxpar.plan.measure", "jaxpar.plan.target"}, importers
 
 

@@ -169,12 +169,17 @@ def test_validation_without_weighted_tokens_is_an_error(tmp_path):
 
 def test_the_host_stays_a_bounded_number_of_steps_ahead(corpus, tmp_path, monkeypatch):
     """Between logs the host waits for the step AHEAD steps back (XLA:CPU deadlocked in a collective with about a
-    hundred steps queued): one wait per step past the first AHEAD, on a loss it already dispatched."""
-    waited = []
-    real = jax.block_until_ready
-    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append(x) or real(x))
+    hundred steps queued), and for no other but the first (its compile is no training time): with n steps
+    dispatched, it waits on a loss while AHEAD newer steps are queued, once per step from the (AHEAD + 1)-th on.
+    Bounded from below (never further ahead) and from above (a host that waited for each step it just dispatched
+    would run nothing ahead)."""
+    waited, dispatched = [], []
+    real, real_batch = jax.block_until_ready, trainer.Loop.to_global
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append((x, len(dispatched))) or real(x))
+    monkeypatch.setattr(trainer.Loop, "to_global", lambda self, rows: dispatched.append(1) or real_batch(self, rows))
     c = run_config(corpus, tmp_path, **{"train.steps": 8, "mesh.data": 8})
     c.log.update(every_steps=100)
     trainer.run(c, str(tmp_path / "run"))
-    losses = [w for w in waited if getattr(w, "shape", None) == ()]
-    assert len(losses) >= 8 - trainer.AHEAD, len(losses)
+    at = [n for w, n in waited if getattr(w, "shape", None) == ()]  # steps dispatched when the host waited on a loss
+    assert trainer.AHEAD >= 1 and at == [1] + list(range(trainer.AHEAD + 1, 9)), at
+    assert len({id(w) for w, _ in waited if getattr(w, "shape", None) == ()}) == 8 - trainer.AHEAD  # distinct losses

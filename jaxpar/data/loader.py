@@ -220,6 +220,19 @@ class Batches:
             raise ValueError("val_batch needs Batches(..., split='val').")
         return self.rows(i, start, stop)
 
+    def check_loss_tokens(self, batches: int) -> None:
+        """Refuse validation batches 0 .. `batches` - 1 (`eval.batches`) that hold no token the loss counts (DPO: no
+        pair whose chosen and rejected sequences both have one), when the data is prepared rather than at the first
+        evaluation; reads the batches until one counts (the first, as a rule). Windows (no `bfd`): every target
+        counts.
+
+        Raises:
+          DataError: `no_loss_tokens`."""
+        if not self.packed:
+            return
+        if not any(loss_weight(self.val_batch(i), self.packed[0].pairs) > 0 for i in range(int(batches))):
+            raise no_loss_tokens(batches)
+
     def tokens_in(self, rows: dict) -> int:
         """The real tokens of host rows (`real_tokens`): what throughput counts."""
         return real_tokens(rows)
@@ -279,6 +292,26 @@ def real_tokens(rows: dict) -> int:
     if seg is None:
         return int(rows["tokens"][:, :-1].size)
     return int(np.count_nonzero(seg[:, :-1] >= 0))
+
+
+def loss_weight(rows: dict, pairs: bool = False) -> int:
+    """What the step divides a batch's loss by, from its host rows: the targets the loss counts (the mask, but for a
+    segment's first token, never predicted from the one before: `train/step.split_batch`), or (`pairs`, DPO) the
+    preference pairs (segments 2k, 2k + 1 of a row) whose chosen and rejected sequences both have such a target."""
+    seg = rows["segments"]
+    mask = (rows["mask"] > 0) & (seg[:, 1:] == seg[:, :-1])
+    if not pairs:
+        return int(mask.sum())
+    rows_at, at = np.nonzero(mask)
+    counted = np.zeros((seg.shape[0], 2 * pairs_per_row(seg.shape[1] - 1)), np.int64)
+    np.add.at(counted, (rows_at, seg[:, :-1][rows_at, at]), 1)
+    return int(((counted[:, 0::2] > 0) & (counted[:, 1::2] > 0)).sum())
+
+
+def no_loss_tokens(batches: int) -> DataError:
+    """The error of validation batches whose loss would be a mean over nothing."""
+    return DataError(f"the {int(batches)} validation batches (eval.batches) hold no token the loss counts: give more "
+                     f"validation data (data.val_fraction) or more batches, or check the data's loss masks.")
 
 
 def batch_shapes(global_batch: int, seq_len: int, packing: str, ref_dtype=None) -> dict:

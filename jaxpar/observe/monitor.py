@@ -104,7 +104,7 @@ class MetricsWriter:
             self._tb.add_scalar(k, v, global_step=step)
         self._tb.flush()
         if self._wandb is not None:
-            self._wandb.run.log(scalars, step=step)
+            self._wandb.log(scalars, step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -127,10 +127,15 @@ class MetricsWriter:
 class WandbRun:
     """A Weights & Biases run (`log.wandb_project`) that gets what `MetricsWriter` writes: the numbers, at the
     same steps (per-layer lists as `key/layerI`), and the resolved config. Its id is kept in WORKDIR/wandb_id, so a
-    resumed or requeued job continues the same run (`resume="allow"`); its local files go to WORKDIR/wandb.
-    `WANDB_MODE=offline` (no network) and W&B's other environment settings apply as wandb reads them."""
+    resumed or requeued job continues the same run (`resume="allow"`); its local files go to `$WANDB_DIR` when set,
+    else to WORKDIR/wandb. `WANDB_MODE=offline` (no network) and W&B's other environment settings apply as wandb
+    reads them.
 
-    ID_FILE = "wandb_id"
+    Every metric is plotted against `step` (the training step, `define_metric`); W&B's own `_step`, which must grow,
+    counts the logs (kept in WORKDIR/wandb_step), so the steps a resume from an older checkpoint than the last log
+    does again are logged again, beside the first ones, never dropped."""
+
+    ID_FILE, COUNT_FILE, STEP = "wandb_id", "wandb_step", "step"
 
     def __init__(self, workdir: str, log, config: dict):
         import wandb
@@ -142,8 +147,19 @@ class WandbRun:
             f.write(run_id + "\n")
         name = log.wandb_name or os.path.basename(os.path.abspath(workdir))
         self.run = wandb.init(project=log.wandb_project, entity=log.wandb_entity or None, name=name,
-                              tags=[str(t) for t in log.wandb_tags] or None, id=run_id, resume="allow", dir=workdir,
-                              config=config)
+                              tags=[str(t) for t in log.wandb_tags] or None, id=run_id, resume="allow",
+                              dir=None if os.environ.get("WANDB_DIR") else workdir, config=config)
+        self.run.define_metric(self.STEP)
+        self.run.define_metric("*", step_metric=self.STEP)
+        self.count_path = os.path.join(workdir, self.COUNT_FILE)
+        saved = int(open(self.count_path).read()) if os.path.isfile(self.count_path) else 0
+        self.logged = max(saved, int(self.run.step or 0))  # (an offline run's resume starts at 0: the file knows)
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log({**scalars, self.STEP: int(step)}, step=self.logged)
+        self.logged += 1
+        with open(self.count_path, "w") as f:
+            f.write(f"{self.logged}\n")
 
     def close(self) -> None:
         self.run.finish()

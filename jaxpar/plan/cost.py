@@ -37,7 +37,7 @@ import dataclasses
 import functools
 import math
 
-from jaxpar import model as gpt
+from jaxpar import data, model as gpt
 from jaxpar.model import moe
 from jaxpar.kernels import grouped
 from jaxpar.kernels.attention import choose
@@ -93,7 +93,7 @@ class Model:
         m, tr = config.model, config.train
         cfg = gpt.config_from(config, vocab, 1)
         counts = gpt.param_counts(cfg)
-        kernel, _ = choose(m.attention, tr.compute_dtype, m.seq_len, cfg.head_dim, config.data.packing != "concat",
+        kernel, _ = choose(m.attention, tr.compute_dtype, m.seq_len, cfg.head_dim, data.packing(config) != "concat",
                            backend="gpu")
         nbytes = {"float32": 4, "float64": 8}
         tables = cfg.vocab_size * cfg.embed * (1 if cfg.tie_embeddings else 2)

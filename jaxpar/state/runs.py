@@ -17,6 +17,7 @@ from jaxpar.train.state import fresh_params
 from jaxpar.train.step import model_config
 
 CLASSES_FILE = "classes.json"  # a ViT run's class names, a JSON list (index = label), written by the trainer
+TOKENIZER_DIR = "tokenizer"  # WORKDIR/tokenizer: the run's tokenizer (and chat template), written by the trainer
 
 
 def read_config(workdir: str) -> ml_collections.ConfigDict:
@@ -69,6 +70,70 @@ def read_classes(workdir: str) -> list[str] | None:
     return [str(n) for n in names]
 
 
+def read_model(workdir: str) -> tuple:
+    """(WORKDIR's config, its `ModelConfig`, its tokenizer: None for a ViT), from config.json and WORKDIR/tokenizer
+    alone (no array is read).
+
+    Raises:
+      FileNotFoundError: WORKDIR has no config.json.
+      DataError: an unreadable tokenizer.
+    """
+    config = read_config(workdir)
+    if config.model.arch == "vit":  # no tokenizer: the classes are the vocabulary
+        tok, vocab = None, int(config.model.num_classes) or len(read_classes(workdir) or ())
+    else:
+        tok = data.load_tokenizer(os.path.join(workdir, TOKENIZER_DIR))
+        vocab = data.model_vocab(config, tok.vocab_size)
+    return config, model_config(config, vocab, int(config.mesh.tensor)), tok
+
+
+def is_run(directory: str) -> bool:
+    """Whether `directory` is a run directory train.py wrote (its config.json and checkpoints/)."""
+    return os.path.isfile(os.path.join(directory, "config.json")) and os.path.isdir(os.path.join(directory,
+                                                                                                  "checkpoints"))
+
+
+def host_device():
+    """The host CPU device (reading a model back needs no accelerator memory), or the default one if JAX has no CPU
+    backend."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
+
+
+def read_model(workdir: str) -> tuple:
+    """(WORKDIR's config, its `ModelConfig`, its tokenizer: None for a ViT), from config.json and WORKDIR/tokenizer
+    alone (no array is read).
+
+    Raises:
+      FileNotFoundError: WORKDIR has no config.json.
+      DataError: an unreadable tokenizer.
+    """
+    config = read_config(workdir)
+    if family_of(config.model.arch).data_kind == "images":  # no tokenizer: the classes are the vocabulary
+        tok, vocab = None, int(config.model.num_classes) or len(read_classes(workdir) or ())
+    else:
+        tok = data.load_tokenizer(os.path.join(workdir, TOKENIZER_DIR))
+        vocab = data.model_vocab(config, tok.vocab_size)
+    return config, model_config(config, vocab, int(config.mesh.tensor)), tok
+
+
+def is_run(directory: str) -> bool:
+    """Whether `directory` is a run directory train.py wrote (its config.json and checkpoints/)."""
+    return os.path.isfile(os.path.join(directory, "config.json")) and os.path.isdir(os.path.join(directory,
+                                                                                                  "checkpoints"))
+
+
+def host_device():
+    """The host CPU device (reading a model back needs no accelerator memory), or the default one if JAX has no CPU
+    backend."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return jax.local_devices()[0]
+
+
 class Run(NamedTuple):
     """A run directory's model read back: its config, the model, params, tokenizer and the step they come from."""
     config: ml_collections.ConfigDict
@@ -88,13 +153,7 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
       FileNotFoundError: no config, tokenizer or complete checkpoint (or none for `step`) in WORKDIR.
       ValueError: the checkpoint does not match the model that config.json describes; the tokenizer is unreadable.
     """
-    config = read_config(workdir)
-    if family_of(config.model.arch).data_kind == "images":  # no tokenizer: the classes are the vocabulary
-        tok, vocab = None, int(config.model.num_classes) or len(read_classes(workdir) or ())
-    else:
-        tok = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
-        vocab = data.model_vocab(config, tok.vocab_size)
-    cfg = model_config(config, vocab, int(config.mesh.tensor))
+    config, cfg, tok = read_model(workdir)
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):  # the Checkpointer would create it
         raise FileNotFoundError(f"no checkpoints in {workdir}: train.py has not saved one yet.")
     ckpt = Checkpointer(workdir, 1, 1, async_save=False, read_only=True)

@@ -24,9 +24,10 @@ def open_data(config) -> tuple:
         return info, splits, splits[0].num_classes
     info = distributed.process_0_first(lambda: data.prepare(config), "jaxpar/prepare")
     vocab = data.model_vocab(config, info.vocab_size)
-    return info, tuple(data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=d.packing,
-                                    truncate=d.truncate, pairs="pairs" in kinds)
-                       for split in ("train", "val")), vocab
+    splits = tuple(data.Batches(info, split, T, B, seed, vocab_size=vocab, packing=d.packing, truncate=d.truncate,
+                                pairs="pairs" in kinds) for split in ("train", "val"))
+    splits[1].check_loss_tokens(int(config.eval.batches))  # before compiling, not at the first evaluation
+    return info, splits, vocab
 
 
 def say_packing(train_data, val_data) -> None:

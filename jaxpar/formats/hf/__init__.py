@@ -69,26 +69,33 @@ def settings(directory: str) -> dict:
 
 
 def apply(config, say: bool = True):
-    """A copy of `config`, with `init_from = hf:DIR`, whose model shape and tokenizer are DIR's (model.seq_len stays);
-    `config` itself is never changed; `RUN_WINS` keys the run sets stay the run's. `say`: print which keys it
-    changed, and when a ViT's classifier is not DIR's (process 0)."""
+    """A copy of `config`, with `init_from = hf:DIR`, whose model shape and tokenizer are DIR's (`adopt`);
+    `config` itself is never changed. `say`: print which keys it changed, and when a ViT's classifier is not DIR's
+    (process 0)."""
     directory = directory_of(config.init_from)
     if directory is None:
         return config
+    config = adopt(config, settings(directory), say)
+    images = family_of(config.model.arch).data_kind == "images"
+    if say and jax.process_index() == 0 and images and vit_classes(read_json(directory)) != config.model.num_classes:
+        print(f"jaxpar: from {config.init_from}: {_fresh_head(directory, config.model.num_classes)}")
+    return config
+
+
+def adopt(config, found: dict, say: bool = True):
+    """A copy of `config` with the keys of `found` ({config key: value}: a starting point's model shape and tokenizer)
+    set to its values, but for `RUN_WINS` keys the run sets (model.seq_len, the dtypes, dropout and the rest stay the
+    run's: `found` holds none of them). `say`: print the keys it changed (process 0)."""
     config, changed = config.copy_and_resolve_references(), []
-    for key, v in settings(directory).items():
+    for key, v in found.items():
         sect, name = key.split(".")
         if key in RUN_WINS and config[sect][name]:
             continue
         if config[sect][name] != v:
             changed.append(f"{key}={v!r}")
         config[sect][name] = v
-    if say and jax.process_index() == 0:
-        if changed:
-            print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
-        images = family_of(config.model.arch).data_kind == "images"
-        if images and vit_classes(read_json(directory)) != config.model.num_classes:
-            print(f"jaxpar: from {config.init_from}: {_fresh_head(directory, config.model.num_classes)}")
+    if say and changed and jax.process_index() == 0:
+        print(f"jaxpar: from {config.init_from}: " + ", ".join(changed))
     return config
 
 

@@ -146,7 +146,7 @@ class ViT(Family):
                    (m.experts > 0, f"model.experts={m.experts}", "model.experts=0"),
                    (int(config.lora.rank) > 0, f"lora.rank={config.lora.rank}", "lora.rank=0 (LoRA is wired for "
                                                                                  "the language families)"),
-                   (config.data.packing != "concat", f"data.packing={config.data.packing!r}",
+                   (config.data.packing not in ("concat", "auto"), f"data.packing={config.data.packing!r}",
                     "data.packing='concat'")]
         errs += [f"model.arch='vit' with {what}: not supported for vision transformers; set {fix}." for bad, what, fix
                  in refused if bad]

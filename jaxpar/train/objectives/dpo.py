@@ -6,8 +6,8 @@
   m = (log pi(chosen) - log pi_ref(chosen)) - (log pi(rejected) - log pi_ref(rejected)),
       sigmoid: -(1 - eps) log sigmoid(beta m) - eps log sigmoid(-beta m)   (eps: `dpo.label_smoothing`)
       ipo:     (m / 1 - 1 / (2 beta))^2, on log-probs averaged over the response tokens (TRL's IPO);
-  divided by the step's pairs. Its metrics are TRL's: rewards/chosen, rewards/rejected (beta (log pi - log pi_ref)),
-  rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, means over the step's pairs.
+  divided by the step's pairs. Its metrics: `pairs` (the step's), and TRL's rewards/chosen, rewards/rejected
+  (beta (log pi - log pi_ref)), rewards/margins, rewards/accuracies, logps/chosen, logps/rejected, means over them.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class DPO(Objective):
     name = "dpo"
     section = "dpo"
     data_kinds = ("pairs",)
-    metric_names = _METRICS[1:] + ("rewards/margins",)
+    metric_names = _METRICS + ("rewards/margins",)
 
     @classmethod
     def from_config(cls, config) -> "DPO":
@@ -54,7 +54,7 @@ class DPO(Objective):
     def errors(config, lay) -> list[str]:
         """Pairs packed whole into rows (data.packing=bfd), no context parallelism."""
         errs = []
-        if config.data.packing != "bfd":
+        if config.data.packing not in ("bfd", "auto"):
             errs.append(f"train.objective='dpo' with data.packing={config.data.packing!r}: a preference pair's chosen "
                         f"and rejected sequences must sit whole in one row; set --config.data.packing=bfd.")
         if lay.context > 1:
@@ -90,7 +90,7 @@ class DPO(Objective):
 
     def metrics(self, count, total) -> dict:
         m = {k: count[i] / jnp.maximum(count[0], 1) for i, k in enumerate(_METRICS) if i}
-        return {**m, "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
+        return {"pairs": count[0], **m, "rewards/margins": m["rewards/chosen"] - m["rewards/rejected"]}
 
 
 class ReferenceSums:

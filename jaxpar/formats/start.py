@@ -1,0 +1,113 @@
+"""Where a run starts (`init_from`): fresh weights (`""`), a Hugging Face directory (`hf:DIR`; `hf:ORG/NAME` is one
+once fetched, `formats/hub.py`), a jaxpar export (`python -m jaxpar.export`, `formats/exported.py`) or a run
+directory (a train.py WORKDIR, `state/runs.py`: its latest checkpoint, LoRA adapters folded in).
+
+Every starting point brings its model: `apply(config)` sets the config's model shape (`model.*`: the fields that fix
+the weights) and `data.tokenizer` (its tokenizer, with the chat template and special tokens beside it) to the
+starting point's, as `hf.apply` does for `hf:DIR`. What stays the run's: `model.seq_len`, the dtypes, dropout, remat,
+attention and the MoE execution choices (no starting point names them), a ViT's `RUN_WINS` keys when the run sets
+them, and `data.chat_template` (a file given there is used over the tokenizer's). `check(init_from, cfg)` refuses a
+start whose model is not `cfg`'s before anything is written; `load(init_from)` reads its weights onto the host.
+"""
+from __future__ import annotations
+
+import os
+
+from jaxpar.data import ByteTokenizer
+from jaxpar.errors import ConfigError
+from jaxpar.formats import hf
+from jaxpar.formats.exported import CONFIG_FILE, START_FIELDS, is_export, load_export, read_export_config
+from jaxpar.state.runs import TOKENIZER_DIR, host_device, is_run, load_run, read_config, read_model
+from jaxpar.model import IDENTITY_FIELDS, merge_adapters
+
+VIT_FIELDS = ("image_size", "patch_size", "channels", "num_classes")  # a language model's are 0 (no `model.*` key)
+IMAGE_KEYS = ("image_mean", "image_std")  # a ViT run's preprocessing (`hf.RUN_WINS`: the run's when it sets them)
+
+
+def kind(init_from: str) -> str:
+    """"" (fresh weights), "hf", "export" or "run".
+
+    Raises:
+      ConfigError: `init_from` names no starting point (one line naming what was looked for).
+    """
+    if not init_from:
+        return ""
+    if hf.directory_of(init_from) is not None:
+        return "hf"
+    if is_export(init_from):
+        return "export"
+    if is_run(init_from):
+        return "run"
+    raise ConfigError(f"--config.init_from={init_from}: neither a jaxpar export (no {CONFIG_FILE}) nor a run "
+                      f"directory (no config.json and checkpoints/); give an export (`python -m jaxpar.export`), a "
+                      f"train.py workdir with a checkpoint, or hf:DIR (a Hugging Face directory).")
+
+
+def apply(config, say: bool = True):
+    """A copy of `config` with its starting point's model shape and tokenizer (see the module's doc); `config` itself
+    when it starts from fresh weights. `say`: print which keys changed (process 0)."""
+    k = kind(config.init_from)
+    if k == "hf":
+        return hf.apply(config, say)
+    return hf.adopt(config, settings(config.init_from, k), say) if k else config
+
+
+def settings(init_from: str, k: str) -> dict:
+    """{config key: value} of an export's or a run directory's model shape and tokenizer (`k`: its `kind`)."""
+    cfg = model_of(init_from, k)
+    out = {f"model.{f}": v for f, v in model_keys(cfg).items()}
+    if cfg.arch == "vit":  # (only runs: an export of a ViT is a Hugging Face directory)
+        run = read_config(init_from)
+        return {**out, **{f"data.{n}": run.data[n] for n in IMAGE_KEYS if run.data[n]}}
+    return {**out, "data.tokenizer": tokenizer_spec(os.path.join(init_from, TOKENIZER_DIR))}
+
+
+def model_keys(cfg) -> dict:
+    """{`model.*` name: value} of a `ModelConfig`'s identity (its `model.seq_len` aside: the run's): its
+    vocabulary's symbols as `vocab_size` (a ViT's classes as `num_classes`), a size that equals what 0 derives as 0."""
+    unused = ("seq_len", "vocab_real") + (() if cfg.arch == "vit" else VIT_FIELDS)
+    out = {f: getattr(cfg, f) for f in IDENTITY_FIELDS if f not in unused}
+    derived = {"kv_heads": cfg.heads, "head_dim": cfg.embed // cfg.heads, "expert_mlp": cfg.mlp}
+    out.update({f: 0 for f, v in derived.items() if out[f] == v})
+    return out if cfg.arch == "vit" else {**out, "vocab_size": cfg.vocab_real}
+
+
+def tokenizer_spec(directory: str) -> str:
+    """`data.tokenizer` for a saved tokenizer directory: `byte`, or its tokenizer.json (the chat template and the
+    special tokens are read beside it)."""
+    return "byte" if os.path.isfile(os.path.join(directory, ByteTokenizer.FILENAME)) else \
+        os.path.join(directory, "tokenizer.json")
+
+
+def model_of(init_from: str, k: str):
+    """The `ModelConfig` of an export or a run directory, from its JSON alone (no array is read).
+
+    Raises:
+      ConfigError: unreadable or malformed (naming the file).
+    """
+    try:
+        return read_export_config(init_from) if k == "export" else read_model(init_from)[1]
+    except (FileNotFoundError, ValueError) as e:  # (a DataError is a ValueError)
+        raise ConfigError(f"--config.init_from={init_from}: {e}") from e
+
+
+def check(init_from: str, cfg) -> None:
+    """Refuse (ConfigError, every difference named) a start from an export or a run directory whose model is not
+    `cfg`'s (its shape or vocabulary; `model.seq_len` may differ); the trainer calls it before anything is written."""
+    k = kind(init_from)
+    if k not in ("export", "run"):
+        return
+    got = model_of(init_from, k)
+    diffs = [f"{f}: {k} {getattr(got, f)!r} vs config {getattr(cfg, f)!r}"
+             for f in START_FIELDS if getattr(got, f) != getattr(cfg, f)]
+    if diffs:
+        raise ConfigError(f"--config.init_from={init_from} holds another model:\n  " + "\n  ".join(diffs))
+
+
+def load(init_from: str) -> dict:
+    """The canonical params (on the host CPU) of an export or a run directory's latest checkpoint (a LoRA run's
+    adapters folded into their base weights, as its export would hold them)."""
+    if kind(init_from) == "export":
+        return load_export(init_from, device=host_device())[1]
+    run = load_run(init_from, device=host_device())
+    return merge_adapters(run.params, run.fwd.cfg)[0]
