@@ -95,7 +95,7 @@ def _record_tokens(obj, where: str, fmt, tok, settings: dict):
     return ids, np.full(ids.size, keep, np.uint8)
 
 
-def records(unit: Unit) -> Iterator[tuple[object, str]]:
+def records(unit: src.Unit) -> Iterator[tuple[object, str]]:
     """(record, where it is: "FILE, line N" or "FILE, row N") of a JSONL or Parquet unit, in order."""
     for path, start, stop in unit.pieces():
         if unit.kind == "parquet":
@@ -116,7 +116,7 @@ def records(unit: Unit) -> Iterator[tuple[object, str]]:
             yield src.parse_line(buf, path, off), f"{path}, line {line_no}"
 
 
-def first_record(unit: Unit):
+def first_record(unit: src.Unit):
     """The unit's first record (None for a unit without any)."""
     return next((obj for obj, _ in records(unit)), None)
 

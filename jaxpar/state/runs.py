@@ -102,38 +102,6 @@ def host_device():
         return jax.local_devices()[0]
 
 
-def read_model(workdir: str) -> tuple:
-    """(WORKDIR's config, its `ModelConfig`, its tokenizer: None for a ViT), from config.json and WORKDIR/tokenizer
-    alone (no array is read).
-
-    Raises:
-      FileNotFoundError: WORKDIR has no config.json.
-      DataError: an unreadable tokenizer.
-    """
-    config = read_config(workdir)
-    if family_of(config.model.arch).data_kind == "images":  # no tokenizer: the classes are the vocabulary
-        tok, vocab = None, int(config.model.num_classes) or len(read_classes(workdir) or ())
-    else:
-        tok = data.load_tokenizer(os.path.join(workdir, TOKENIZER_DIR))
-        vocab = data.model_vocab(config, tok.vocab_size)
-    return config, model_config(config, vocab, int(config.mesh.tensor)), tok
-
-
-def is_run(directory: str) -> bool:
-    """Whether `directory` is a run directory train.py wrote (its config.json and checkpoints/)."""
-    return os.path.isfile(os.path.join(directory, "config.json")) and os.path.isdir(os.path.join(directory,
-                                                                                                  "checkpoints"))
-
-
-def host_device():
-    """The host CPU device (reading a model back needs no accelerator memory), or the default one if JAX has no CPU
-    backend."""
-    try:
-        return jax.local_devices(backend="cpu")[0]
-    except RuntimeError:
-        return jax.local_devices()[0]
-
-
 class Run(NamedTuple):
     """A run directory's model read back: its config, the model, params, tokenizer and the step they come from."""
     config: ml_collections.ConfigDict
