@@ -15,7 +15,9 @@ transformers = pytest.importorskip("transformers")
 import jax  # noqa: E402
 
 from helpers import run_config, steps_for  # noqa: E402
+from jaxpar.config import step_rules  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
+from jaxpar.generate.cache import cache_bytes  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
 from jaxpar.generate.sampling import Sampling, sample  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
@@ -188,7 +190,8 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     kind, over = LAYOUTS[name]
     d = models[kind][1]
     config = hf.apply(run_config(corpus, tmp_path, **{**over, "init_from": f"hf:{d}"}))
-    steps = steps_for(config, V)
+    n = over["mesh.data"] * over.get("mesh.tensor", 1) * over.get("mesh.expert", 1) * over.get("mesh.stage", 1)
+    steps = steps_for(config, V, jax.devices()[:n])
     placed = hf.load_params(str(d), steps.cfg, steps.state_shardings["params"], steps.layer_order)
     fwd, params, _ = hf.load(str(d))
     reqs = [Request(p, max_new_tokens=6) for p in PROMPTS[:4]] + \
@@ -201,6 +204,13 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
         np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-5)
         if w.experts is not None:
             np.testing.assert_array_equal(g.experts, w.experts)
+    # the KV cache is sharded as `--dry_run` prices it: rows over data x expert, KV heads over tensor
+    shape = (steps.cfg.layers, 8, 64, steps.cfg.kv_heads, steps.cfg.head_dim)
+    shard = engine.decoder.cache_sharding(8, 64).shard_shape(shape)
+    assert shard[1] == 8 // (over["mesh.data"] * over.get("mesh.expert", 1))
+    assert shard[3] == steps.cfg.kv_heads // over.get("mesh.tensor", 1)
+    priced = cache_bytes(steps.cfg, 8, 64, steps.layout, step_rules(config))
+    assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}
     leaf = jax.tree.leaves(engine.params)[0]
     assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
     if name != "pipeline":  # no second copy: the engine reads the training arrays themselves

@@ -110,3 +110,18 @@ def decode_params(params, cfg, rules, mesh, zero3: bool, layer_order=None):
         return gpt.join_params(shared, jax.tree.map(lambda a: a[inverse], layers))
 
     return jax.jit(gather, out_shardings=shardings)(params)
+
+
+def dry_run_entry(config, num_devices: int) -> dict:
+    """What `train.py --dry_run` reports of generation on the run's layout: the KV cache of a decode batch of
+    `train.global_batch_size` rows of `model.seq_len` positions ({"rows", "positions", "total", "per_device"}
+    bytes)."""
+    from jaxpar.config import derived, step_rules
+    from jaxpar.interop import hf, peft
+
+    config = derived(peft.apply(hf.apply(config)))
+    layout = Layout.from_config(config, num_devices)
+    cfg = gpt.config_from(config, int(config.model.vocab_size) or 256, layout.tensor)
+    rows, positions = int(config.train.global_batch_size), int(config.model.seq_len)
+    return {"rows": rows, "positions": positions,
+            **cache_bytes(cfg, rows, positions, layout, step_rules(config))}
