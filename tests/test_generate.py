@@ -215,3 +215,44 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
     if name != "pipeline":  # no second copy: the engine reads the training arrays themselves
         assert all(a is b for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(placed)))
+
+
+def test_cli_writes_n_samples_resumes_and_refuses_bad_records_one_line_each(models, tmp_path, capsys):
+    import json
+
+    from jaxpar.generate.__main__ import main
+
+    d = str(models["llama"][1])
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    recs = [{"prompt": "to be", "id": "a"}, {"prompt": "or not", "max_new_tokens": 3, "stop": "zz"},
+            {"prompt": "that is", "temperature": 0.9, "extra": [1]}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = ["--model", f"hf:{d}", "--prompts", str(src), "--out", str(out), "--max_new_tokens", "5", "--n", "2",
+            "--progress", "0", "--slots", "4"]
+    assert main(args) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["extra"] for g in got[2:]] == [[1]] and got[0]["id"] == "a" and len(got) == 3
+    assert [len(ids) for g in got for ids in g["completion_ids"]] == [5, 5, 3, 3, 5, 5]
+    fwd, params, tok = hf.load(d)
+    want = Engine(fwd, params, tokenizer=tok).generate([Request(tok.encode("to be"), max_new_tokens=5)])[0]
+    assert got[0]["completion_ids"] == [want.tokens] * 2 and got[0]["completion"] == [want.text] * 2
+    assert got[2]["completion_ids"][0] != got[2]["completion_ids"][1]  # two streams of one seed
+    whole = out.read_text()
+    out.write_text(whole.splitlines()[0] + "\n" + whole.splitlines()[1][:20])  # interrupted mid-record
+    assert main(args) == 0  # resumed: the rest written, the same (log-probs to rounding: other batch shapes)
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [{**g, "logprobs": 0} for g in again] == [{**g, "logprobs": 0} for g in got]
+    np.testing.assert_allclose(sum(sum((g["logprobs"] for g in again), []), []),
+                               sum(sum((g["logprobs"] for g in got), []), []), atol=1e-5)
+    for lines, flags, says in (
+            (['{"prompt": "ab"}', '{"prompt": 3}'], [], "in.jsonl:2: field 'prompt' must be a string, got int."),
+            (['{"prompt": "' + "x" * 70 + '"}'], [], "in.jsonl:1: a prompt of 70 tokens; the model's context is 64"),
+            (['{"prompt": "ab"'], [], "in.jsonl:1: not a JSON record"),
+            (['{"prompt": "ab", "temperature": "hot"}'], [], "field 'temperature' must be an integer or a number"),
+            (['{"prompt": "ab"}'], ["--top_p", "1.5"], "--top_p=1.5 is outside (0, 1]")):
+        src.write_text("\n".join(lines) + "\n")
+        out.unlink(missing_ok=True)
+        capsys.readouterr()
+        assert main(args + flags) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err

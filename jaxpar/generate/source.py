@@ -67,7 +67,7 @@ def load(src: str, mesh: dict | None = None) -> Source:
     name = hub.model_name(src)
     where = hf.directory_of("hf:" + hub.fetch(name)[0] if name else src)
     if where is not None:
-        if not mesh:
+        if not mesh or all(v == 1 for v in mesh.values()):
             fwd, params, tok = hf.load(where)
             return Source(fwd, params, tok, _chat(tok, where), None, None)
         config = base_config()
@@ -80,7 +80,7 @@ def load(src: str, mesh: dict | None = None) -> Source:
         return Source(steps.fwd, params, tok, _chat(tok, where), steps, config)
     if os.path.isfile(os.path.join(src, CONFIG_FILE)):
         fwd, params, tok = load_export(src)
-        if not mesh:
+        if not mesh or all(v == 1 for v in mesh.values()):
             return Source(fwd, params, tok, _chat(tok, src), None, None)
         raise ValueError(f"{src} is an export; generating on a mesh reads a run directory or hf:DIR (export it with "
                          f"--format hf), or leave out --config.mesh.*.")
