@@ -15,7 +15,8 @@ import time
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m jaxpar.generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m jaxpar.generate", description=__doc__.split("\n\n")[0],
+                                epilog="Guide: docs/generate.md")
     p.add_argument("--model", required=True, help="run directory, export, hf:DIR or hf:ORG/NAME")
     p.add_argument("--prompts", required=True, help="input JSONL: {prompt} or {messages} records")
     p.add_argument("--out", required=True, help="output JSONL (appended to; a rerun resumes)")
