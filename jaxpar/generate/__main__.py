@@ -13,6 +13,11 @@ import json
 import sys
 import time
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxpar.generate import records, source
+from jaxpar.generate.engine import Engine, Request, check
+
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m jaxpar.generate", description=__doc__.split("\n\n")[0],
@@ -34,7 +39,7 @@ def parse(argv):
     for a in rest:
         key, _, value = a.partition("=")
         if not key.startswith("--config.mesh.") or not value.lstrip("-").isdigit():
-            p.error(f"unknown argument {a!r}: only --config.mesh.AXIS=INT follow the flags above")
+            p.error(f"unknown argument {a!r}: only --config.mesh.<axis>=<int> follow the flags above")
         mesh[key[len("--config.mesh."):]] = int(value)
     return args, mesh
 
@@ -45,8 +50,6 @@ RANGES = {"top_p": ("(0, 1]", lambda v: 0 < v <= 1), "min_p": ("[0, 1]", lambda 
 
 def requests_of(lines, args, src, context: int):
     """The engine's requests of the records (n per record), each checked: one line naming the record's line."""
-    from jaxpar.generate.engine import Request, check
-
     out = []
     for n, rec in lines:
         if "messages" in rec:
@@ -69,9 +72,6 @@ def requests_of(lines, args, src, context: int):
 
 
 def run(args, mesh) -> int:
-    from jaxpar.generate import records, source
-    from jaxpar.generate.engine import Engine, Request, check
-
     for name, (says, ok) in RANGES.items():
         if not ok(getattr(args, name)):
             raise ValueError(f"--{name}={getattr(args, name)} is outside {says}.")
@@ -89,10 +89,6 @@ def run(args, mesh) -> int:
 
 def _write(engine, todo, reqs, args, skip: int, total: int) -> int:
     """Generate the records in groups (written in order as each group ends), with a progress bar."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from jaxpar.generate import records
-
     group = max(1, 4 * args.slots // args.n)
     made, t0 = [0], time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -20,6 +20,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import model as gpt
+from jaxpar.config import derived, step_rules
+from jaxpar.config_keys import DEFAULT_RULES
+from jaxpar.interop import hf, peft
 from jaxpar.layout import Layout
 from jaxpar.model.layers import KVCache
 from jaxpar.parallel.logical import mesh_axes, spec
@@ -61,8 +64,6 @@ def cache_bytes(cfg, batch: int, length: int, layout: Layout | None = None, rule
     """The KV cache's bytes for `batch` rows of `length` positions: {"total", "per_device"} (keys and values; the
     positions are negligible). `layout` (default one device) and `rules` (default `config_keys.DEFAULT_RULES`)
     decide the split, as `cache_spec`."""
-    from jaxpar.config_keys import DEFAULT_RULES
-
     total = 2 * cfg.layers * batch * length * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
     sizes = (layout or Layout(1, 1, 1, 1)).mesh_shape
     p = cache_spec(cfg, decode_rules(rules or DEFAULT_RULES), sizes, batch, length)
@@ -116,9 +117,6 @@ def dry_run_entry(config, num_devices: int) -> dict:
     """What `train.py --dry_run` reports of generation on the run's layout: the KV cache of a decode batch of
     `train.global_batch_size` rows of `model.seq_len` positions ({"rows", "positions", "total", "per_device"}
     bytes)."""
-    from jaxpar.config import derived, step_rules
-    from jaxpar.interop import hf, peft
-
     config = derived(peft.apply(hf.apply(config)))
     layout = Layout.from_config(config, num_devices)
     cfg = gpt.config_from(config, int(config.model.vocab_size) or 256, layout.tensor)
