@@ -29,7 +29,8 @@ V = 300
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
               max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
 KINDS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=48)),
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(  # 4 layers: 2 stages x 2 virtual
+        **{**COMMON, "num_hidden_layers": 4}, intermediate_size=48)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, intermediate_size=48,
                                                                             head_dim=16)),
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -79,7 +80,7 @@ def hf_greedy(model, prompt, n):
 def test_greedy_equals_transformers_and_log_probs_equal_the_training_forward(models, kind):
     model, d = models[kind]
     fwd, params, tok = hf.load(str(d))
-    engine = Engine(fwd, params, slots=4, tokenizer=tok)  # 5 prompts in 4 slots: one refill
+    engine = Engine(fwd, params, slots=8, tokenizer=tok)
     outs = engine.generate([Request(p, max_new_tokens=8) for p in PROMPTS])
     scores = engine.score([p + o.tokens for p, o in zip(PROMPTS, outs)])
     for p, o, s in zip(PROMPTS, outs, scores):
@@ -115,14 +116,16 @@ def test_stops_end_a_row_with_its_reason(models):
     fwd, params, tok = hf.load(str(models["llama"][1]))
     engine = Engine(fwd, params, slots=2, tokenizer=tok)
     free = engine.generate([Request(PROMPTS[1], max_new_tokens=10)])[0]
-    stop_at = free.tokens[3]
+    stop_at, stop_text = free.tokens[3], tok.decode(free.tokens[2:4])
     first = free.tokens.index(stop_at)
+    ends = min(j for j in range(1, 11) if stop_text in tok.decode(free.tokens[:j]))  # the first prefix holding it
     by_id, by_text = engine.generate([Request(PROMPTS[1], max_new_tokens=10, stop_ids=[stop_at]),
-                                      Request(PROMPTS[1], max_new_tokens=10, stop=[tok.decode(free.tokens[2:4])])])
+                                      Request(PROMPTS[1], max_new_tokens=10, stop=[stop_text])])
     assert by_id.tokens == free.tokens[:first + 1] and by_id.finish_reason == "stop"
     assert by_id.text == tok.decode(free.tokens[:first])
-    assert by_text.finish_reason == "stop" and by_text.tokens == free.tokens[:4]
-    assert by_text.text == tok.decode(free.tokens)[:tok.decode(free.tokens).find(tok.decode(free.tokens[2:4]))]
+    assert by_text.finish_reason == "stop" and by_text.tokens == free.tokens[:ends]
+    text = tok.decode(free.tokens[:ends])
+    assert by_text.text == text[:text.find(stop_text)]
 
 
 def reference_filter(logits, t, k, p, m):
@@ -151,9 +154,10 @@ def test_sampler_filters_equal_their_formula():
     s = Sampling(s.temperature.astype("float32"), s.top_k.astype("int32"), s.top_p.astype("float32"),
                  s.min_p.astype("float32"))
     counts = np.zeros((4, 50))
-    for i in range(400):
-        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(i), r))(np.arange(4))
-        tok, lp, lpm = (np.asarray(a) for a in sample(jax.numpy.asarray(logits), keys, s))
+    draw = jax.jit(jax.vmap(lambda i: sample(jax.numpy.asarray(logits), jax.vmap(
+        lambda r: jax.random.fold_in(jax.random.key(i), r))(np.arange(4)), s)))
+    toks, lps, lpms = (np.asarray(a) for a in draw(np.arange(400)))
+    for tok, lp, lpm in zip(toks, lps, lpms):
         for r in range(4):
             want = reference_filter(logits[r], *knobs[r])
             assert want[tok[r]] > 0
@@ -180,7 +184,8 @@ LAYOUTS = {
     "data2_tensor2": ("llama", {"mesh.data": 2, "mesh.tensor": 2}),
     "zero3": ("qwen3", {"mesh.data": 4, "mesh.tensor": 2, "optim.zero_stage": 3}),
     "expert": ("qwen3_moe", {"mesh.data": 2, "mesh.expert": 4}),
-    "pipeline": ("llama", {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2}),
+    "pipeline": ("llama", {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2,
+                           "pipeline.schedule": "circular", "pipeline.virtual_stages": 2}),  # layers out of order
 }
 
 
@@ -213,7 +218,10 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}
     leaf = jax.tree.leaves(engine.params)[0]
     assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
-    if name != "pipeline":  # no second copy: the engine reads the training arrays themselves
+    if name == "pipeline":  # the decode layout: the layers gathered over stage, in their canonical order
+        assert list(steps.layer_order) == [0, 2, 1, 3]
+        assert all((tuple(a.sharding.spec) + (None,))[0] is None for a in jax.tree.leaves(engine.params["blocks"]))
+    else:  # no second copy: the engine reads the training arrays themselves
         assert all(a is b for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(placed)))
 
 
