@@ -31,6 +31,7 @@ from jaxpar.export import init_from_export
 from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint, samples_consumed
 from jaxpar.train.inputs import open_data, say_packing
 from jaxpar.plan import target
+from jaxpar.generate import cache as kv_cache
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate
 
@@ -63,8 +64,10 @@ def dry_run(config, workdir: str) -> dict:
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
     needs_data = (config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
                   or config.data.packing == "auto")  # (`data.packing`: the sources' first records tell it)
-    rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0],
-                     resolve=target.resolve)  # `auto` as the target (mesh.device, or the devices present) runs it
+    resolved = hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0]
+    # `auto` as the target (mesh.device, or the devices present) runs it
+    rep = report_for(resolved, resolve=target.resolve)
+    rep["kv_cache"] = kv_cache.dry_run_entry(resolved, jax.device_count())  # generation on this layout
     hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
@@ -80,6 +83,9 @@ def dry_run(config, workdir: str) -> dict:
             print(f"trainable parameters {lay['trainable']:,} of {lay['params']:,} "
                   f"({100 * lay['trainable'] / lay['params']:.2f} %: the LoRA adapters; the base is frozen)")
         print(report.format_table(rep))
+        kv = rep["kv_cache"]
+        print(f"KV cache (generation, {kv['rows']} rows x {kv['positions']} positions): {kv['per_device']:,} bytes "
+              f"per device, {kv['total']:,} in all (docs/generate.md)")
         print(f"written to {os.path.join(workdir, 'compile_report.json')}")
     return rep
 
