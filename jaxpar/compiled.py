@@ -46,7 +46,7 @@ def abstract_batch(config, steps: Steps) -> dict:
     B, T, m = int(config.train.global_batch_size), int(config.model.seq_len), config.model
     images = "images" in objectives.from_config(config).data_kinds
     shapes = data.image_batch_shapes(B, m.image_size, m.channels) if images else \
-        data.batch_shapes(B, T, data.packing(config), ref_dtype(config))
+        data.batch_shapes(B, T, objectives.packing(config), ref_dtype(config))
     return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding) for k, (shape, dt) in shapes.items()}
 
 
@@ -73,7 +73,7 @@ def report_for(config, vocab: int = 0, devices=None, resolve=None) -> dict:
     layout (a MoE model's `moe_impl` with it), and the optimized HLO under `hlo_text`. vocab 0: the trainer's rule
     (`data.model_vocab`). `resolve(config, vocab, layout, devices) -> (config, what it chose or None)`: the entry
     point's choice of `auto` values for its target before the compile (`plan.target.resolve`), under "resolved"."""
-    config = data.with_packing(gpt.derived(peft.apply(start.apply(config))))
+    config = objectives.with_packing(gpt.derived(peft.apply(start.apply(config))))
     devices = list(jax.devices() if devices is None else devices)
     layout = validate(config, len(devices))  # before the data is prepared
     vocab = vocab or distributed.process_0_first(lambda: model_vocab(config), "jaxpar/prepare")

@@ -29,6 +29,7 @@ from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
 from jaxpar.config import ConfigError  # noqa: F401 (trainer.ConfigError: what a run raises for bad input)
 from jaxpar.export import init_from_export
 from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint, samples_consumed
+from jaxpar.train import objectives
 from jaxpar.train.inputs import open_data, say_packing
 from jaxpar.plan import target
 from jaxpar.generate import cache as kv_cache
@@ -99,7 +100,7 @@ def run(config, workdir: str, devices=None) -> dict:
     named = config  # hf:ORG/NAME, hfds:ORG/NAME -> where they are in the HF cache; the weights once validated
     config, pins = hub.resolve_once_per_host(named, workdir, weights=False)
     # init_from (hf:DIR, an export, a run): its shape and tokenizer; lora.adapter: its r, ...; a ViT's patches
-    config = data.with_packing(gpt.derived(peft.apply(starting_point.apply(config))))
+    config = objectives.with_packing(gpt.derived(peft.apply(starting_point.apply(config))))
     layout = validate(config, len(devices))
     target.check(config, devices)  # mesh.device, and the devices `auto` is priced for: before the data
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)

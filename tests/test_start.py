@@ -13,6 +13,7 @@ import pytest
 from helpers import ROOT, chat_tokenizer, random_hf_llama
 from jaxpar import data, export, trainer
 from jaxpar.formats import start
+from jaxpar.train import objectives
 
 pytestmark = [pytest.mark.xdist_group("test_start")]
 LAYERS, EMBED = 2, 32  # the checkpoint's shape (the Shakespeare config's is 4 x 128)
@@ -133,7 +134,7 @@ def test_the_loss_weight_of_host_rows_is_the_steps(points, pairs):
     from jaxpar.train import objective
     from jaxpar.train.step import split_batch
 
-    c = data.with_packing(start.apply(shakespeare(**{
+    c = objectives.with_packing(start.apply(shakespeare(**{
         "init_from": points["hf"], "data.sources": points["pairs" if pairs else "chat"],
         "data.cache_dir": str(points["root"] / "cache"), "train.objective": "dpo" if pairs else "lm"}), say=False))
     b = data.Batches(data.prepare(c), "train", 128, 32, packing=c.data.packing, pairs=pairs)

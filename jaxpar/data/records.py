@@ -18,31 +18,30 @@ def holds_records(source: src.Source, units) -> bool:
         chat.record_kind(first_record(units[0])) is not None
 
 
-def packing(config) -> str:
-    """`data.packing` with `auto` resolved (the one rule for training, `--dry_run` and the planner): `bfd` (whole
-    sequences, never cut) for DPO's pairs and where a source holds conversations, prompt/completion or preference
-    records (`holds_records`: a JSONL or Parquet source's first record); `concat` for text and a ViT's images.
+def packing(config, needs: str = "") -> str:
+    """`data.packing` with `auto` resolved (the one rule for training, `--dry_run` and the planner): `needs`, the
+    packing the objective's data requires whatever the records (`Objective.packing`: `bfd` for DPO's pairs, `concat`
+    for a ViT's images); else `bfd` (whole sequences, never cut) where a source holds conversations, prompt/completion
+    or preference records (`holds_records`: a JSONL or Parquet source's first record), `concat` for text.
 
     Raises:
       DataError: a JSONL or Parquet source of `data.sources` or `data.val_source` with no files to judge."""
     d = config.data
     if d.packing != "auto":
         return d.packing
-    if config.model.arch == "vit":
-        return "concat"
-    if config.train.objective == "dpo":
-        return "bfd"
+    if needs:
+        return needs
     every = src.parse_sources(d.sources) + (src.parse_sources(d.val_source) if d.val_source else [])
     sep = src.separator(d.doc_separator)
     judged = [s for s in every if s.kind in ("jsonl", "parquet")]
     return "bfd" if any(holds_records(s, src.plan_units(s, sep, int(d.unit_mb) << 20)) for s in judged) else "concat"
 
 
-def with_packing(config):
+def with_packing(config, needs: str = ""):
     """`config` with `data.packing` resolved (`packing`): a copy when it was `auto`, else `config` itself."""
     if config.data.packing != "auto":
         return config
-    resolved = packing(config)
+    resolved = packing(config, needs)
     config = config.copy_and_resolve_references()
     config.data.packing = resolved
     return config

@@ -18,7 +18,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.formats import hf
 from jaxpar.formats.exported import CONFIG_FILE, START_FIELDS, is_export, load_export, read_export_config
 from jaxpar.state.runs import TOKENIZER_DIR, host_device, is_run, load_run, read_config, read_model
-from jaxpar.model import IDENTITY_FIELDS, merge_adapters
+from jaxpar.model import IDENTITY_FIELDS, family_of, merge_adapters
 
 VIT_FIELDS = ("image_size", "patch_size", "channels", "num_classes")  # a language model's are 0 (no `model.*` key)
 IMAGE_KEYS = ("image_mean", "image_std")  # a ViT run's preprocessing (`hf.RUN_WINS`: the run's when it sets them)
@@ -56,7 +56,7 @@ def settings(init_from: str, k: str) -> dict:
     """{config key: value} of an export's or a run directory's model shape and tokenizer (`k`: its `kind`)."""
     cfg = model_of(init_from, k)
     out = {f"model.{f}": v for f, v in model_keys(cfg).items()}
-    if cfg.arch == "vit":  # (only runs: an export of a ViT is a Hugging Face directory)
+    if _images(cfg):  # (only runs: an export of a ViT is a Hugging Face directory)
         run = read_config(init_from)
         return {**out, **{f"data.{n}": run.data[n] for n in IMAGE_KEYS if run.data[n]}}
     return {**out, "data.tokenizer": tokenizer_spec(os.path.join(init_from, TOKENIZER_DIR))}
@@ -65,11 +65,17 @@ def settings(init_from: str, k: str) -> dict:
 def model_keys(cfg) -> dict:
     """{`model.*` name: value} of a `ModelConfig`'s identity (its `model.seq_len` aside: the run's): its
     vocabulary's symbols as `vocab_size` (a ViT's classes as `num_classes`), a size that equals what 0 derives as 0."""
-    unused = ("seq_len", "vocab_real") + (() if cfg.arch == "vit" else VIT_FIELDS)
+    images = _images(cfg)
+    unused = ("seq_len", "vocab_real") + (() if images else VIT_FIELDS)
     out = {f: getattr(cfg, f) for f in IDENTITY_FIELDS if f not in unused}
     derived = {"kv_heads": cfg.heads, "head_dim": cfg.embed // cfg.heads, "expert_mlp": cfg.mlp}
     out.update({f: 0 for f, v in derived.items() if out[f] == v})
-    return out if cfg.arch == "vit" else {**out, "vocab_size": cfg.vocab_real}
+    return out if images else {**out, "vocab_size": cfg.vocab_real}
+
+
+def _images(cfg) -> bool:
+    """Whether the model's family reads images (its classes are its vocabulary; no tokenizer)."""
+    return family_of(cfg.arch).data_kind == "images"
 
 
 def tokenizer_spec(directory: str) -> str:

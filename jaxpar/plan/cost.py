@@ -37,7 +37,7 @@ import dataclasses
 import functools
 import math
 
-from jaxpar import data, model as gpt
+from jaxpar import model as gpt
 from jaxpar.model import moe
 from jaxpar.kernels import grouped
 from jaxpar.kernels.attention import choose
@@ -46,6 +46,7 @@ from jaxpar.analysis.hlo_groups import axes_of
 from jaxpar.parallel.pipeline import registry
 from jaxpar.plan.hardware import HOST_LINKS, Cluster
 from jaxpar.plan.space import Layout
+from jaxpar.train import objectives
 from jaxpar.train.state import OFFLOADED
 
 # The model's two global constants, set once against Narayanan et al. 2021, Table 1 (bench/plan_published.py)
@@ -93,7 +94,7 @@ class Model:
         m, tr = config.model, config.train
         cfg = gpt.config_from(config, vocab, 1)
         counts = gpt.param_counts(cfg)
-        kernel, _ = choose(m.attention, tr.compute_dtype, m.seq_len, cfg.head_dim, data.packing(config) != "concat",
+        kernel, _ = choose(m.attention, tr.compute_dtype, m.seq_len, cfg.head_dim, objectives.packing(config) != "concat",
                            backend="gpu")
         nbytes = {"float32": 4, "float64": 8}
         tables = cfg.vocab_size * cfg.embed * (1 if cfg.tie_embeddings else 2)

@@ -79,7 +79,7 @@ def read_model(workdir: str) -> tuple:
       DataError: an unreadable tokenizer.
     """
     config = read_config(workdir)
-    if config.model.arch == "vit":  # no tokenizer: the classes are the vocabulary
+    if family_of(config.model.arch).data_kind == "images":  # no tokenizer: the classes are the vocabulary
         tok, vocab = None, int(config.model.num_classes) or len(read_classes(workdir) or ())
     else:
         tok = data.load_tokenizer(os.path.join(workdir, TOKENIZER_DIR))

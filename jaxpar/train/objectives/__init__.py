@@ -14,6 +14,7 @@ advantages with a KL term against the reference (`reference` = copy or adapters_
 """
 from __future__ import annotations
 
+from jaxpar import data
 from jaxpar.config_keys import changed
 from jaxpar.model import FAMILIES
 from jaxpar.train.objectives.base import Objective
@@ -37,6 +38,18 @@ def from_config(config) -> Objective:
     return OBJECTIVES[config.train.objective].from_config(config)
 
 
+def with_packing(config):
+    """`config` with `data.packing=auto` resolved for its objective (`data.with_packing`; an unknown
+    `train.objective` is left to `validate`)."""
+    known = _images(config) or config.train.objective in OBJECTIVES
+    return data.with_packing(config, from_config(config).packing if known else "")
+
+
+def packing(config) -> str:
+    """`data.packing` as `with_packing` resolves it."""
+    return with_packing(config).data.packing
+
+
 def errors(config, lay) -> list[str]:
     """The objectives' rules, one line each: an image family's objective is its classifier's; another objective's
     settings are refused; the named objective's own rules (`Objective.errors`)."""
@@ -54,4 +67,5 @@ def errors(config, lay) -> list[str]:
     return OBJECTIVES[name].errors(config, lay) if name in OBJECTIVES else []
 
 
-__all__ = ["Classify", "DPO", "LM", "OBJECTIVES", "Objective", "ReferenceSums", "errors", "from_config", "pair_sums"]
+__all__ = ["Classify", "DPO", "LM", "OBJECTIVES", "Objective", "ReferenceSums", "errors", "from_config", "packing",
+           "pair_sums", "with_packing"]

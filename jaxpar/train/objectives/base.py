@@ -9,7 +9,7 @@ stage, or after the layer scan) on one microbatch `mb` (x, y, w, seg, ids, and `
 seg)`, what the step's loss sum is divided by (the same on every layout and accumulation); `metrics(count, total)`
 and their names (`metric_names`); its reference model (`reference`: "" none, "copy" a frozen copy of the initial
 weights in the state, "adapters_off" the policy with its LoRA adapters off, "batch" precomputed sums that arrive with
-each batch); and its own rules (`errors`).
+each batch); the packing its data needs (`packing`: what `data.packing=auto` becomes); and its own rules (`errors`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class Objective:
     data_kinds: tuple = ()  # what its data is: documents | conversations | pairs | images | prompts
     metric_names: tuple = ()  # the names `metrics` logs (besides the loss)
     reference = ""  # its reference model: "" | copy | adapters_off | batch
+    packing = ""  # the `data.packing` its data needs whatever the records ("": `auto` judges the records)
 
     @classmethod
     def from_config(cls, config) -> "Objective":

@@ -11,6 +11,7 @@ from jaxpar.train.objectives.base import Objective
 class Classify(Objective):
     name = "classify"
     data_kinds = ("images",)
+    packing = "concat"
     metric_names = ("accuracy",)
 
     def head(self, fwd, params, x, mb):

@@ -40,6 +40,7 @@ class DPO(Objective):
     name = "dpo"
     section = "dpo"
     data_kinds = ("pairs",)
+    packing = "bfd"
     metric_names = _METRICS + ("rewards/margins",)
 
     @classmethod
