@@ -1,0 +1,110 @@
+"""lm-eval over jaxpar (`jaxpar/evaluate`) against lm-eval's own `hf` backend on the same tiny random Llama
+directory: per request the log-likelihoods (float32, rel 1e-4) and is_greedy, the rolling log-likelihoods, the
+greedy generations (stop sequences), and the task metrics; on 1 device and on (data 2, tensor 2, stage 2) 1F1B
+(the pipeline's own forward). Tasks: local YAMLs in tests/fixtures/lm_eval (multiple choice, rolling, generation)."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("lm_eval")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from helpers import chat_tokenizer  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TASKS = ["jaxpar_mc", "jaxpar_rolling", "jaxpar_gen"]
+LAYOUTS = {"one_device": ([], 1),
+           "2x2x2_1f1b": (["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.stage=2",
+                           "--config.pipeline.schedule=1f1b", "--config.train.microbatches=2"], 8)}
+
+
+def tiny_llama(directory):
+    """A 4-layer random Llama (GQA, untied head, 64 positions) with a ChatML BPE tokenizer, saved as transformers
+    saves it; BOS/EOS ids the tokenizer's."""
+    tok = chat_tokenizer(directory)
+    ids = lambda t: tok.hf.token_to_id(t)  # noqa: E731
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=tok.vocab_size, max_position_embeddings=64,
+                                   rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                                   bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # HF's init zeroes biases and sets norm scales to 1, which would hide mistakes
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def evaluate(lm):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    return simple_evaluate(model=lm, tasks=TASKS, task_manager=TaskManager(include_path=os.path.join(
+        ROOT, "tests/fixtures/lm_eval")), log_samples=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("evaluate") / "llama")
+
+
+@pytest.fixture(scope="module")
+def hf_results(model_dir):
+    from lm_eval.models.huggingface import HFLM
+
+    os.chdir(ROOT)  # the tasks' data_files are relative to the repository root
+    lm = HFLM(pretrained=model_dir, dtype="float32", batch_size=4, device="cpu")
+    return lm, evaluate(lm)
+
+
+def by_doc(results, task):
+    return sorted(results["samples"][task], key=lambda s: s["doc_id"])
+
+
+def assert_same(got, want):
+    """Per request: log-likelihoods rel 1e-4 and is_greedy equal, rolling sums rel 1e-4, generations equal; then
+    every metric."""
+    for task in TASKS:
+        g, w = by_doc(got, task), by_doc(want, task)
+        assert len(g) == len(w) > 0
+        for a, b in zip(g, w):
+            for ra, rb in zip(a["resps"], b["resps"]):
+                if isinstance(rb[0], str):
+                    assert ra[0] == rb[0], (task, a["doc_id"], ra, rb)
+                    continue
+                va, vb = (ra[0], rb[0]) if np.ndim(rb[0]) == 0 else (ra[0][0], rb[0][0])
+                np.testing.assert_allclose(va, vb, rtol=1e-4, err_msg=f"{task} doc {a['doc_id']}")
+                if np.ndim(rb[0]):
+                    assert ra[0][1] == rb[0][1], (task, a["doc_id"], ra, rb)
+        for k, v in want["results"][task].items():
+            if isinstance(v, float):
+                np.testing.assert_allclose(got["results"][task][k], v, rtol=1e-4, err_msg=f"{task} {k}")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tasks_equal_lm_eval_hf_backend(model_dir, hf_results, layout):
+    from jaxpar.evaluate.lm import JaxparLM
+    from jaxpar.generate.source import load
+
+    overrides, n = LAYOUTS[layout]
+    source = load("hf:" + model_dir, overrides, 4, devices=jax.devices()[:n])
+    assert dict(source.steps.mesh.shape)["stage"] == (2 if n == 8 else 1)
+    got_lm = JaxparLM(source=source, batch_size=4)
+    got = evaluate(got_lm)
+    hf_lm, want = hf_results
+    assert_same(got, want)
+    gens = [s["resps"][0][0] for s in by_doc(got, "jaxpar_gen")]
+    assert any(gens) and all("\n" not in t and "." not in t for t in gens)  # stopped, cut at the stop strings
+    longest = max(len(JaxparLM.tok_encode(got_lm, s["doc"]["text"])) for s in by_doc(got, "jaxpar_rolling"))
+    assert longest > 2 * got_lm.max_length  # several rolling windows
+    # is_greedy where it is true: 4 greedy tokens after each multiple-choice context, scored by both backends
+    jobs = [[got_lm.tok_encode(s["arguments"][0][0]), [], [], 4] for s in by_doc(got, "jaxpar_mc")]
+    got_lm._decode(jobs)
+    reqs = [(None, ctx, new) for ctx, new, _, _ in jobs]
+    ours, theirs = got_lm._loglikelihood_tokens(reqs), hf_lm._loglikelihood_tokens(reqs)
+    assert all(g for _, g in ours) and all(g for _, g in theirs)
+    np.testing.assert_allclose([lp for lp, _ in ours], [lp for lp, _ in theirs], rtol=1e-4)
