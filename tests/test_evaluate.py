@@ -108,3 +108,48 @@ def test_tasks_equal_lm_eval_hf_backend(model_dir, hf_results, layout):
     ours, theirs = got_lm._loglikelihood_tokens(reqs), hf_lm._loglikelihood_tokens(reqs)
     assert all(g for _, g in ours) and all(g for _, g in theirs)
     np.testing.assert_allclose([lp for lp, _ in ours], [lp for lp, _ in theirs], rtol=1e-4)
+
+
+def test_command_line_writes_lm_eval_results(model_dir, hf_results, tmp_path, capsys):
+    """`python -m jaxpar.evaluate` on (data 4, tensor 2): lm-eval's results JSON and samples files, the metrics and
+    each request's log-likelihoods those of the hf backend; a table printed."""
+    import glob
+    import json
+
+    from jaxpar.evaluate.__main__ import main
+
+    assert main(["--model", "hf:" + model_dir, "--tasks", "jaxpar_mc", "--include_path",
+                 os.path.join(ROOT, "tests/fixtures/lm_eval"), "--output_path", str(tmp_path), "--log_samples",
+                 "--batch_size", "4", "--config.mesh.tensor=2"]) == 0
+    assert "|jaxpar_mc" in capsys.readouterr().out
+    (res,) = glob.glob(str(tmp_path / "*" / "results_*.json"))
+    with open(res) as f:
+        got = json.load(f)
+    want = hf_results[1]
+    assert got["results"]["jaxpar_mc"]["acc,none"] == want["results"]["jaxpar_mc"]["acc,none"]
+    (smp,) = glob.glob(str(tmp_path / "*" / "samples_jaxpar_mc_*.jsonl"))
+    with open(smp) as f:
+        rows = sorted((json.loads(line) for line in f), key=lambda s: s["doc_id"])
+    theirs = by_doc(want, "jaxpar_mc")
+    np.testing.assert_allclose([float(r[0][0]) for s in rows for r in s["resps"]],
+                               [r[0][0] for s in theirs for r in s["resps"]], rtol=1e-4)
+
+
+def test_a_task_needing_a_download_is_one_line(tmp_path):
+    """Offline, a task whose dataset is not in the Hugging Face cache: one line naming it and `hf download`,
+    before any model is read (the model given does not exist)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "hub_task.yaml").write_text(
+        "task: jaxpar_hub_task\ndataset_path: jaxpar-tests/not-in-any-cache\ntest_split: test\n"
+        "output_type: loglikelihood\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-m", "jaxpar.evaluate", "--model", "hf:" + str(tmp_path / "none"),
+                        "--tasks", "jaxpar_hub_task", "--include_path", str(tmp_path)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: task jaxpar_hub_task needs the dataset jaxpar-tests/not-in-any-cache"), last
+    assert "hf download jaxpar-tests/not-in-any-cache --repo-type dataset" in last
