@@ -12,8 +12,11 @@ naming the dataset and the `hf download` command. Guide: docs/evaluate.md.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
+
+
+from jaxpar.errors import ConfigError
+from jaxpar.evaluate.tasks import load_tasks, register
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -36,48 +39,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_args([a for a in argv if not a.startswith("--config.")]), overrides
 
 
-def offline_dataset(error: BaseException) -> str | None:
-    """The dataset a task could not fetch (datasets' "Couldn't reach 'ORG/NAME' on the Hub"), else None."""
-    m = re.search(r"Couldn't reach '([^']+)' on the Hub", str(error))
-    return m.group(1) if m else None
-
-
-def load_tasks(names: list[str], include_path: str | None):
-    """lm-eval's TaskManager with the tasks loaded once (their datasets read): one line for a task that needs a
-    download here (`TaskError`)."""
-    from lm_eval.tasks import TaskManager
-
-    manager = TaskManager(include_path=include_path)
-    for name in names:
-        try:
-            manager.load([name])
-        except ConnectionError as e:
-            ds = offline_dataset(e)
-            if ds is None:
-                raise
-            raise TaskError(f"task {name} needs the dataset {ds}, which is not in the Hugging Face cache and cannot "
-                            f"be fetched here: on a machine online run `hf download {ds} --repo-type dataset` "
-                            f"(then copy ~/.cache/huggingface here), or point a local task YAML at the files "
-                            f"(dataset_path: json, data_files; --include_path).") from None
-        except (KeyError, ValueError) as e:
-            if name not in str(e):
-                raise
-            raise TaskError(f"task {name}: {str(e).splitlines()[0]} (lm-eval's task names: `lm-eval ls tasks`; "
-                            f"a local task: --include_path DIR).") from None
-    return manager
-
-
-class TaskError(Exception):
-    pass
-
-
 def run(args, overrides: list[str]) -> dict:
     """Load the tasks, then the model, evaluate (lm-eval's `simple_evaluate`), write lm-eval's files; -> results."""
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
 
-    import jaxpar.evaluate.lm  # noqa: F401 (registers the "jaxpar" model)
-
+    register()
     names = [t for t in args.tasks.split(",") if t]
     manager = load_tasks(names, args.include_path)
     model_args = {"model": args.model, "max_gen_toks": args.max_gen_toks} | {
@@ -106,12 +73,10 @@ def write(results: dict, tracker, log_samples: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxpar.errors import ConfigError
-
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     try:
         results = run(args, overrides)
-    except (TaskError, ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from lm_eval.utils import make_table
