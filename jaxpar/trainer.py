@@ -24,6 +24,7 @@ from jaxpar import model as gpt
 from jaxpar.interop.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
 from jaxpar.config import ConfigError, derived
+from jaxpar.evaluate import during as lm_tasks
 from jaxpar.export import check_export, init_from_export
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate

@@ -153,3 +153,43 @@ def test_a_task_needing_a_download_is_one_line(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("error: task jaxpar_hub_task needs the dataset jaxpar-tests/not-in-any-cache"), last
     assert "hf download jaxpar-tests/not-in-any-cache --repo-type dataset" in last
+
+
+def test_tasks_during_training_equal_the_command_line_on_that_checkpoint(model_dir, tmp_path):
+    """`eval.tasks` in a (2, 2, 2) 1F1B run from `init_from=hf:DIR`: step 2's `eval/jaxpar_mc/*` in metrics.jsonl
+    and lm_eval/step_2.json equal `python -m jaxpar.evaluate` on step 2's checkpoint (the run's layout)."""
+    import glob
+    import json
+
+    from helpers import tiny_config
+
+    from jaxpar.evaluate.__main__ import main
+    from jaxpar.interop import hf
+    from jaxpar.trainer import run
+
+    (tmp_path / "text").mkdir()
+    for i in range(10):
+        (tmp_path / "text" / f"{i}.txt").write_text("the quick brown fox jumps over the lazy dog. hello world.\n" * 30)
+    c = tiny_config(**{"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "pipeline.schedule": "1f1b",
+                       "train.microbatches": 2, "train.global_batch_size": 8, "model.seq_len": 32, "train.steps": 3})
+    c.init_from = "hf:" + model_dir
+    c.data.update(sources=str(tmp_path / "text" / "*.txt"), cache_dir=str(tmp_path / "cache"))
+    c.log.update(every_steps=10, progress=False)
+    c.checkpoint.update(every_steps=2, async_save=False)
+    c.eval.update(every_steps=100, batches=1, tasks="jaxpar_mc", tasks_every_steps=2,
+                  tasks_include=os.path.join(ROOT, "tests/fixtures/lm_eval"))
+    workdir = str(tmp_path / "run")
+    run(hf.apply(c, say=False), workdir)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        logged = {r["step"]: r for r in map(json.loads, f)}
+    assert {k for k in logged[2] if k.startswith("eval/")} == {"eval/jaxpar_mc/acc", "eval/jaxpar_mc/acc_norm"}
+    assert "eval/jaxpar_mc/acc" in logged[3]  # the last step too
+    with open(os.path.join(workdir, "lm_eval", "step_2.json")) as f:
+        kept = json.load(f)["results"]["jaxpar_mc"]
+    assert main(["--model", workdir + "@2", "--tasks", "jaxpar_mc", "--include_path",
+                 os.path.join(ROOT, "tests/fixtures/lm_eval"), "--output_path", str(tmp_path / "cli")]) == 0
+    (res,) = glob.glob(str(tmp_path / "cli" / "*" / "results_*.json"))
+    with open(res) as f:
+        cli = json.load(f)["results"]["jaxpar_mc"]
+    for k in ("acc,none", "acc_norm,none"):
+        assert kept[k] == cli[k] == logged[2][f"eval/jaxpar_mc/{k.split(',')[0]}"], k

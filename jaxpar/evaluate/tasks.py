@@ -60,6 +60,7 @@ def metric_name(task: str, key: str) -> str:
 
 
 def flat_metrics(results: dict) -> dict[str, float]:
-    """{`eval/<task>/<metric>`: value} of lm-eval's results (numbers only; no standard errors)."""
+    """{`eval/<task>/<metric>`: value} of lm-eval's results: its metrics (`metric,filter` keys), no standard errors
+    (nor `alias`, `sample_len`)."""
     return {metric_name(task, k): float(v) for task, r in results["results"].items() for k, v in r.items()
-            if "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)}
