@@ -356,6 +356,8 @@ KEYS = (
     K("eval.tasks_fewshot", -1, int, "few-shot examples per prompt; -1: each task's own", lambda v: v >= -1,
       "an integer >= -1"),
     K("eval.tasks_include", "", str, "a folder of local task YAMLs for `eval.tasks` (lm-eval's `--include_path`)"),
+    K("eval.tasks_chat", False, bool, "render `eval.tasks`' prompts with the checkpoint's chat template (lm-eval's "
+      "`--apply_chat_template`)"),
     # dist
     K("dist.heartbeat_timeout_s", 60.0, float, "a process silent this long ends the job (exit 3): "
       "[multi-host](multihost.md)", lambda v: 0 < v < _INF, "a number of seconds > 0"),

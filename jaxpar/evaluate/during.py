@@ -37,7 +37,7 @@ class Tasks:
         self.workdir, self.steps, self.config = workdir, steps, config
         self.limit = float(e.tasks_limit) or None
         self.fewshot = None if int(e.tasks_fewshot) < 0 else int(e.tasks_fewshot)
-        self.batch = int(config.train.global_batch_size)
+        self.batch, self.chat = int(config.train.global_batch_size), bool(e.tasks_chat)
         self.manager = None
         if self.names:
             try:
@@ -66,7 +66,7 @@ class Tasks:
         try:
             results = simple_evaluate(model=MODEL, model_args={"source": source}, batch_size=self.batch,
                                       tasks=self.names, num_fewshot=self.fewshot, limit=limit,
-                                      task_manager=self.manager)
+                                      apply_chat_template=self.chat, task_manager=self.manager)
         finally:
             d = self.config.dist
             watchdog.arm_steps(float(d.step_timeout_s), float(d.step_timeout_min_s), float(d.step_timeout_factor))
