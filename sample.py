@@ -2,14 +2,13 @@
 `python sample.py --workdir DIR --chat TEXT [--system TEXT]` (the tokenizer's chat template with the generation
 prompt; the reply up to the end-of-turn token).
 
-DIR is a run directory (its config, tokenizer and latest checkpoint are loaded, whatever layout trained it), an
-export written by `python -m jaxpar.export` (it holds model_config.json), or `hf:DIR`, a Hugging Face directory
-(or `hf:ORG/NAME[@REVISION]`, a Hub model, fetched into the Hugging Face cache)
-(GPT-2 or Llama; float32 on one device).
+DIR is a run directory (its config, tokenizer and latest checkpoint are loaded, on the run's layout), an export
+written by `python -m jaxpar.export` (it holds model_config.json), or `hf:DIR`, a Hugging Face directory (or
+`hf:ORG/NAME[@REVISION]`, a Hub model, fetched into the Hugging Face cache). A thin caller of the generation engine
+(`jaxpar/generate`); for files of prompts use `python -m jaxpar.generate`.
 
-Guide: docs/getting-started.md (sampling), docs/models.md (Hugging Face directories).
+Guide: docs/getting-started.md (sampling), docs/generate.md, docs/models.md (Hugging Face directories).
 """
-import os
 import sys
 
 from absl import app, flags, logging
@@ -25,62 +24,37 @@ _CHAT = flags.DEFINE_string("chat", None, "A user message: print the reply (the 
 _SYSTEM = flags.DEFINE_string("system", None, "With --chat: a system message before it.")
 
 
-def prompt_ids(tok, where):
-    """(the chat format or None, the prompt's ids): --chat rendered with the tokenizer's template, else --prompt."""
-    if _CHAT.value is None:
-        return None, tok.encode(_PROMPT.value)
-    from jaxpar.data.chat import ChatFormat
-    from jaxpar.data.common import DataError
-
-    try:
-        chat = ChatFormat.from_dir(getattr(tok, "directory", None) or where)
-    except DataError as e:
-        sys.exit(f"error: {e}")
-    messages = [{"role": "system", "content": _SYSTEM.value}] * (_SYSTEM.value is not None)
-    return chat, chat.prompt(messages + [{"role": "user", "content": _CHAT.value}]).tolist()
+ONE_DEVICE = {"data": 1, "tensor": 1, "stage": 1, "expert": 1, "context": 1}  # a run's params, gathered onto one
 
 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    import jax
-    import jax.numpy as jnp
-
-    from jaxpar.export import CONFIG_FILE, load_export
-    from jaxpar.model.generate import generate
-    from jaxpar.interop.runs import load_params
-
-    from jaxpar.interop import hf, hub
+    from jaxpar.generate import source
+    from jaxpar.generate.engine import Engine, Request
 
     try:
-        name = hub.model_name(_WORKDIR.value)  # hf:ORG/NAME[@REVISION]: into the Hugging Face cache
-        where = hf.directory_of("hf:" + hub.fetch(name)[0] if name else _WORKDIR.value)
-        if where is not None:
-            load = hf.load
-        else:
-            where = _WORKDIR.value
-            load = load_export if os.path.isfile(os.path.join(where, CONFIG_FILE)) else load_params
-        fwd, params, tok = load(where)
+        src = source.load(_WORKDIR.value, ONE_DEVICE)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    chat, ids = prompt_ids(tok, where)
-    room = fwd.cfg.max_positions - len(ids)
+    if _CHAT.value is not None and src.chat is None:
+        sys.exit(f"error: {_WORKDIR.value} has no chat template (docs/finetune.md).")
+    if _CHAT.value is None:
+        ids, stops = src.tokenizer.encode(_PROMPT.value), ()
+    else:
+        messages = [{"role": "system", "content": _SYSTEM.value}] * (_SYSTEM.value is not None)
+        ids = src.chat.prompt(messages + [{"role": "user", "content": _CHAT.value}]).tolist()
+        stops = sorted(src.chat.stop_ids)
+    room = src.fwd.cfg.max_positions - len(ids)
     if room < 1:
-        sys.exit(f"error: the prompt has {len(ids)} tokens; the model's max_positions is "
-                 f"{fwd.cfg.max_positions}.")
-    new = min(_NEW.value, room)
-    prompt = jnp.asarray([ids] * _NUM.value, jnp.int32)
-    stop = tuple(sorted(chat.stop_ids)) if chat else ()
-    out = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7))(
-        fwd, params, prompt, new, jax.random.key(_SEED.value), _TEMP.value, _TOPK.value, stop)
-    for row in jax.device_get(out):
-        if chat is None:
-            print(tok.decode(row.tolist()))
-        else:  # the reply: the new tokens up to the end of the turn
-            reply = row[len(ids):].tolist()
-            stop = next((k for k, t in enumerate(reply) if t in chat.stop_ids), len(reply))
-            print(tok.decode(reply[:stop]))
+        sys.exit(f"error: the prompt has {len(ids)} tokens; the model's max_positions is {src.fwd.cfg.max_positions}.")
+    engine = (Engine.on_steps(src.steps, src.params, src.config, tokenizer=src.tokenizer, slots=_NUM.value)
+              if src.steps is not None else Engine(src.fwd, src.params, tokenizer=src.tokenizer, slots=_NUM.value))
+    reqs = [Request(ids, max_new_tokens=min(_NEW.value, room), temperature=_TEMP.value, top_k=_TOPK.value,
+                    seed=_SEED.value, stream=j, stop_ids=stops) for j in range(_NUM.value)]
+    for c in engine.generate(reqs):
+        print(c.text if _CHAT.value is not None else src.tokenizer.decode(list(ids) + c.tokens))
         print("-" * 40)
 
 

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     from lm_eval.models.huggingface import HFLM
 
     from jaxpar.evaluate.lm import JaxparLM
-    from jaxpar.generate.source import load
+    from jaxpar.generate.source import on_layout
 
     with tempfile.TemporaryDirectory() as d:
         make_model(d, a.layers, a.embed, a.vocab)
@@ -88,7 +88,8 @@ def main(argv=None) -> int:
         warm = requests(a.requests, seed=1)  # other requests, every padded length jaxpar compiles for
         hf_lm = HFLM(pretrained=d, dtype="float32", batch_size=a.batch_size, device="cpu")
         hf_s, hf_res = timed(hf_lm, reqs, warm[:32])
-        ours = JaxparLM(source=load("hf:" + d, [], a.batch_size, devices=jax.devices()[:1]), batch_size=a.batch_size)
+        ours = JaxparLM(source=on_layout("hf:" + d, [], a.batch_size, devices=jax.devices()[:1]),
+                        batch_size=a.batch_size)
         jp_s, jp_res = timed(ours, reqs, warm)
     lp = lambda res: np.array([r[0] for r in res])  # noqa: E731
     rel = float(np.max(np.abs(lp(jp_res) - lp(hf_res)) / np.maximum(np.abs(lp(hf_res)), 1e-30)))

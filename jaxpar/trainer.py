@@ -26,6 +26,7 @@ from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
 from jaxpar.config import ConfigError, derived
 from jaxpar.evaluate import during as lm_tasks
 from jaxpar.export import check_export, init_from_export
+from jaxpar.generate import cache as kv_cache
 from jaxpar.train.step import model_config
 from jaxpar.validate import validate
 
@@ -114,7 +115,9 @@ def dry_run(config, workdir: str) -> dict:
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
     needs_data = config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
-    rep = report_for(hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0])
+    resolved = hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0]
+    rep = report_for(resolved)
+    rep["kv_cache"] = kv_cache.dry_run_entry(resolved, jax.device_count())  # generation on this layout
     hlo = rep.pop("hlo_text")
     if jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
@@ -128,6 +131,9 @@ def dry_run(config, workdir: str) -> dict:
             print(f"trainable parameters {lay['trainable']:,} of {lay['params']:,} "
                   f"({100 * lay['trainable'] / lay['params']:.2f} %: the LoRA adapters; the base is frozen)")
         print(report.format_table(rep))
+        kv = rep["kv_cache"]
+        print(f"KV cache (generation, {kv['rows']} rows x {kv['positions']} positions): {kv['per_device']:,} bytes "
+              f"per device, {kv['total']:,} in all (docs/generate.md)")
         print(f"written to {os.path.join(workdir, 'compile_report.json')}")
     return rep
 

@@ -88,10 +88,11 @@ def assert_same(got, want):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tasks_equal_lm_eval_hf_backend(model_dir, hf_results, layout):
     from jaxpar.evaluate.lm import JaxparLM
-    from jaxpar.generate.source import load
+    from jaxpar.generate.engine import Request
+    from jaxpar.generate.source import on_layout
 
     overrides, n = LAYOUTS[layout]
-    source = load("hf:" + model_dir, overrides, 4, devices=jax.devices()[:n])
+    source = on_layout("hf:" + model_dir, overrides, 4, devices=jax.devices()[:n])
     assert dict(source.steps.mesh.shape)["stage"] == (2 if n == 8 else 1)
     got_lm = JaxparLM(source=source, batch_size=4)
     got = evaluate(got_lm)
@@ -102,9 +103,9 @@ def test_tasks_equal_lm_eval_hf_backend(model_dir, hf_results, layout):
     longest = max(len(JaxparLM.tok_encode(got_lm, s["doc"]["text"])) for s in by_doc(got, "jaxpar_rolling"))
     assert longest > 2 * got_lm.max_length  # several rolling windows
     # is_greedy where it is true: 4 greedy tokens after each multiple-choice context, scored by both backends
-    jobs = [[got_lm.tok_encode(s["arguments"][0][0]), [], [], 4] for s in by_doc(got, "jaxpar_mc")]
-    got_lm._decode(jobs)
-    reqs = [(None, ctx, new) for ctx, new, _, _ in jobs]
+    contexts = [got_lm.tok_encode(s["arguments"][0][0]) for s in by_doc(got, "jaxpar_mc")]
+    done = got_lm.engine.generate([Request(prompt=ctx, max_new_tokens=4) for ctx in contexts])
+    reqs = [(None, ctx, c.tokens) for ctx, c in zip(contexts, done)]
     ours, theirs = got_lm._loglikelihood_tokens(reqs), hf_lm._loglikelihood_tokens(reqs)
     assert all(g for _, g in ours) and all(g for _, g in theirs)
     np.testing.assert_allclose([lp for lp, _ in ours], [lp for lp, _ in theirs], rtol=1e-4)

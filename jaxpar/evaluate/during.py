@@ -13,6 +13,7 @@ import os
 
 import jax
 
+from jaxpar import data
 from jaxpar.cluster import watchdog
 from jaxpar.errors import ConfigError
 from jaxpar.evaluate.tasks import MODEL, TaskError, flat_metrics, load_tasks, register
@@ -38,7 +39,7 @@ class Tasks:
         self.limit = float(e.tasks_limit) or None
         self.fewshot = None if int(e.tasks_fewshot) < 0 else int(e.tasks_fewshot)
         self.batch, self.chat = int(config.train.global_batch_size), bool(e.tasks_chat)
-        self.manager = None
+        self.manager, self.tokenizer = None, data.load_tokenizer(os.path.join(workdir, "tokenizer"))
         if self.names:
             try:
                 import lm_eval  # noqa: F401
@@ -59,8 +60,7 @@ class Tasks:
         from lm_eval.utils import handle_non_serializable
 
         register()
-        source = Source(self.config, self.steps, params, os.path.join(self.workdir, "tokenizer"), step,
-                        self.workdir)
+        source = Source(self.steps.fwd, params, self.tokenizer, None, self.steps, self.config)
         limit = int(self.limit) if self.limit and self.limit >= 1 else self.limit
         watchdog.disarm()  # the tasks take what they take: no step bound while they run (re-armed after)
         try:

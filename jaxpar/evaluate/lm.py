@@ -11,9 +11,9 @@ backend does:
   `max_length + 1` tokens), the continuation's log-prob summed and `is_greedy` = every continuation token is the
   argmax; computed by the layout's engine (`scores.Scores`), the params where training keeps them;
 - `loglikelihood_rolling`: lm-eval's disjoint rolling windows of `max_length` tokens, summed per document;
-- `generate_until`: greedy decoding, a row stopping at EOS, at any `until` string in its decoded text, or after
-  `max_gen_toks` tokens; the text cut at the first stop string. Each new token is one forward pass of the rows on
-  the training layout (no KV cache: correct on every layout and engine; slow for long generations);
+- `generate_until`: greedy decoding by the generation engine on the training mesh (`jaxpar/generate/engine.py`: KV
+  cache, slots refilled as rows finish), a row stopping at EOS, at any `until` string in its decoded text, or after
+  `max_gen_toks` tokens; the text cut at the first stop string;
 - chat: `apply_chat_template`, `tokenizer_name`, `chat_template` as lm-eval's API asks (`--apply_chat_template`,
   `--system_instruction`, `--fewshot_as_multiturn` are lm-eval's own over these).
 """
@@ -28,8 +28,9 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
 from tqdm import tqdm
 
 from jaxpar.evaluate.scores import score
-from jaxpar.evaluate.tokens import hf_tokenizer
-from jaxpar.generate.source import load
+from jaxpar.evaluate.tokens import hf_tokenizer_of
+from jaxpar.generate.engine import Engine, Request
+from jaxpar.generate.source import on_layout
 
 
 @register_model("jaxpar")
@@ -48,9 +49,9 @@ class JaxparLM(TemplateLM):
             if model is None:
                 raise ValueError("jaxpar model_args: give model=SRC (a run directory, an export, hf:DIR or "
                                  "hf:ORG/NAME).")
-            source = load(model, [f"--{k}={v}" for k, v in config.items()], self.batch)
-        self.source, self.steps = source, source.steps
-        self.tokenizer = hf_tokenizer(source.tokenizer_dir)
+            source = on_layout(model, [f"--{k}={v}" for k, v in config.items()], self.batch)
+        self.source, self.steps, self.engine = source, source.steps, None
+        self.tokenizer = hf_tokenizer_of(source.tokenizer)
         self._max_gen_toks, self.add_bos_token = int(max_gen_toks), add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self.chat_template_args = {}
@@ -167,30 +168,20 @@ class JaxparLM(TemplateLM):
             if n >= self.max_length:
                 raise ValueError(f"max_gen_toks={n} leaves no room for the context in max_length={self.max_length}.")
             jobs.append([self._context_ids(context, self.max_length - n), [], until, n])
-        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i][0]))
-        bar = tqdm(total=len(jobs), disable=disable_tqdm, desc="Running generate_until requests")
-        for s in range(0, len(order), self.batch):
-            self._decode([jobs[i] for i in order[s:s + self.batch]])
-            bar.update(min(self.batch, len(order) - s))
+        if self.engine is None:  # (built once: with stages, the decode layout gathers them)
+            self.engine = Engine.on_steps(self.steps, self.source.params, self.source.config, slots=self.batch,
+                                          tokenizer=self.tokenizer)
+        bar = tqdm(total=sum(j[3] for j in jobs), disable=disable_tqdm, unit="tok",
+                   desc=f"Running {len(jobs)} generate_until requests (tokens, at most)")
+        done = self.engine.generate([Request(prompt=ctx, max_new_tokens=n, stop_ids=(self.eot_token_id,),
+                                             stop=tuple(u for u in until if u)) for ctx, _, until, n in jobs],
+                                    progress=bar.update)
         bar.close()
+        for job, c in zip(jobs, done):
+            job[1].extend(t for t in c.tokens if t != self.eot_token_id)
         out = []
         for r, (_, new, until, _) in zip(requests, jobs):
             text = postprocess_generated_text(self.tok_decode(new), until, None)
             self.cache_hook.add_partial("generate_until", r.args, text)
             out.append(text)
         return out
-
-    def _decode(self, jobs) -> None:
-        """Greedy tokens appended to each job's `new` until it stops (EOS, a stop string, its token budget)."""
-        live = list(jobs)
-        while live:
-            nxt = score(self.steps, self.source.params, [(ctx + new, len(ctx) + len(new)) for ctx, new, _, _ in live],
-                        self.batch)[:, 2]
-            still = []
-            for job, t in zip(live, nxt):
-                job[1].append(int(t))
-                text = self.tok_decode(job[1], skip_special_tokens=False)  # (as the hf backend's stop check)
-                if int(t) != self.eot_token_id and len(job[1]) < job[3] and \
-                        len(job[0]) + len(job[1]) < self.max_length and not any(u and u in text for u in job[2]):
-                    still.append(job)
-            live = still

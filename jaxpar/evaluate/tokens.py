@@ -8,6 +8,18 @@ from jaxpar.data import BPETokenizer, ByteTokenizer
 from jaxpar.data.chat import chat_files
 
 
+def hf_tokenizer_of(tokenizer):
+    """The `transformers` form of a model's tokenizer (`data.Tokenizer`, read from its directory: `hf_tokenizer`).
+
+    Raises:
+      ValueError: a byte tokenizer (no `transformers` form)."""
+    directory = getattr(tokenizer, "directory", None)
+    if directory is None:
+        raise ValueError("the model has a byte tokenizer: lm-eval's tasks need a `transformers` tokenizer; evaluate "
+                         "a model trained with a BPE tokenizer (data.tokenizer), or one from a Hugging Face checkpoint.")
+    return hf_tokenizer(directory)
+
+
 def hf_tokenizer(directory: str):
     """`AutoTokenizer` of a directory with a tokenizer_config.json (a Hugging Face model, an export, a run started
     from one); else a fast tokenizer over its bare tokenizer.json (a BPE trained by jaxpar), EOS its end-of-text.

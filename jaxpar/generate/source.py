@@ -1,44 +1,104 @@
-"""SRC -> the model on a mesh: `load(src, overrides, rows)` reads a run directory (its latest checkpoint, or
-`@STEP`), an export (`python -m jaxpar.export`), `hf:DIR` or `hf:ORG/NAME[@REV]` (fetched once into the Hugging
-Face cache) and lays its params out as training does on the mesh that `--config.mesh.*` overrides give (default: a
-run's own layout; for an export or a Hugging Face model, data parallel over every device), with the steps built for
-that layout (`compiled.steps_for`: its `forward` runs evaluation heads on the layout's engine).
+"""One loader of a model to generate from (or evaluate): SRC -> its model, params placed on a mesh, tokenizer and chat
+template.
 
-A run keeps its dtypes; an export or a Hugging Face model runs in float32 unless `--config.train.param_dtype` /
-`compute_dtype` say otherwise.
+SRC is a run directory written by train.py (its latest checkpoint, on the run's own layout by default: its tensor,
+stage, expert and ZeRO settings, data over the devices left), an export of `python -m jaxpar.export` (a directory
+with model_config.json), `hf:DIR` (a Hugging Face directory) or `hf:ORG/NAME[@REVISION]` (fetched into the Hugging
+Face cache once). `mesh` ({"data": 2, "tensor": 2, ...}, the `--config.mesh.*` overrides) lays any of them out on
+that mesh; an export or a Hugging Face model without it is read onto one device in float32.
+
+`on_layout(src, overrides, rows)` (evaluation) always lays SRC out with its steps: any `--config.KEY=VALUE`
+overrides (mesh, pipeline schedule and microbatches, ZeRO, dtypes), the steps built for batches of `rows` rows, a
+run's checkpoint (`DIR@STEP` for another than the latest) restored straight onto that layout.
 """
 from __future__ import annotations
 
 import ast
-import dataclasses
+import math
 import os
 import re
+from typing import NamedTuple
 
 import jax
 import ml_collections
+import numpy as np
 
 from jaxpar import data
+from jaxpar import model as gpt
 from jaxpar.compiled import steps_for
 from jaxpar.config import base_config, check_command_line, derived
+from jaxpar.config_keys import MESH_AXES
+from jaxpar.data.chat import ChatFormat
+from jaxpar.data.common import DataError
 from jaxpar.errors import ConfigError
-from jaxpar.export import CONFIG_FILE, TOKENIZER_DIR, init_from_export, read_export_config
-from jaxpar.interop import hf, hub
+from jaxpar.export import CONFIG_FILE, TOKENIZER_DIR, init_from_export, load_export, read_export_config
+from jaxpar.interop import hf, hub, runs
 from jaxpar.interop.checkpoint import Checkpointer
-from jaxpar.interop.runs import read_config
 from jaxpar.layout import Layout
-from jaxpar.train.step import Steps
 
 
-@dataclasses.dataclass
-class Source:
-    """A model laid out on a mesh: the config it was laid out with, its steps, params (this layout's shardings and
-    layer order), where its tokenizer is, the checkpoint step (a run) and the name it was given."""
-    config: ml_collections.ConfigDict
-    steps: Steps
-    params: dict
-    tokenizer_dir: str
-    step: int | None
-    name: str
+class Source(NamedTuple):
+    fwd: gpt.Forward
+    params: dict  # placed: on one device (`steps` None) or in `steps`' state shardings and layer order
+    tokenizer: data.Tokenizer
+    chat: ChatFormat | None  # the checkpoint's chat template (its end-of-turn and end-of-sequence ids), if it has one
+    steps: object | None  # `compiled.steps_for`'s Steps of the layout, or None (one device)
+    config: object | None  # the run config of that layout
+
+
+def _chat(tok, where: str) -> ChatFormat | None:
+    try:
+        return ChatFormat.from_dir(getattr(tok, "directory", None) or where)
+    except DataError:
+        return None
+
+
+def _place(params, steps):
+    """Canonical params (one device) -> `steps`' params shardings, the layer axis in its layer order."""
+    order = np.asarray(steps.layer_order)
+    shared, layers = gpt.split_params(params)
+    params = gpt.join_params(shared, jax.tree.map(lambda a: a[order], layers))
+    return jax.device_put(params, steps.state_shardings["params"])
+
+
+def _on_mesh(config, mesh: dict, vocab: int):
+    """`config`'s steps with the `mesh` sizes, on the first devices their product asks for (all with data -1)."""
+    for k, v in mesh.items():
+        config.mesh[k] = v
+    n = math.prod(int(config.mesh[a]) for a in MESH_AXES)
+    return steps_for(config, vocab, jax.devices()[:n] if 0 < n <= jax.device_count() else None)
+
+
+def load(src: str, mesh: dict | None = None) -> Source:
+    """SRC (see the module docstring) -> Source.
+
+    Raises:
+      FileNotFoundError, ValueError (hf.HFError, ConfigError): SRC is none of the kinds, or does not fit `mesh`."""
+    name = hub.model_name(src)
+    where = hf.directory_of("hf:" + hub.fetch(name)[0] if name else src)
+    if where is not None:
+        if not mesh or all(v == 1 for v in mesh.values()):
+            fwd, params, tok = hf.load(where)
+            return Source(fwd, params, tok, _chat(tok, where), None, None)
+        config = base_config()
+        config.init_from = hf.PREFIX + where
+        config = hf.apply(config, say=False)
+        config.model.seq_len = config.model.max_positions
+        steps = _on_mesh(config, mesh, int(config.model.vocab_size))
+        params = hf.load_params(where, steps.cfg, steps.state_shardings["params"], steps.layer_order)
+        tok = data.load_tokenizer(config.data.tokenizer)
+        return Source(steps.fwd, params, tok, _chat(tok, where), steps, config)
+    if os.path.isfile(os.path.join(src, CONFIG_FILE)):
+        fwd, params, tok = load_export(src)
+        if not mesh or all(v == 1 for v in mesh.values()):
+            return Source(fwd, params, tok, _chat(tok, src), None, None)
+        raise ValueError(f"{src} is an export; generating on a mesh reads a run directory or hf:DIR (export it with "
+                         f"--format hf), or leave out --config.mesh.*.")
+    run = runs.load_run(src)
+    steps = _on_mesh(run.config, {"data": -1, **(mesh or {})}, run.fwd.cfg.vocab_real)
+    return Source(steps.fwd, _place(run.params, steps), run.tokenizer, _chat(run.tokenizer,
+                                                                             os.path.join(src, "tokenizer")),
+                  steps, run.config)
 
 
 def apply_overrides(config, overrides) -> ml_collections.ConfigDict:
@@ -90,7 +150,7 @@ def _base(src: str) -> tuple[ml_collections.ConfigDict, str]:
         config.data.tokenizer = os.path.join(src, TOKENIZER_DIR)
         config.init_from = src
         return config, "export"
-    return read_config(src), "run"
+    return runs.read_config(src), "run"
 
 
 def _tokenizer_dir(config, src: str, kind: str) -> str:
@@ -99,9 +159,10 @@ def _tokenizer_dir(config, src: str, kind: str) -> str:
     return os.path.join(src, TOKENIZER_DIR if kind == "export" else "tokenizer")
 
 
-def load(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
-    """SRC (`DIR[@STEP]` for a run's checkpoint) on the layout the overrides give; the steps built for batches of
-    `rows` rows (rounded up to a multiple of the data shards x microbatches).
+def on_layout(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
+    """SRC (`DIR[@STEP]` for a run's checkpoint) on the layout the overrides give (default: a run's own; data
+    parallel over `devices`, default all, for the others); the steps built for batches of `rows` rows (rounded up to
+    a multiple of the data shards x microbatches).
 
     Raises:
       ConfigError: a bad override, or a layout that does not fit the model or the devices (one line each).
@@ -116,14 +177,13 @@ def load(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
     config.train.global_batch_size = -(-max(rows, 1) // n) * n
     config = derived(config)
     tok_dir = _tokenizer_dir(config, src, kind)
-    vocab = int(config.model.vocab_size) or data.load_tokenizer(tok_dir).vocab_size
-    steps = steps_for(config, vocab, devices)
+    tok = data.load_tokenizer(tok_dir)
+    steps = steps_for(config, int(config.model.vocab_size) or tok.vocab_size, devices)
+    placed = lambda params: Source(steps.fwd, params, tok, _chat(tok, tok_dir), steps, config)  # noqa: E731
     if kind == "hf":
-        params = hf.load_params(tok_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order)
-        return Source(config, steps, params, tok_dir, None, src)
+        return placed(hf.load_params(tok_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order))
     if kind == "export":
-        params = init_from_export(src, steps, steps.init(0))["params"]
-        return Source(config, steps, params, tok_dir, None, src)
+        return placed(init_from_export(src, steps, steps.init(0))["params"])
     ckpt = Checkpointer(src, 1, 1, async_save=False, read_only=True)
     try:
         step = int(at) if at else ckpt.latest_step()
@@ -132,4 +192,4 @@ def load(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
         state, _ = ckpt.restore(step, steps.abstract_state())
     finally:
         ckpt.close()
-    return Source(config, steps, steps.from_canonical(state)["params"], tok_dir, step, src)
+    return placed(steps.from_canonical(state)["params"])

@@ -422,11 +422,11 @@ class Forward:
         (leading `[layers]` axis), `kv_heads` heads."""
         cfg = self.cfg
         shape = (cfg.layers, batch, length or cfg.max_positions, cfg.kv_heads, cfg.head_dim)
-        return KVCache(jnp.zeros(shape, self.cdt), jnp.zeros(shape, self.cdt), jnp.zeros((cfg.layers,), jnp.int32))
+        return KVCache(jnp.zeros(shape, self.cdt), jnp.zeros(shape, self.cdt), jnp.zeros((cfg.layers, batch), jnp.int32))
 
     def decode(self, params, tokens, caches: KVCache):
         """tokens `[batch, t]` at positions caches.pos.. -> (last-position logits `[batch, vocab]`, new caches)."""
-        x = self.embed(params, tokens, pos0=caches.pos[0])
+        x = self.embed(params, tokens, positions=caches.pos[0][:, None] + jnp.arange(tokens.shape[1]))
 
         def one(x, inp):
             p, c, i = inp

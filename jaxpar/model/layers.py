@@ -98,20 +98,22 @@ def apply_rope(x, positions, inv_freq):
 # ---- attention --------------------------------------------------------------------------------------------------
 
 class KVCache(NamedTuple):
-    """Keys and values of one layer for positions [0, pos) (post-RoPE for llama), `kv_heads` of them. Stacked over
+    """Keys and values of one layer, each row for its own positions [0, pos[row]) (post-RoPE for llama), `kv_heads`
+    of them: rows of different lengths share one cache (ragged prompts, rows refilled one at a time). Stacked over
     layers (a leading `[layers]` axis on every field) between decode steps."""
     k: jax.Array  # [batch, max_len, kv_heads, head_dim], compute dtype
     v: jax.Array
-    pos: jax.Array  # int32 scalar: number of positions filled
+    pos: jax.Array  # [batch] int32: positions filled in each row
 
     def append(self, k, v):
-        """k, v `[batch, t, kv_heads, head_dim]` for positions pos..pos+t -> (all keys, all values, the causal mask
-        `[1, 1, t, max_len]` over the filled positions, updated cache)."""
+        """k, v `[batch, t, kv_heads, head_dim]` for each row's positions pos..pos+t -> (all keys, all values, the
+        causal mask `[batch, 1, t, max_len]` over each row's filled positions, updated cache: pos + t). A row's
+        positions past its pos + t are stale (a shorter row of a padded prefill) and masked until overwritten."""
         t, S = k.shape[1], self.k.shape[1]
-        ck = jax.lax.dynamic_update_slice_in_dim(self.k, k.astype(self.k.dtype), self.pos, 1)
-        cv = jax.lax.dynamic_update_slice_in_dim(self.v, v.astype(self.v.dtype), self.pos, 1)
-        mask = (jnp.arange(S)[None, :] <= self.pos + jnp.arange(t)[:, None])[None, None]
-        return ck, cv, mask, KVCache(ck, cv, self.pos + t)
+        put = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), p, 0))
+        ck, cv = put(self.k, k, self.pos), put(self.v, v, self.pos)
+        mask = jnp.arange(S)[None, None, :] <= (self.pos[:, None] + jnp.arange(t)[None, :])[:, :, None]
+        return ck, cv, mask[:, None], KVCache(ck, cv, self.pos + t)
 
 
 def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, implementation: str = "xla",
@@ -153,13 +155,13 @@ class _PreNormBlock(nnx.Module):
     CAUSAL = True  # a decoder's attention; an encoder's (ViT) sees the whole sequence
 
     def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None, layer=0):
-        """x `[batch, seq, embed]` -> (same, cache, MoE stats or None). `drop(y, site, rate)` applies dropout keyed
-        by site (0, 1: the residual branches; the adapters' inputs: `lora.site`);
-        `positions` `[seq]` or `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for
+        """x `[batch, seq, embed]` -> (same, cache, MoE stats or None; decoding, {"experts": `[b, t, k]`}).
+        `drop(y, site, rate)` applies dropout keyed by site (0, 1: the residual branches; the adapters' inputs:
+        `lora.site`); `positions` `[seq]` or `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for
         decoding; `segments` `[batch, seq]` int32 keeps attention within each packed document; `layer` is the
         block's global index (int or traced int32: which FFN a model of dense and MoE layers runs)."""
         if positions is None:
-            positions = (0 if cache is None else cache.pos) + jnp.arange(x.shape[1])
+            positions = jnp.arange(x.shape[1]) if cache is None else cache.pos[:, None] + jnp.arange(x.shape[1])
         ad = lora.input_dropout(drop, cfg)
         q, k, v = self.qkv(checkpoint_name(self.ln1(x), "norm"), positions, ad)
         q, k, v = (checkpoint_name(a, "qkv") for a in (constrain(q, ("batch", "seq", "heads", "kv")), k, v))
@@ -167,7 +169,10 @@ class _PreNormBlock(nnx.Module):
         o = constrain(self.attn_out(a, ad), _RESIDUAL)  # sequence parallel: a reduce-scatter, not an all-reduce
         rd = (lambda y, site: drop(y, site, cfg.dropout_resid)) if drop and cfg.dropout_resid > 0 else None
         x = checkpoint_name(constrain(x + (rd(o, 0) if rd else o), _RESIDUAL), "residual")
-        o, stats = self.ffn(checkpoint_name(self.ln2(x), "norm"), cfg, layer, ad)
+        h = checkpoint_name(self.ln2(x), "norm")
+        o, stats = self.ffn(h, cfg, layer, ad)
+        if cache is not None and cfg.experts:  # decoding: the experts each token used (-1 in a dense layer)
+            stats = {"experts": jnp.where(moe.is_moe_layer(cfg, layer), self.moe.choices(h, cfg), -1)}
         o = constrain(o, _RESIDUAL)
         x = x + (rd(o, 1) if rd else o)
         return constrain(x, _RESIDUAL), cache, stats

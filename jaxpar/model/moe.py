@@ -141,6 +141,15 @@ class MoE(nnx.Module):
             self.shared = SwiGLU(rngs, cfg.embed, cfg.shared_experts * cfg.expert_mlp, cfg.layers, dt, 0, cfg,
                                  "moe.shared.")
 
+    def router_logits(self, h):
+        """h `[b, t, d]` (normed) -> the router's logits `[b, t, experts]`, float32 at least."""
+        f32 = at_least_f32(h.dtype)
+        return jnp.einsum("btd,de->bte", h.astype(f32), self.router[...].astype(f32))
+
+    def choices(self, h, cfg):
+        """h `[b, t, d]` (normed) -> the experts each token chooses `[b, t, k]` int32 (as `__call__` routes it)."""
+        return route(self.router_logits(h), self.router_bias[...], cfg)[1]
+
     def __call__(self, h, cfg):
         """h `[b, t, d]` (normed) -> (out `[b, t, d]` in h's dtype, stats {name: float32}: `STATS`).
 
@@ -152,7 +161,7 @@ class MoE(nnx.Module):
         E, k, seq = cfg.experts, cfg.experts_per_token, t * context_split()
         h = constrain(h, ("batch", "seq", "embed"))
         f32 = at_least_f32(h.dtype)
-        logits = jnp.einsum("btd,de->bte", h.astype(f32), self.router[...].astype(f32))
+        logits = self.router_logits(h)
         scores, idx, w = route(logits, self.router_bias[...], cfg)
         order = dispatch.priority_order(idx)
         pos, counts, mine = dispatch.queue_positions(order, E, k)

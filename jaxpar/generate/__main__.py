@@ -1,0 +1,124 @@
+"""Generate completions of a JSONL file of prompts: `python -m jaxpar.generate --model SRC --prompts IN.jsonl --out
+OUT.jsonl [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--min_p M] [--seed S] [--n N]
+[--slots B] [--config.mesh.data=D --config.mesh.tensor=T ...]`.
+
+SRC: a run directory, an export, `hf:DIR` or `hf:ORG/NAME` (`source.py`). Records: `records.py`. A record's sample j
+draws with seed S and stream (line number x n + j): the same tokens whatever the batch, slots or layout. An
+interrupted run resumes: the records already in OUT are skipped. Guide: docs/generate.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from jaxpar.generate import records, source
+from jaxpar.generate.engine import Engine, Request, check
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python -m jaxpar.generate", description=__doc__.split("\n\n")[0],
+                                epilog="Guide: docs/generate.md")
+    p.add_argument("--model", required=True, help="run directory, export, hf:DIR or hf:ORG/NAME")
+    p.add_argument("--prompts", required=True, help="input JSONL: {prompt} or {messages} records")
+    p.add_argument("--out", required=True, help="output JSONL (appended to; a rerun resumes)")
+    p.add_argument("--max_new_tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top_k", type=int, default=0, help="0: all")
+    p.add_argument("--top_p", type=float, default=1.0, help="in (0, 1]")
+    p.add_argument("--min_p", type=float, default=0.0, help="in [0, 1]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--slots", type=int, default=16, help="rows decoded together")
+    p.add_argument("--progress", type=int, default=1, help="0: no progress bar")
+    args, rest = p.parse_known_args(argv)
+    mesh = {}
+    for a in rest:
+        key, _, value = a.partition("=")
+        if not key.startswith("--config.mesh.") or not value.lstrip("-").isdigit():
+            p.error(f"unknown argument {a!r}: only --config.mesh.<axis>=<int> follow the flags above")
+        mesh[key[len("--config.mesh."):]] = int(value)
+    return args, mesh
+
+
+RANGES = {"top_p": ("(0, 1]", lambda v: 0 < v <= 1), "min_p": ("[0, 1]", lambda v: 0 <= v <= 1),
+          "top_k": (">= 0", lambda v: v >= 0), "n": (">= 1", lambda v: v >= 1), "slots": (">= 1", lambda v: v >= 1)}
+
+
+def requests_of(lines, args, src, context: int):
+    """The engine's requests of the records (n per record), each checked: one line naming the record's line."""
+    out = []
+    for n, rec in lines:
+        if "messages" in rec:
+            if src.chat is None:
+                raise ValueError(f"{args.prompts}:{n}: a messages record, but {args.model} has no chat template.")
+            ids = src.chat.prompt(rec["messages"]).tolist()
+        else:
+            ids = src.tokenizer.encode(rec["prompt"])
+        stop = rec.get("stop", [])
+        knobs = dict(max_new_tokens=rec.get("max_new_tokens", args.max_new_tokens),
+                     temperature=float(rec.get("temperature", args.temperature)), top_k=args.top_k,
+                     top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                     stop_ids=sorted(src.chat.stop_ids) if src.chat else (), stop=[stop] if isinstance(stop, str)
+                     else stop)
+        for j in range(args.n):
+            r = Request(ids, stream=n * args.n + j, **knobs)
+            check(r, f"{args.prompts}:{n}", context, src.tokenizer)
+            out.append(r)
+    return out
+
+
+def run(args, mesh) -> int:
+    for name, (says, ok) in RANGES.items():
+        if not ok(getattr(args, name)):
+            raise ValueError(f"--{name}={getattr(args, name)} is outside {says}.")
+    check(Request([1], temperature=args.temperature, max_new_tokens=args.max_new_tokens), "flags", 2)
+    lines = records.read(args.prompts)
+    skip = records.done_count(args.out)
+    todo = lines[skip:]
+    src = source.load(args.model, mesh)
+    context = src.fwd.cfg.max_positions
+    reqs = requests_of(todo, args, src, context)
+    engine = (Engine.on_steps(src.steps, src.params, src.config, tokenizer=src.tokenizer, slots=args.slots)
+              if src.steps is not None else Engine(src.fwd, src.params, tokenizer=src.tokenizer, slots=args.slots))
+    return _write(engine, todo, reqs, args, skip, len(lines))
+
+
+def _write(engine, todo, reqs, args, skip: int, total: int) -> int:
+    """Generate the records in groups (written in order as each group ends), with a progress bar."""
+    group = max(1, 4 * args.slots // args.n)
+    made, t0 = [0], time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not args.progress, transient=False) as bar:
+        task = bar.add_task("records", total=total, completed=skip)
+
+        def tick(n):
+            made[0] += n
+            bar.update(task, description=f"{made[0] / (time.perf_counter() - t0):,.0f} tokens/s")
+
+        with open(args.out, "a", encoding="utf-8") as f:
+            for at in range(0, len(todo), group):
+                done = engine.generate(reqs[at * args.n:(at + group) * args.n], tick)
+                for i, (_, rec) in enumerate(todo[at:at + group]):
+                    f.write(json.dumps(records.output(rec, done[i * args.n:(i + 1) * args.n], args.n)) + "\n")
+                f.flush()
+                bar.update(task, advance=len(todo[at:at + group]))
+    print(f"{len(todo)} records ({skip} already in {args.out}), {made[0]} tokens in "
+          f"{time.perf_counter() - t0:.1f} s; written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    args, mesh = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(args, mesh)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The KV cache on the training mesh, and the decode layout the params are read in.
+
+The cache of every layer, `[layers, batch, length, kv_heads, head_dim]` in the compute dtype for keys and for values,
+is sharded like the activations: rows (`batch`) over data x expert, KV heads over tensor where tensor divides them
+(else each tensor device holds them all, as its params do); its per-row positions `[layers, batch]` int32 are tiny.
+
+The decode layout is the training layout with the `layers` axis whole on every device: with pipeline stages > 1 the
+params are gathered over `stage` for the generation (each device then holds all the layers of its tensor / ZeRO shard:
+`stage` times its training share of the per-layer params, `decode_param_bytes`); with stage 1 it is the training
+layout itself, no copy. ZeRO-3 params stay sharded over data and are gathered one layer at a time inside the layer
+loop, as the train step does.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar import model as gpt
+from jaxpar.config import derived, step_rules
+from jaxpar.config_keys import DEFAULT_RULES
+from jaxpar.interop import hf, peft
+from jaxpar.layout import Layout
+from jaxpar.model.layers import KVCache
+from jaxpar.parallel.logical import mesh_axes, spec
+from jaxpar.parallel.sharding import param_specs
+
+CACHE_NAMES = (None, "batch", "seq", "kv_heads", "kv")  # the cache's logical axes (its layer axis is never split)
+
+
+def decode_rules(rules) -> tuple:
+    """The rules of the decode layout: the training rules with `layers` on no mesh axis (gathered over `stage`)."""
+    return tuple((n, None if n == "layers" else a) for n, a in rules)
+
+
+def _fitting(p: P, shape, sizes: dict) -> P:
+    """`p` with the mesh axes that do not divide their dimension dropped (those dimensions replicated)."""
+    out = []
+    for entry, dim in zip(tuple(p) + (None,) * (len(shape) - len(p)), shape):
+        axes = mesh_axes(entry)
+        n = math.prod(sizes[a] for a in axes)
+        out.append(entry if axes and dim % n == 0 else None)
+    return P(*out)
+
+
+def cache_spec(cfg, rules, sizes: dict, batch: int, length: int) -> P:
+    """The `PartitionSpec` of the cache's keys and values over a mesh of axis `sizes`."""
+    return _fitting(spec(CACHE_NAMES, rules), (cfg.layers, batch, length, cfg.kv_heads, cfg.head_dim), sizes)
+
+
+def empty(cfg, batch: int, length: int, sharding=None) -> KVCache:
+    """A cache of `batch` empty rows of `length` positions, every layer (inside jit: `sharding` constrains it)."""
+    shape, dt = (cfg.layers, batch, length, cfg.kv_heads, cfg.head_dim), jnp.dtype(cfg.compute_dtype)
+    k, v = jnp.zeros(shape, dt), jnp.zeros(shape, dt)
+    if sharding is not None:
+        k, v = (jax.lax.with_sharding_constraint(a, sharding) for a in (k, v))
+    return KVCache(k, v, jnp.zeros((cfg.layers, batch), jnp.int32))
+
+
+def cache_bytes(cfg, batch: int, length: int, layout: Layout | None = None, rules=None) -> dict:
+    """The KV cache's bytes for `batch` rows of `length` positions: {"total", "per_device"} (keys and values; the
+    positions are negligible). `layout` (default one device) and `rules` (default `config_keys.DEFAULT_RULES`)
+    decide the split, as `cache_spec`."""
+    total = 2 * cfg.layers * batch * length * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+    sizes = (layout or Layout(1, 1, 1, 1)).mesh_shape
+    p = cache_spec(cfg, decode_rules(rules or DEFAULT_RULES), sizes, batch, length)
+    split = math.prod(math.prod(sizes[a] for a in mesh_axes(e)) for e in p)
+    return {"total": int(total), "per_device": int(total // split)}
+
+
+def decode_param_bytes(params) -> int:
+    """Bytes of `params` (placed arrays) per device in the decode layout: each leaf's training shard times the
+    number of `stage` devices its layer axis was split over (the gather `decode_params` does)."""
+    out = 0
+    for a in jax.tree.leaves(params):
+        sh = a.sharding
+        stage = sh.mesh.shape.get("stage", 1) if isinstance(sh, NamedSharding) and "stage" in str(sh.spec) else 1
+        out += a.addressable_shards[0].data.nbytes * stage
+    return int(out)
+
+
+def decode_specs(cfg, rules, mesh, zero3: bool) -> dict:
+    """The params' `PartitionSpec`s in the decode layout (ZeRO-3's data split kept when `zero3`)."""
+    names = gpt.logical_axes(cfg)
+    shapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
+    return param_specs(names, shapes, decode_rules(rules), mesh, zero=zero3)
+
+
+def layer_specs(cfg, rules, mesh) -> dict:
+    """Each per-layer leaf's spec inside the layer loop (its `layers` axis gone), without ZeRO's data split: what
+    ZeRO-3 gathers one layer at a time."""
+    layers = gpt.split_params(decode_specs(cfg, rules, mesh, False))[1]
+    return jax.tree.map(lambda p: P(*tuple(p)[1:]), layers, is_leaf=lambda p: isinstance(p, P))
+
+
+def decode_params(params, cfg, rules, mesh, zero3: bool, layer_order=None):
+    """The params in the decode layout: gathered over `stage` and in the canonical layer order (`layer_order[p]` is
+    the canonical layer at position p of the training layout). With stage 1 and the canonical order: `params`
+    itself, no copy."""
+    if mesh.shape.get("stage", 1) == 1 and (layer_order is None or list(layer_order) == sorted(layer_order)):
+        return params
+    shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), decode_specs(cfg, rules, mesh, zero3),
+                             is_leaf=lambda p: isinstance(p, P))
+    inverse = np.argsort(np.asarray(layer_order if layer_order is not None else range(cfg.layers)))
+
+    def gather(params):
+        shared, layers = gpt.split_params(params)
+        return gpt.join_params(shared, jax.tree.map(lambda a: a[inverse], layers))
+
+    return jax.jit(gather, out_shardings=shardings)(params)
+
+
+def dry_run_entry(config, num_devices: int) -> dict:
+    """What `train.py --dry_run` reports of generation on the run's layout: the KV cache of a decode batch of
+    `train.global_batch_size` rows of `model.seq_len` positions ({"rows", "positions", "total", "per_device"}
+    bytes)."""
+    config = derived(peft.apply(hf.apply(config)))
+    layout = Layout.from_config(config, num_devices)
+    cfg = gpt.config_from(config, int(config.model.vocab_size) or 256, layout.tensor)
+    rows, positions = int(config.train.global_batch_size), int(config.model.seq_len)
+    return {"rows": rows, "positions": positions,
+            **cache_bytes(cfg, rows, positions, layout, step_rules(config))}

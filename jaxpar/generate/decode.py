@@ -1,0 +1,127 @@
+"""The compiled pieces of generation, pure functions of arrays (the host loop is `engine.py`): prefill a group of
+ragged prompts into fresh cache rows, insert them into their slots, decode every slot a few tokens at a time, and
+score given token sequences with the training forward.
+
+Ragged prompts are right-padded: row r's tokens sit at positions 0..len_r-1, the pad after them is written to the
+cache but lies past the row's position count, so it is masked and later overwritten; every row keeps its own position
+(`KVCache.pos` `[layers, batch]`), hence its own RoPE angles / GPT-2 position rows: a row computes what it would alone.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxpar import model as gpt
+from jaxpar.generate import cache as kv
+from jaxpar.generate.sampling import Sampling, row_keys, sample
+from jaxpar.model.layers import KVCache
+from jaxpar.parallel.logical import activation_rules
+
+
+class Decoder:
+    """The jitted programs of one model on one mesh (None: wherever the params are, no sharding constraints).
+
+    `rules`: the training rules (`config.step_rules`); the decode layout's are `cache.decode_rules` of them. `zero3`:
+    the params are ZeRO-3 sharded, gathered here one layer at a time."""
+
+    def __init__(self, fwd: gpt.Forward, mesh=None, rules=(), zero3: bool = False):
+        self.fwd, self.cfg, self.mesh = fwd, fwd.cfg, mesh
+        self.rules = kv.decode_rules(rules)
+        self.prepare = None
+        if mesh is not None and zero3:
+            specs = kv.layer_specs(self.cfg, rules, mesh)
+            self.prepare = lambda p: jax.tree.map(
+                lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), p, specs)
+        self.prefill = jax.jit(self._prefill, static_argnums=(3,))
+        self.insert = jax.jit(self._insert, donate_argnums=(0,))
+        self.decode = jax.jit(self._decode, static_argnums=(4, 5), donate_argnums=(1,))
+        self.score = jax.jit(self._score)
+
+    def _scope(self):
+        return activation_rules(self.rules, self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def cache_sharding(self, batch: int, length: int):
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, kv.cache_spec(self.cfg, self.rules, dict(self.mesh.shape), batch, length))
+
+    def _run(self, params, tokens, cache: KVCache):
+        """tokens `[b, t]` at each row's next positions -> (last-layer activations `[b, t, embed]`, cache, the experts
+        each token used `[layers, b, t, k]` (k = 0 for a dense model))."""
+        cfg, fwd = self.cfg, self.fwd
+        t = tokens.shape[1]
+        x = fwd.embed(params, tokens, positions=cache.pos[0][:, None] + jnp.arange(t))
+
+        def one(x, inp):
+            p, c, i = inp
+            p = p if self.prepare is None else self.prepare(p)
+            y, c, st = nnx.merge(fwd.block_def, p)(x, cfg, None, c, layer=i)
+            return y, (c, st["experts"] if cfg.experts else jnp.zeros((x.shape[0], t, 0), jnp.int32))
+
+        x, (cache, experts) = jax.lax.scan(one, x, (gpt.split_params(params)[1], cache, jnp.arange(cfg.layers)))
+        return x, cache, experts
+
+    def _prefill(self, params, tokens, lengths, length: int):
+        """Prompts `[n, t]` (right-padded), their lengths `[n]` -> (next-token logits `[n, vocab]` float32, a cache
+        of n rows of `length` positions holding them, the experts of each prompt's last token `[n, layers, k]`)."""
+        n = tokens.shape[0]
+        with self._scope():
+            cache = kv.empty(self.cfg, n, length, self.cache_sharding(n, length))
+            x, cache, experts = self._run(params, tokens, cache)
+            last = x[jnp.arange(n), lengths - 1]
+            logits = self.fwd.logits(params, last[:, None])[:, 0]
+        cache = cache._replace(pos=jnp.broadcast_to(lengths, cache.pos.shape).astype(jnp.int32))
+        return logits, cache, jnp.swapaxes(experts[:, jnp.arange(n), lengths - 1], 0, 1)
+
+    def _insert(self, carry, rows, slots):
+        """Put prefilled rows (cache, logits, experts: `_prefill`'s) into slots `[n]` of the running batch's `carry`
+        (cache, logits, experts); a slot index past the batch drops its row (the padding of a prefill group)."""
+        put = lambda a, b, axis: a.at[(slice(None),) * axis + (slots,)].set(b, mode="drop")  # noqa: E731
+        cache, logits, experts = carry
+        new_cache, new_logits, new_experts = rows
+        cache = KVCache(put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1), put(cache.pos, new_cache.pos, 1))
+        return cache, put(logits, new_logits, 0), put(experts, new_experts, 0)
+
+    def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, greedy_only: bool):
+        """`steps` tokens for every slot. `carry` = (cache, next-token logits `[b, vocab]`, the experts behind those
+        logits `[b, layers, k]`); `rows`: {seed, stream, index (tokens made so far), max_new, done, stop_ids
+        `[b, m]` (-1 = none)}, each `[b]` int32/bool. -> (carry, per step `[steps, b]`: token, its log-prob under
+        the sampling distribution and under the model, the experts that chose it `[steps, b, layers, k]`, and
+        whether the row was already done before it (a token to drop))."""
+        fwd = self.fwd
+
+        def step(state, _):
+            (cache, logits, experts), index, done = state
+            keys = row_keys(rows["seed"], rows["stream"], index)
+            tok, lp_sampled, lp_model = sample(logits, keys, sampling, greedy_only)
+            ends = jnp.any(tok[:, None] == rows["stop_ids"], -1) | (index + 1 >= rows["max_new"])
+            x, cache, new_experts = self._run(params, tok[:, None], cache)
+            logits2 = fwd.logits(params, x)[:, 0]
+            out = (tok, lp_sampled, lp_model, experts, done)
+            carry = (cache, logits2, jnp.swapaxes(new_experts[:, :, 0], 0, 1))
+            return (carry, index + (~done).astype(jnp.int32), done | ends), out
+
+        with self._scope():
+            (carry, _, _), out = jax.lax.scan(step, (carry, rows["index"], rows["done"]), None, length=steps)
+        return carry, out
+
+    def _score(self, params, tokens):
+        """The training forward's log-probability of each next token: tokens `[b, t]` -> `[b, t - 1]` float32
+        (`Forward.token_logps`; right padding changes nothing before it)."""
+        fwd = self.fwd
+        with self._scope():
+            x = fwd.embed(params, tokens)
+            x = fwd.layers(gpt.split_params(params)[1], x, prepare=self.prepare)
+            return fwd.token_logps(params, x[:, :-1], tokens[:, 1:])
+
+
+@functools.cache
+def bucket(n: int, least: int = 16) -> int:
+    """The padded size of a prompt group's length or row count: the next power of two, at least `least` (few
+    compilations)."""
+    return max(least, 1 << max(0, n - 1).bit_length())

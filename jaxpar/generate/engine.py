@@ -1,0 +1,225 @@
+"""The generation engine: batched decoding with the training code, on the training mesh.
+
+Public API (what `python -m jaxpar.generate`, `sample.py`, evaluation and RL call):
+
+    engine = Engine(fwd, params)                                  # one device, or wherever `params` are
+    engine = Engine.on_steps(steps, params, config)               # the training layout of `compiled.steps_for`
+    completions = engine.generate([Request(prompt=[ids...], max_new_tokens=64, temperature=0.7, seed=1), ...])
+    completions[0].tokens, .logprobs, .model_logprobs, .finish_reason, .experts, .text
+    engine.score([[ids...], ...])                                 # log p(token | before) of given sequences
+
+A request is a prompt of token ids with its own sampling settings (`sampling.py`: greedy, temperature, top-k, top-p,
+min-p), seed and stream (its key for token i is fold_in(fold_in(key(seed), stream), i), so its output depends on
+neither its batch nor the layout), stops (token ids: the chat template's end of turn; strings, with a tokenizer) and
+`max_new_tokens`. The engine holds `slots` rows; prompts are prefilled into free slots as rows finish (continuous
+batching; `refill=False` waits for the whole batch), then every slot decodes `chunk` tokens per compiled call.
+
+A completion holds its tokens (a stop id included), each token's log-prob under the sampling distribution (0 when
+greedy) and under the model at temperature 1 (the training forward's, `score`), why it ended (`stop` | `length`),
+for a mixture of experts the experts that chose each token (`[tokens, layers, k]`: the routing of the position whose
+logits sampled it, -1 in dense layers), and its text (with a tokenizer; cut before a stop string, without a stop id).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar import model as gpt
+from jaxpar.config import step_rules
+from jaxpar.config_keys import DEFAULT_RULES
+from jaxpar.generate import cache as kv
+from jaxpar.generate.decode import Decoder, bucket
+from jaxpar.generate.sampling import Sampling
+
+
+@dataclasses.dataclass
+class Request:
+    prompt: Sequence[int]  # token ids
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: all
+    top_p: float = 1.0  # in (0, 1]
+    min_p: float = 0.0  # in [0, 1]
+    seed: int = 0
+    stream: int = 0  # the n-th sample of one prompt and seed
+    stop_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()  # stop strings (needs the engine's tokenizer)
+
+
+@dataclasses.dataclass
+class Completion:
+    tokens: list
+    logprobs: list  # under the sampling distribution
+    model_logprobs: list  # under the model, temperature 1
+    finish_reason: str  # "stop" | "length"
+    experts: np.ndarray | None = None  # [tokens, layers, k] int32 for a mixture of experts
+    text: str | None = None
+
+
+def check(req: Request, where: str, context: int, tokenizer=None) -> None:
+    """One line naming `where` for a request the engine cannot run. Raises ValueError."""
+    n = len(req.prompt)
+    bad = (f"an empty prompt" if n == 0 else
+           f"a prompt of {n} tokens; the model's context is {context} (shorten it)" if n >= context else
+           f"top_p={req.top_p}: it must be in (0, 1]" if not 0 < req.top_p <= 1 else
+           f"min_p={req.min_p}: it must be in [0, 1]" if not 0 <= req.min_p <= 1 else
+           f"top_k={req.top_k}: it must be >= 0" if req.top_k < 0 else
+           f"temperature={req.temperature}: it must be >= 0" if req.temperature < 0 else
+           f"max_new_tokens={req.max_new_tokens}: it must be >= 1" if req.max_new_tokens < 1 else
+           "stop strings without a tokenizer" if req.stop and tokenizer is None else None)
+    if bad:
+        raise ValueError(f"{where}: {bad}.")
+
+
+class _Row:
+    """A slot's request as it runs: what it has made so far."""
+
+    def __init__(self, i: int, req: Request, max_new: int):
+        self.i, self.req, self.max_new = i, req, max_new
+        self.tokens, self.lps, self.lpm, self.experts = [], [], [], []
+        self.finish = None
+
+
+class Engine:
+    """See the module docstring. `mesh`, `rules`, `zero3`, `layer_order`: the training layout the params are in
+    (None: one device); `slots`: rows decoded together; `chunk`: tokens per compiled decode call."""
+
+    def __init__(self, fwd: gpt.Forward, params, *, mesh=None, rules=DEFAULT_RULES, zero3: bool = False,
+                 layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 8, refill: bool = True):
+        self.fwd, self.cfg, self.tokenizer = fwd, fwd.cfg, tokenizer
+        self.mesh, self.slots, self.chunk, self.refill = mesh, slots, chunk, refill
+        self.decoder = Decoder(fwd, mesh, rules, zero3)
+        self.params = params if mesh is None else kv.decode_params(params, fwd.cfg, rules, mesh, zero3, layer_order)
+
+    @classmethod
+    def on_steps(cls, steps, params, config, **kw) -> "Engine":
+        """An engine on `steps`' mesh (`compiled.steps_for`) over `params` in its state shardings and layer order."""
+        return cls(steps.fwd, params, mesh=steps.mesh, rules=step_rules(config),
+                   zero3=steps.layout.zero_stage == 3, layer_order=steps.layer_order, **kw)
+
+    # ---- generation --------------------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None) -> list:
+        """Completions of `requests`, in their order. `progress(n)` hears of every n new tokens."""
+        context = self.cfg.max_positions
+        for i, r in enumerate(requests):
+            check(r, f"request {i}", context, self.tokenizer)
+        if not requests:
+            return []
+        news = [min(r.max_new_tokens, context - len(r.prompt)) for r in requests]
+        length = min(context, -(-max(len(r.prompt) + n for r, n in zip(requests, news)) // 64) * 64)
+        greedy = all(r.temperature == 0 for r in requests)
+        stops = max(1, max(len(r.stop_ids) for r in requests))
+        B = self.slots
+        carry = self._empty(B, length)
+        rows = {"seed": np.zeros(B, np.int32), "stream": np.zeros(B, np.int32), "index": np.zeros(B, np.int32),
+                "max_new": np.ones(B, np.int32), "done": np.ones(B, bool), "stop_ids": np.full((B, stops), -1, np.int32)}
+        knobs = {"temperature": np.zeros(B, np.float32), "top_k": np.zeros(B, np.int32),
+                 "top_p": np.ones(B, np.float32), "min_p": np.zeros(B, np.float32)}
+        slot: list[_Row | None] = [None] * B
+        queue, out = collections.deque(range(len(requests))), [None] * len(requests)
+        while queue or any(slot):
+            free = [s for s in range(B) if slot[s] is None]
+            if queue and free and (self.refill or len(free) == B):
+                take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+                for i, s in zip(take, free):
+                    slot[s] = _Row(i, requests[i], news[i])
+                    self._arm(rows, knobs, s, requests[i], news[i])
+                carry = self._admit(carry, [requests[i].prompt for i in take], free[:len(take)], length)
+            carry, got = self.decoder.decode(self.params, carry, {k: jnp.asarray(v) for k, v in rows.items()},
+                                             Sampling(**{k: jnp.asarray(v) for k, v in knobs.items()}),
+                                             self.chunk, greedy)
+            made = self._collect(jax.device_get(got), slot, rows, out)
+            if progress is not None:
+                progress(made)
+        return out
+
+    def _empty(self, batch: int, length: int):
+        cfg = self.cfg
+        k = cfg.experts_per_token if cfg.experts else 0
+        sharding = self.decoder.cache_sharding(batch, length)
+        cache = jax.jit(lambda: kv.empty(cfg, batch, length, sharding))()
+        return cache, jnp.zeros((batch, cfg.vocab_size), jnp.float32), jnp.zeros((batch, cfg.layers, k), jnp.int32)
+
+    @staticmethod
+    def _arm(rows, knobs, s: int, r: Request, max_new: int) -> None:
+        rows["seed"][s], rows["stream"][s], rows["index"][s] = r.seed, r.stream, 0
+        rows["max_new"][s], rows["done"][s] = max_new, False
+        rows["stop_ids"][s] = -1
+        rows["stop_ids"][s, :len(r.stop_ids)] = list(r.stop_ids)
+        knobs["temperature"][s], knobs["top_k"][s] = r.temperature, r.top_k
+        knobs["top_p"][s], knobs["min_p"][s] = r.top_p, r.min_p
+
+    def _admit(self, carry, prompts, slots, length: int):
+        """Prefill `prompts` (a group padded to a power of two rows and positions) into `slots`."""
+        n = min(bucket(len(prompts), 1), max(self.slots, len(prompts)))
+        t = min(bucket(max(len(p) for p in prompts)), length)
+        tokens = np.zeros((n, t), np.int32)
+        lengths = np.ones(n, np.int32)
+        for j, p in enumerate(prompts):
+            tokens[j, :len(p)], lengths[j] = p, len(p)
+        where = np.full(n, self.slots, np.int32)  # past the batch: dropped
+        where[:len(slots)] = slots
+        logits, cache, experts = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths), length)
+        return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where))
+
+    def _collect(self, got, slot, rows, out) -> int:
+        """Take a decode call's tokens into the rows; finish rows (stop id, stop string, length). -> tokens taken."""
+        toks, lps, lpm, experts, before = got
+        made = 0
+        for s, row in enumerate(slot):
+            if row is None:
+                continue
+            for j in range(toks.shape[0]):
+                if before[j, s] or row.finish:
+                    break
+                tok = int(toks[j, s])
+                row.tokens.append(tok), row.lps.append(float(lps[j, s])), row.lpm.append(float(lpm[j, s]))
+                row.experts.append(experts[j, s])
+                made += 1
+                if tok in row.req.stop_ids or self._stop_string(row):
+                    row.finish = "stop"
+                elif len(row.tokens) >= row.max_new:
+                    row.finish = "length"
+            rows["index"][s] = len(row.tokens)
+            if row.finish:
+                out[row.i] = self._completion(row)
+                slot[s], rows["done"][s] = None, True
+        return made
+
+    def _stop_string(self, row: _Row) -> bool:
+        if not row.req.stop:
+            return False
+        text = self.tokenizer.decode(row.tokens[-32:])  # a stop string ends within the last tokens
+        return any(s in text for s in row.req.stop)
+
+    def _completion(self, row: _Row) -> Completion:
+        experts = np.stack(row.experts) if self.cfg.experts else None
+        text = None
+        if self.tokenizer is not None:
+            ids = row.tokens[:-1] if row.tokens[-1] in row.req.stop_ids else row.tokens
+            text = self.tokenizer.decode(ids)
+            cut = [text.find(s) for s in row.req.stop if s in text]
+            text = text[:min(cut)] if cut else text
+        return Completion(row.tokens, row.lps, row.lpm, row.finish, experts, text)
+
+    # ---- scoring -----------------------------------------------------------------------------------------------
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list:
+        """The training forward's log p(token_i | tokens before it) for i >= 1 of each sequence: float32 arrays of
+        len - 1 (`Forward.token_logps` on the same params and layout)."""
+        out = []
+        for at in range(0, len(sequences), self.slots):
+            group = sequences[at:at + self.slots]
+            t = bucket(max(len(s) for s in group))
+            tokens = np.zeros((self.slots, t), np.int32)
+            for j, s in enumerate(group):
+                tokens[j, :len(s)] = s
+            lp = np.asarray(self.decoder.score(self.params, jnp.asarray(tokens)))
+            out += [lp[j, :len(s) - 1] for j, s in enumerate(group)]
+        return out

@@ -1,0 +1,61 @@
+"""Choosing the next token: greedy, or sampling with temperature, top-k, top-p (nucleus) and min-p, per row.
+
+Every row carries its own settings (`Sampling`, arrays `[batch]`) and its own key, `row_keys`: fold_in(fold_in(key(seed),
+stream), token index), so a request's tokens depend on its seed, its stream (the n-th sample of a prompt) and its own
+history only, never on the other rows of the batch or on the layout.
+
+The filters run in the order Hugging Face's `generate` and vLLM apply them: temperature, then top-k (the k most likely),
+top-p (the smallest set of the most likely tokens whose probability reaches p), min-p (tokens at least min_p times the
+most likely one's probability, Nguyen et al. 2024), each on the distribution the previous ones left.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Sampling(NamedTuple):
+    """Per-row settings, each `[batch]`: temperature (0 = greedy), top_k (0 = all), top_p (1 = all), min_p (0 = all)."""
+    temperature: jax.Array  # float32
+    top_k: jax.Array  # int32
+    top_p: jax.Array  # float32
+    min_p: jax.Array  # float32
+
+
+def row_keys(seeds, streams, index):
+    """Each row's key for its token number `index`: seeds, streams, index `[batch]` int32 -> keys `[batch]`."""
+    one = lambda s, st, i: jax.random.fold_in(jax.random.fold_in(jax.random.key(s), st), i)  # noqa: E731
+    return jax.vmap(one)(seeds, streams, index)
+
+
+def _filtered(z, s: Sampling):
+    """Sorted logits `z` `[b, V]` (descending, temperature applied) -> the same with the filtered ones at -inf."""
+    rank = jnp.arange(z.shape[-1])[None]
+    keep = rank < jnp.where(s.top_k > 0, s.top_k, z.shape[-1])[:, None]
+    z = jnp.where(keep, z, -jnp.inf)
+    p = jax.nn.softmax(z, -1)
+    z = jnp.where((jnp.cumsum(p, -1) - p < s.top_p[:, None]) | (rank == 0), z, -jnp.inf)
+    p = jax.nn.softmax(z, -1)
+    return jnp.where(p >= s.min_p[:, None] * p[:, :1], z, -jnp.inf)
+
+
+def sample(logits, keys, s: Sampling, greedy_only: bool = False):
+    """logits `[b, V]` (padded ids at -inf), keys `[b]` -> (tokens `[b]` int32, each token's log-prob under the
+    sampling distribution (0 for a greedy row) and under the model at temperature 1, float32 `[b]`).
+
+    `greedy_only` (static): every row is greedy, so no sort is done."""
+    logits = logits.astype(jnp.float32)
+    model = jax.nn.log_softmax(logits, -1)
+    if greedy_only:
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        return tok, jnp.zeros(tok.shape, jnp.float32), jnp.take_along_axis(model, tok[:, None], -1)[:, 0]
+    greedy = s.temperature <= 0
+    z = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
+    order = jnp.argsort(-z, axis=-1, stable=True)  # the most likely first; ties by the lower id, as argmax
+    lp = jax.nn.log_softmax(_filtered(jnp.take_along_axis(z, order, -1), s), -1)
+    pick = jnp.where(greedy, 0, jax.vmap(jax.random.categorical)(keys, lp))
+    tok = jnp.take_along_axis(order, pick[:, None], -1)[:, 0].astype(jnp.int32)
+    lp_sampled = jnp.where(greedy, 0.0, jnp.take_along_axis(lp, pick[:, None], -1)[:, 0])
+    return tok, lp_sampled, jnp.take_along_axis(model, tok[:, None], -1)[:, 0]

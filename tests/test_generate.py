@@ -1,0 +1,258 @@
+"""The generation engine (`jaxpar/generate/`) against `transformers` and against itself across batches and layouts:
+tiny random Llama, Qwen3, GPT-2 and Qwen3-MoE models built here (nothing downloaded), imported with `hf.load`.
+
+Greedy tokens equal `transformers`' `generate` of each prompt alone, for a batch of mixed prompt lengths; each token's
+model log-prob equals transformers' (1e-4) and the training forward's (`Engine.score`, 1e-5); a MoE token's experts
+are transformers' router's top-k; a padded batch equals each row alone; seeded sampling is the same whatever the batch
+and the layout ((data 2, tensor 2), expert parallel, ZeRO-3, a pipeline); the sampler's filters equal their formula;
+refilling finished slots changes nothing; bad requests are one line each."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+
+from helpers import run_config, steps_for  # noqa: E402
+from jaxpar.config import step_rules  # noqa: E402
+from jaxpar.data import ByteTokenizer  # noqa: E402
+from jaxpar.generate.cache import cache_bytes  # noqa: E402
+from jaxpar.generate.engine import Engine, Request  # noqa: E402
+from jaxpar.generate.sampling import Sampling, sample  # noqa: E402
+from jaxpar.interop import hf  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("test_generate")
+needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+
+V = 300
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+              max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+KINDS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=48)),
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, intermediate_size=48,
+                                                                            head_dim=16)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=64, bos_token_id=0, eos_token_id=0)),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **COMMON, intermediate_size=48, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+        norm_topk_prob=True)),
+}
+PROMPTS = [np.random.default_rng(i).integers(1, V, n).tolist() for i, n in enumerate((3, 9, 14, 5, 7))]
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{kind: (transformers model, directory)}: every tensor random (norm scales away from 1)."""
+    out = {}
+    for kind, make in KINDS.items():
+        torch.manual_seed(0)
+        model = make()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.1) + (1.0 if "norm" in name or "ln" in name
+                                                                                  else 0.0))
+        d = tmp_path_factory.mktemp(kind)
+        model.eval().save_pretrained(d)
+        ByteTokenizer.to_hf().save(str(d / "tokenizer.json"))
+        out[kind] = (model, d)
+    return out
+
+
+def hf_greedy(model, prompt, n):
+    """transformers' greedy tokens of `prompt` alone, their log-probs, and (MoE) each step's router top-2."""
+    with torch.no_grad():
+        g = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        toks = g.sequences[0, len(prompt):].tolist()
+        lps = [torch.log_softmax(z[0].double(), -1)[t].item() for z, t in zip(g.logits, toks)]
+        experts = None
+        if hasattr(model.config, "num_experts"):  # the routing of the positions whose logits chose each token
+            routers = model(g.sequences, output_router_logits=True).router_logits  # per layer [tokens, experts]
+            top = [torch.topk(r, 2, -1).indices[len(prompt) - 1:-1] for r in routers]
+            experts = torch.stack(top, 1).numpy()  # [new tokens, layers, k]
+    return toks, np.asarray(lps), experts
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_greedy_equals_transformers_and_log_probs_equal_the_training_forward(models, kind):
+    model, d = models[kind]
+    fwd, params, tok = hf.load(str(d))
+    engine = Engine(fwd, params, slots=4, tokenizer=tok)  # 5 prompts in 4 slots: one refill
+    outs = engine.generate([Request(p, max_new_tokens=8) for p in PROMPTS])
+    scores = engine.score([p + o.tokens for p, o in zip(PROMPTS, outs)])
+    for p, o, s in zip(PROMPTS, outs, scores):
+        toks, lps, experts = hf_greedy(model, p, 8)
+        assert o.tokens == toks and o.finish_reason == "length" and o.logprobs == [0.0] * 8
+        np.testing.assert_allclose(o.model_logprobs, lps, atol=1e-4)
+        np.testing.assert_allclose(o.model_logprobs, s[len(p) - 1:], atol=1e-5)
+        assert o.text == tok.decode(toks)
+        if experts is not None:
+            assert o.experts.shape == (8, 2, 2)
+            np.testing.assert_array_equal(np.sort(o.experts, -1), np.sort(experts, -1))
+        else:
+            assert o.experts is None
+
+
+def test_a_padded_batch_equals_each_row_alone_and_refilling_changes_nothing(models):
+    fwd, params, _ = hf.load(str(models["llama"][1]))
+    reqs = [Request(p, max_new_tokens=n, seed=i, **SAMPLED) for i, (p, n) in enumerate(zip(PROMPTS, (3, 12, 5, 9, 2)))]
+    batch = Engine(fwd, params, slots=4).generate(reqs)
+    static = Engine(fwd, params, slots=4, refill=False).generate(reqs)
+    for i, r in enumerate(reqs):
+        alone = Engine(fwd, params, slots=1, chunk=3).generate([r])[0]
+        for o in (batch[i], static[i]):
+            assert o.tokens == alone.tokens and len(o.tokens) == r.max_new_tokens
+            np.testing.assert_allclose(o.model_logprobs, alone.model_logprobs, atol=1e-5)
+            np.testing.assert_allclose(o.logprobs, alone.logprobs, atol=1e-5)
+    assert len({tuple(o.tokens) for o in batch}) == len(batch)
+    other = Engine(fwd, params, slots=4).generate([Request(PROMPTS[0], max_new_tokens=3, seed=7, **SAMPLED)])[0]
+    assert other.tokens != batch[0].tokens or other.logprobs != batch[0].logprobs  # the seed matters
+
+
+def test_stops_end_a_row_with_its_reason(models):
+    fwd, params, tok = hf.load(str(models["llama"][1]))
+    engine = Engine(fwd, params, slots=2, tokenizer=tok)
+    free = engine.generate([Request(PROMPTS[1], max_new_tokens=10)])[0]
+    stop_at = free.tokens[3]
+    first = free.tokens.index(stop_at)
+    by_id, by_text = engine.generate([Request(PROMPTS[1], max_new_tokens=10, stop_ids=[stop_at]),
+                                      Request(PROMPTS[1], max_new_tokens=10, stop=[tok.decode(free.tokens[2:4])])])
+    assert by_id.tokens == free.tokens[:first + 1] and by_id.finish_reason == "stop"
+    assert by_id.text == tok.decode(free.tokens[:first])
+    assert by_text.finish_reason == "stop" and by_text.tokens == free.tokens[:4]
+    assert by_text.text == tok.decode(free.tokens)[:tok.decode(free.tokens).find(tok.decode(free.tokens[2:4]))]
+
+
+def reference_filter(logits, t, k, p, m):
+    """The sampling distribution by its definition, float64: temperature, top-k, top-p, min-p."""
+    z = logits.astype(np.float64) / t
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros(len(z), bool)
+    keep[order[:k or len(z)]] = True
+    probs = np.where(keep, np.exp(z - z.max()), 0)
+    probs /= probs.sum()
+    mass = np.cumsum(probs[order]) - probs[order]
+    keep[order[mass >= p]] = False
+    keep[order[0]] = True
+    probs = np.where(keep, probs, 0)
+    probs /= probs.sum()
+    keep &= probs >= m * probs.max()
+    probs = np.where(keep, probs, 0)
+    return probs / probs.sum()
+
+
+def test_sampler_filters_equal_their_formula():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 50)).astype(np.float32) * 3
+    knobs = [(0.7, 0, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.3, 0, 0.6, 0.0), (0.9, 20, 0.9, 0.1)]
+    s = Sampling(*(jax.numpy.asarray(c) for c in zip(*knobs)))
+    s = Sampling(s.temperature.astype("float32"), s.top_k.astype("int32"), s.top_p.astype("float32"),
+                 s.min_p.astype("float32"))
+    counts = np.zeros((4, 50))
+    for i in range(400):
+        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(i), r))(np.arange(4))
+        tok, lp, lpm = (np.asarray(a) for a in sample(jax.numpy.asarray(logits), keys, s))
+        for r in range(4):
+            want = reference_filter(logits[r], *knobs[r])
+            assert want[tok[r]] > 0
+            np.testing.assert_allclose(lp[r], np.log(want[tok[r]]), atol=1e-5)
+            np.testing.assert_allclose(lpm[r], logits[r, tok[r]] - np.log(np.exp(logits[r]).sum()), atol=1e-5)
+            counts[r, tok[r]] += 1
+    for r in range(4):  # the draws follow the filtered distribution (total variation within sampling noise)
+        assert 0.5 * np.abs(counts[r] / 400 - reference_filter(logits[r], *knobs[r])).sum() < 0.12
+
+
+def test_bad_requests_are_one_line_each(models):
+    fwd, params, _ = hf.load(str(models["llama"][1]))
+    engine = Engine(fwd, params)
+    for req, match in ((Request(list(range(1, 65))), "request 0: a prompt of 64 tokens; the model's context is 64"),
+                       (Request([1, 2], top_p=0.0), r"request 0: top_p=0.0: it must be in \(0, 1\]"),
+                       (Request([1, 2], top_p=1.5), r"top_p=1.5"), (Request([]), "an empty prompt"),
+                       (Request([1], stop=["x"]), "stop strings without a tokenizer")):
+        with pytest.raises(ValueError, match=match) as e:
+            engine.generate([req])
+        assert "\n" not in str(e.value)
+
+
+LAYOUTS = {
+    "data2_tensor2": ("llama", {"mesh.data": 2, "mesh.tensor": 2}),
+    "zero3": ("qwen3", {"mesh.data": 4, "mesh.tensor": 2, "optim.zero_stage": 3}),
+    "expert": ("qwen3_moe", {"mesh.data": 2, "mesh.expert": 4}),
+    "pipeline": ("llama", {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2}),
+}
+
+
+@needs8
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models, corpus, tmp_path, name):
+    kind, over = LAYOUTS[name]
+    d = models[kind][1]
+    config = hf.apply(run_config(corpus, tmp_path, **{**over, "init_from": f"hf:{d}"}))
+    n = over["mesh.data"] * over.get("mesh.tensor", 1) * over.get("mesh.expert", 1) * over.get("mesh.stage", 1)
+    steps = steps_for(config, V, jax.devices()[:n])
+    placed = hf.load_params(str(d), steps.cfg, steps.state_shardings["params"], steps.layer_order)
+    fwd, params, _ = hf.load(str(d))
+    reqs = [Request(p, max_new_tokens=6) for p in PROMPTS[:4]] + \
+           [Request(p, max_new_tokens=6, seed=3, **SAMPLED) for p in PROMPTS[:4]]
+    want = Engine(fwd, params, slots=8).generate(reqs)
+    engine = Engine.on_steps(steps, placed, config, slots=8)
+    got = engine.generate(reqs)
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-5)
+        if w.experts is not None:
+            np.testing.assert_array_equal(g.experts, w.experts)
+    # the KV cache is sharded as `--dry_run` prices it: rows over data x expert, KV heads over tensor
+    shape = (steps.cfg.layers, 8, 64, steps.cfg.kv_heads, steps.cfg.head_dim)
+    shard = engine.decoder.cache_sharding(8, 64).shard_shape(shape)
+    assert shard[1] == 8 // (over["mesh.data"] * over.get("mesh.expert", 1))
+    assert shard[3] == steps.cfg.kv_heads // over.get("mesh.tensor", 1)
+    priced = cache_bytes(steps.cfg, 8, 64, steps.layout, step_rules(config))
+    assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}
+    leaf = jax.tree.leaves(engine.params)[0]
+    assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
+    if name != "pipeline":  # no second copy: the engine reads the training arrays themselves
+        assert all(a is b for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(placed)))
+
+
+def test_cli_writes_n_samples_resumes_and_refuses_bad_records_one_line_each(models, tmp_path, capsys):
+    import json
+
+    from jaxpar.generate.__main__ import main
+
+    d = str(models["llama"][1])
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    recs = [{"prompt": "to be", "id": "a"}, {"prompt": "or not", "max_new_tokens": 3, "stop": "zz"},
+            {"prompt": "that is", "temperature": 0.9, "extra": [1]}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = ["--model", f"hf:{d}", "--prompts", str(src), "--out", str(out), "--max_new_tokens", "5", "--n", "2",
+            "--progress", "0", "--slots", "4"]
+    assert main(args) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [g["extra"] for g in got[2:]] == [[1]] and got[0]["id"] == "a" and len(got) == 3
+    assert [len(ids) for g in got for ids in g["completion_ids"]] == [5, 5, 3, 3, 5, 5]
+    fwd, params, tok = hf.load(d)
+    want = Engine(fwd, params, tokenizer=tok).generate([Request(tok.encode("to be"), max_new_tokens=5)])[0]
+    assert got[0]["completion_ids"] == [want.tokens] * 2 and got[0]["completion"] == [want.text] * 2
+    assert got[2]["completion_ids"][0] != got[2]["completion_ids"][1]  # two streams of one seed
+    whole = out.read_text()
+    out.write_text(whole.splitlines()[0] + "\n" + whole.splitlines()[1][:20])  # interrupted mid-record
+    assert main(args) == 0  # resumed: the rest written, the same (log-probs to rounding: other batch shapes)
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [{**g, "logprobs": 0} for g in again] == [{**g, "logprobs": 0} for g in got]
+    np.testing.assert_allclose(sum(sum((g["logprobs"] for g in again), []), []),
+                               sum(sum((g["logprobs"] for g in got), []), []), atol=1e-5)
+    for lines, flags, says in (
+            (['{"prompt": "ab"}', '{"prompt": 3}'], [], "in.jsonl:2: field 'prompt' must be a string, got int."),
+            (['{"prompt": "' + "x" * 70 + '"}'], [], "in.jsonl:1: a prompt of 70 tokens; the model's context is 64"),
+            (['{"prompt": "ab"'], [], "in.jsonl:1: not a JSON record"),
+            (['{"prompt": "ab", "temperature": "hot"}'], [], "field 'temperature' must be an integer or a number"),
+            (['{"prompt": "ab"}'], ["--top_p", "1.5"], "--top_p=1.5 is outside (0, 1]")):
+        src.write_text("\n".join(lines) + "\n")
+        out.unlink(missing_ok=True)
+        capsys.readouterr()
+        assert main(args + flags) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
