@@ -194,3 +194,11 @@ def test_tasks_during_training_equal_the_command_line_on_that_checkpoint(model_d
         cli = json.load(f)["results"]["jaxpar_mc"]
     for k in ("acc,none", "acc_norm,none"):
         assert kept[k] == cli[k] == logged[2][f"eval/jaxpar_mc/{k.split(',')[0]}"], k
+
+
+def test_padded_lengths_are_few_and_fit_the_layout():
+    from jaxpar.evaluate.scores import bucket
+
+    assert [bucket(n, 64) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+    assert bucket(20, 128, 48) == 48 and bucket(50, 256, 48) == 96  # multiples of what the layout splits
+    assert bucket(100, 100) == 112  # never past max_positions rounded up to the multiple

@@ -8,11 +8,13 @@ greedy (argmax) token, the greedy token at the weighted positions). `score(steps
 (log-prob sum, is_greedy, the greedy next token after the row's last token).
 
 Padding: rows right-padded with token 0 and weight 0 (a causal model's earlier positions never see them); the
-sequence padded to a bucket (`bucket`) so that a few shapes compile; batches padded with weightless rows.
+sequence padded to a bucket (`bucket`: powers of two, multiples of 16 and of what sequence and context parallelism
+split) so that a few shapes compile; batches padded with weightless rows.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +67,7 @@ class Scores:
 def bucket(n: int, most: int, multiple: int = 16) -> int:
     """The padded length for `n` tokens: the next power of two of at least `multiple`, a multiple of `multiple`,
     and at most `most` rounded up to `multiple` (few shapes, few compiles)."""
-    p = max(multiple, 1 << max(n - 1, 0).bit_length())
+    p = -(-max(multiple, 1 << max(n - 1, 0).bit_length()) // multiple) * multiple
     return min(p, -(-most // multiple) * multiple)
 
 
@@ -79,21 +81,22 @@ def _batch_axes(steps) -> tuple:
     return () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
 
 
-def score(steps, params, rows, batch: int, length_multiple: int = 16):
+def score(steps, params, rows, batch: int):
     """rows: `(tokens, first_scored)`, each a sequence of token ids and the index of its first scored token (>= 1;
     tokens before it are context) -> a float64 array `[len(rows), 3]`: (sum of the scored tokens' log-probs,
     scored tokens that are not the greedy prediction, the greedy token after the last token; this one only when
     `first_scored == len(tokens)`, nothing scored: pass it to ask for the next token). `batch` rows per pass,
     rounded up to `row_multiple(steps)`; the caller orders rows (longest first) and keeps each within the model's
     `max_positions` + 1 tokens."""
-    m = row_multiple(steps)
+    m, lo = row_multiple(steps), steps.layout
     batch = -(-max(batch, 1) // m) * m
+    multiple = math.lcm(16, 2 * lo.context * lo.tensor)  # sequence and context parallelism split the positions
     head_dtype = np.float64 if steps.cfg.compute_dtype == "float64" else np.float32
     out = np.zeros((len(rows), 3), np.float64)
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
         # inputs: a scored row's tokens but its last; a next-token row's all of them
-        T = bucket(max(len(t) - (first < len(t)) for t, first in chunk), steps.cfg.max_positions, length_multiple)
+        T = bucket(max(len(t) - (first < len(t)) for t, first in chunk), steps.cfg.max_positions, multiple)
         tokens = np.zeros((batch, T + 1), np.int32)
         mask = np.zeros((batch, T), head_dtype)
         for i, (t, first) in enumerate(chunk):
