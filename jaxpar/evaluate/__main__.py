@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import jax
 
 from jaxpar.errors import ConfigError
 from jaxpar.evaluate.tasks import load_tasks, register
@@ -61,8 +62,9 @@ def run(args, overrides: list[str]) -> dict:
 
 
 def write(results: dict, tracker, log_samples: bool) -> None:
-    """lm-eval's results JSON (and with `log_samples` one JSONL of samples per task) through its tracker."""
-    if tracker is None:
+    """lm-eval's results JSON (and with `log_samples` one JSONL of samples per task) through its tracker (process 0:
+    every process computed the same results)."""
+    if tracker is None or jax.process_index() != 0:
         return
     samples = results.pop("samples") if log_samples else None
     tracker.save_results_aggregated(results=results, samples=samples)
