@@ -348,6 +348,17 @@ KEYS = (
     # eval
     K("eval.every_steps", 100, int, "validation every N steps", lambda v: v >= 1, "an integer >= 1"),
     K("eval.batches", 8, int, "validation batches", lambda v: v >= 1, "an integer >= 1"),
+    K("eval.tasks", "", str, "lm-eval tasks run during training, comma-separated (`pip install 'jaxpar[eval]'`; "
+      "[evaluation](evaluate.md)); `\"\"`: none"),
+    K("eval.tasks_every_steps", 0, int, "run `eval.tasks` every N steps and at the last; 0: at the last step only",
+      lambda v: v >= 0, "an integer >= 0"),
+    K("eval.tasks_limit", 0.0, float, "documents per task (a fraction of each when < 1); 0: all",
+      lambda v: v >= 0, "a number >= 0"),
+    K("eval.tasks_fewshot", -1, int, "few-shot examples per prompt; -1: each task's own", lambda v: v >= -1,
+      "an integer >= -1"),
+    K("eval.tasks_include", "", str, "a folder of local task YAMLs for `eval.tasks` (lm-eval's `--include_path`)"),
+    K("eval.tasks_chat", False, bool, "render `eval.tasks`' prompts with the checkpoint's chat template (lm-eval's "
+      "`--apply_chat_template`)"),
     # dist
     K("dist.heartbeat_timeout_s", 60.0, float, "a process silent this long ends the job (exit 3): "
       "[multi-host](multihost.md)", lambda v: 0 < v < _INF, "a number of seconds > 0"),

@@ -27,6 +27,7 @@ from jaxpar import model as gpt
 from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
 from jaxpar.config import ConfigError  # noqa: F401 (trainer.ConfigError: what a run raises for bad input)
+from jaxpar.evaluate import during as lm_tasks
 from jaxpar.export import init_from_export
 from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint, samples_consumed
 from jaxpar.train import objectives
@@ -266,6 +267,7 @@ class Loop:
         # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
         batch = abstract_batch(config, steps)
         self.eval_step = steps.evaluate.lower(abstract["params"], batch, *reference_of(abstract)).compile()
+        self.lm_tasks = lm_tasks.Tasks(config, steps, workdir)  # eval.tasks: lm-eval's, their data read now
         # read ahead while the devices run
         self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch), self.total)
 
@@ -329,6 +331,7 @@ class Loop:
             eval_now = done % c.eval.every_steps == 0 or done == self.total
             stop_now = preemption.reached()
             save_now = done % c.checkpoint.every_steps == 0 or done == self.total or stop_now
+            log_now = log_now or self.lm_tasks.due(done)
             if log_now or eval_now or save_now:
                 health = check_health(c, state, done)
                 self._say_spikes(state, health["spike_steps"])
@@ -373,6 +376,7 @@ class Loop:
         if eval_now:
             watchdog.phase("evaluation")
             m.update(self.evaluate(state))
+        m.update(self.lm_tasks(done, state["params"]))  # eval/<task>/<metric> when eval.tasks are due
         self.writer.write(done, m)
         self.console.update(done, m)
         return dict(m, step=done)

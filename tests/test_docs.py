@@ -97,7 +97,8 @@ def test_readme_is_a_landing_page():
 
 
 @pytest.mark.parametrize("cmd", [["train.py"], ["sample.py"], ["-m", "jaxpar.plan"], ["-m", "jaxpar.preprocess"],
-                                 ["-m", "jaxpar.export"], ["-m", "jaxpar.generate"]], ids=" ".join)
+                                 ["-m", "jaxpar.export"], ["-m", "jaxpar.generate"], ["-m", "jaxpar.evaluate"]],
+                         ids=" ".join)
 def test_every_command_line_names_its_guide(cmd):
     out = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     guides = re.findall(r"docs/[\w/-]+\.md", out.stdout + out.stderr)

@@ -6,26 +6,36 @@ stage, expert and ZeRO settings, data over the devices left), an export of `pyth
 with model_config.json), `hf:DIR` (a Hugging Face directory) or `hf:ORG/NAME[@REVISION]` (fetched into the Hugging
 Face cache once). `mesh` ({"data": 2, "tensor": 2, ...}, the `--config.mesh.*` overrides) lays any of them out on
 that mesh; an export or a Hugging Face model without it is read onto one device in float32.
+
+`on_layout(src, overrides, rows)` (evaluation) always lays SRC out with its steps: any `--config.KEY=VALUE`
+overrides (mesh, pipeline schedule and microbatches, ZeRO, dtypes), the steps built for batches of `rows` rows, a
+run's checkpoint (`DIR@STEP` for another than the latest) restored straight onto that layout.
 """
 from __future__ import annotations
 
+import ast
 import math
 import os
+import re
 from typing import NamedTuple
 
 import jax
+import ml_collections
 import numpy as np
 
 from jaxpar import data
 from jaxpar import model as gpt
 from jaxpar.compiled import steps_for
-from jaxpar.config import base_config
+from jaxpar.config import base_config, check_command_line
 from jaxpar.config_keys import MESH_AXES
 from jaxpar.data.chat import ChatFormat
 from jaxpar.data.common import DataError
-from jaxpar.export import CONFIG_FILE, load_export
+from jaxpar.errors import ConfigError
+from jaxpar.export import CONFIG_FILE, TOKENIZER_DIR, init_from_export, load_export, read_export_config
 from jaxpar.formats import hf, hub
 from jaxpar.state import runs
+from jaxpar.state.checkpoint import Checkpointer
+from jaxpar.layout import Layout
 
 
 class Source(NamedTuple):
@@ -90,3 +100,97 @@ def load(src: str, mesh: dict | None = None) -> Source:
     return Source(steps.fwd, _place(run.params, steps), run.tokenizer, _chat(run.tokenizer,
                                                                              os.path.join(src, "tokenizer")),
                   steps, run.config)
+
+
+def apply_overrides(config, overrides) -> ml_collections.ConfigDict:
+    """`--config.KEY=VALUE` strings onto a copy of `config`, each value read as the key's type (bools as
+    true/false, tuples as Python literals). Raises ConfigError naming the argument."""
+    check_command_line(list(overrides))
+    config = config.copy_and_resolve_references()
+    for arg in overrides:
+        m = re.fullmatch(r"--config\.([^=\s]+)=(.*)", arg)
+        if not m:
+            raise ConfigError(f"{arg!r}: write --config.KEY=VALUE (e.g. --config.mesh.tensor=2).")
+        *path, name = m.group(1).split(".")
+        node = config
+        for p in path:
+            node = node[p]
+        node[name] = _typed(node[name], m.group(2), arg)
+    return config
+
+
+def _typed(old, text: str, arg: str):
+    if isinstance(old, bool):
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ConfigError(f"{arg}: expected true or false.")
+        return text.lower() in ("true", "1")
+    if isinstance(old, (int, float, tuple, list)):
+        try:
+            v = ast.literal_eval(text)
+            return type(old)(v) if not isinstance(old, (tuple, list)) else tuple(v)
+        except (ValueError, SyntaxError, TypeError) as e:
+            raise ConfigError(f"{arg}: expected a {type(old).__name__} ({e}).") from e
+    return text
+
+
+def _base(src: str) -> tuple[ml_collections.ConfigDict, str]:
+    """(the config SRC describes, its kind: run | export | hf), before overrides."""
+    name = hub.model_name(src)  # hf:ORG/NAME[@REV]: into the Hugging Face cache
+    if name or hf.directory_of(src) is not None:
+        config = base_config()
+        config.init_from = "hf:" + hub.fetch(name)[0] if name else src
+        config = hf.apply(config, say=False)
+        config.model.seq_len = config.model.max_positions
+        return config, "hf"
+    if os.path.isfile(os.path.join(src, CONFIG_FILE)):
+        cfg = read_export_config(src)
+        config = base_config()
+        config.model.update({k: getattr(cfg, k) for k in config.model if hasattr(cfg, k)})
+        config.model.vocab_size = cfg.vocab_real
+        config.train.update(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
+        config.data.tokenizer = os.path.join(src, TOKENIZER_DIR)
+        config.init_from = src
+        return config, "export"
+    return runs.read_config(src), "run"
+
+
+def _tokenizer_dir(config, src: str, kind: str) -> str:
+    if kind == "hf":
+        return hf.directory_of(config.init_from)
+    return os.path.join(src, TOKENIZER_DIR if kind == "export" else "tokenizer")
+
+
+def on_layout(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
+    """SRC (`DIR[@STEP]` for a run's checkpoint) on the layout the overrides give (default: a run's own; data
+    parallel over `devices`, default all, for the others); the steps built for batches of `rows` rows (rounded up to
+    a multiple of the data shards x microbatches).
+
+    Raises:
+      ConfigError: a bad override, or a layout that does not fit the model or the devices (one line each).
+      FileNotFoundError / ValueError: SRC is none of the four, or its files are incomplete.
+    """
+    src, _, at = src.partition("@") if not src.startswith("hf:") else (src, "", "")
+    config, kind = _base(src)
+    config = apply_overrides(config, overrides)
+    devices = list(jax.devices() if devices is None else devices)
+    lay = Layout.from_config(config, len(devices))
+    n = lay.batch_split * int(config.train.microbatches)
+    config.train.global_batch_size = -(-max(rows, 1) // n) * n
+    config = gpt.derived(config)
+    tok_dir = _tokenizer_dir(config, src, kind)
+    tok = data.load_tokenizer(tok_dir)
+    steps = steps_for(config, int(config.model.vocab_size) or tok.vocab_size, devices)
+    placed = lambda params: Source(steps.fwd, params, tok, _chat(tok, tok_dir), steps, config)  # noqa: E731
+    if kind == "hf":
+        return placed(hf.load_params(tok_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order))
+    if kind == "export":
+        return placed(init_from_export(src, steps, steps.init(0))["params"])
+    ckpt = Checkpointer(src, 1, 1, async_save=False, read_only=True)
+    try:
+        step = int(at) if at else ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {ckpt.directory}.")
+        state, _ = ckpt.restore(step, steps.abstract_state())
+    finally:
+        ckpt.close()
+    return placed(steps.from_canonical(state)["params"])

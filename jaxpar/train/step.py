@@ -137,6 +137,7 @@ class Steps:
     evaluate: callable  # (params, batch) -> (loss_sum, token_count)
     grads: callable  # (params, batch) -> (loss, grads in canonical order); no update
     reference_sums: callable  # (params, batch) -> DPO's reference sums per pair, the params as the reference
+    forward: callable  # (params, batch, head) -> (loss_sum, count) of `head` (static, hashable), no gradient
     to_canonical: callable  # state in this layout's layer order -> canonical order (what checkpoints hold)
     from_canonical: callable  # the inverse
     layer_order: tuple  # position p of the layer axis in this layout holds canonical layer layer_order[p]
@@ -331,6 +332,12 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         with activation_rules(st.rules, mesh):
             return reference_sums(st, grad_fn, reference_weights(cfg, dev(params, "params")), batch)
 
+    def forward(params, batch, head):
+        """A pass of `head` (an objective-like object, `head.head(fwd, params, x, mb)`) over a batch, microbatched
+        like training, on this layout's engine: what evaluation scores requests with (`jaxpar/evaluate`)."""
+        with activation_rules(st.rules, mesh):
+            return grad_fn.loss(dev(params, "params"), microbatched(batch, lo.microbatches, lo.context)[1], head)
+
     def grads(params, batch):
         """(mean loss, grads in canonical layer order): for tests and tools, no update."""
         with activation_rules(st.rules, mesh):
@@ -356,6 +363,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
                          in_shardings=(state_sh["params"], sh.batch) + ((state_sh["reference"],) if copy else ())),
         grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
         reference_sums=jax.jit(reference_pass, in_shardings=(state_sh["params"], sh.batch), out_shardings=repl),
+        forward=jax.jit(forward, static_argnums=2, in_shardings=(state_sh["params"], sh.batch), out_shardings=repl),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
         layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
         init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=dev(p, "params"),
