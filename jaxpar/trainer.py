@@ -123,16 +123,25 @@ def run(config, workdir: str, devices=None) -> dict:
     try:
         abstract = steps.abstract_state()
         state, start = restore_or_init(config, steps, ckpt, train_data, abstract)
-        if ref_dtype(config) is not None:  # DPO's reference sums, computed from the initial weights, kept in workdir
-            B = int(config.train.global_batch_size)
-            run_batch = lambda rows: steps.reference_sums(state["params"], to_global(rows, steps, B, ref_dtype(config)))
-            reference.attach(workdir, (train_data, val_data), start,
-                             lambda rows: np.asarray(jax.device_get(run_batch(rows))),
-                             data.process_rows(steps.batch_sharding, B))
+        if ref_dtype(config) is not None:  # DPO's reference sums, computed from the starting weights, kept in workdir
+            precompute_reference(config, workdir, steps, state, start, info, (train_data, val_data))
         loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, start)
         return loop.run(state, start)
     finally:
         ckpt.close()
+
+
+def precompute_reference(config, workdir: str, steps, state, start: int, info, splits) -> None:
+    """DPO's reference tables (`dpo.precompute_reference`): read back, or at step 0 computed from the starting weights
+    (`state`'s params) and recorded with what made them (`reference.attach`)."""
+    B = int(config.train.global_batch_size)
+    run_batch = lambda rows: steps.reference_sums(state["params"], to_global(rows, steps, B, ref_dtype(config)))
+    start_weights = state["params"] if config.lora.adapter or not steps.cfg.lora_rank else \
+        gpt.split_trainable(state["params"], steps.cfg)[1]  # (fresh adapters are not the reference's)
+    made_by = {"init_from": config.init_from, "lora.adapter": config.lora.adapter, "data": info.identity,
+               "weights": reference.weights_digest(start_weights) if start == 0 else None}
+    reference.attach(workdir, splits, start, lambda rows: np.asarray(jax.device_get(run_batch(rows))),
+                     data.process_rows(steps.batch_sharding, B), made_by)
 
 
 def check_before_writing(config, workdir: str, fp: dict, steps) -> int | None:
@@ -206,12 +215,15 @@ def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, in
             params = gpt.merge_trainable(start_adapters(config, steps, abstract), params)
         return steps.init_with(params, int(config.train.seed)), 0
     state = steps.init(int(config.train.seed))
-    if config.init_from:  # fine-tuning: params from an export, fresh optimizer state, step 0
+    if not (config.init_from or config.lora.adapter):
+        return state, 0
+    if config.init_from:  # fine-tuning: params from an export or a run, fresh optimizer state, step 0
         state = init_from_export(config.init_from, steps, state)
+    params = state["params"]
     if config.lora.adapter:
-        state = {**state, "params": gpt.merge_trainable(start_adapters(config, steps, abstract),
-                                                        gpt.split_trainable(state["params"], steps.cfg)[1])}
-    return state, 0
+        params = gpt.merge_trainable(start_adapters(config, steps, abstract), gpt.split_trainable(params, steps.cfg)[1])
+    # the state anew around the starting params: DPO's frozen reference is a copy of them, not of the random draw
+    return steps.init_with(params, int(config.train.seed)), 0
 
 
 def start_adapters(config, steps, abstract) -> dict:

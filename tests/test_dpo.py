@@ -303,7 +303,7 @@ def test_precomputed_reference_gives_the_live_reference_losses(chat_model, tmp_p
     for k in ["val_loss", "val_rewards/accuracies", "val_logps/chosen"]:  # at step 3
         np.testing.assert_allclose(pre_val[-1][k], live_val[-1][k], rtol=1e-12)
     assert sorted(p.name for p in (tmp_path / "precomputed" / "reference_logps").iterdir()) == \
-        ["train-0.npy", "val-0.npy"]
+        ["made_by.json", "train-0.npy", "val-0.npy"]
     assert live[0]["rewards/chosen"] == 0 and live[1]["rewards/chosen"] != 0  # the policy starts as the reference
 
 

@@ -5,6 +5,7 @@ template, `data.packing=auto` packs the records whole. (The other keys set here 
 import importlib.util
 import json
 import math
+import shutil
 
 import jax
 import numpy as np
@@ -131,15 +132,76 @@ def test_a_validation_set_without_loss_tokens_is_refused_when_the_data_is_prepar
 def test_the_loss_weight_of_host_rows_is_the_steps(points, pairs):
     """`data.loss_weight` (what the check above counts) equals what the step divides its loss by (the objective's
     `total` of `split_batch`'s mask and segments), on packed conversations and on preference pairs."""
-    from jaxpar.train import objective
     from jaxpar.train.step import split_batch
 
     c = objectives.with_packing(start.apply(shakespeare(**{
         "init_from": points["hf"], "data.sources": points["pairs" if pairs else "chat"],
         "data.cache_dir": str(points["root"] / "cache"), "train.objective": "dpo" if pairs else "lm"}), say=False))
     b = data.Batches(data.prepare(c), "train", 128, 32, packing=c.data.packing, pairs=pairs)
-    obj = objective.DPO(0.1, "sigmoid", 0.0) if pairs else objective.LM()
+    obj = objectives.DPO(0.1, "sigmoid", 0.0) if pairs else objectives.LM()
     for i in range(2):
         rows = b.rows(i)
         _, _, mask, seg = split_batch(rows)
         assert data.loss_weight(rows, pairs) == int(obj.total(mask, seg)) > 0
+
+
+def first_dpo_step(points, init_from, workdir, **over) -> dict:
+    """Step 1's logged metrics of a DPO run on the pairs from `init_from` (the Shakespeare config, one device)."""
+    c = shakespeare(**{"init_from": init_from, "data.sources": points["pairs"], "train.objective": "dpo",
+                       "train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 1,
+                       "data.cache_dir": str(points["root"] / "cache"), **over})
+    trainer.run(c, str(workdir), jax.devices()[:1])
+    return json.loads((workdir / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def assert_at_the_reference(row):
+    """Before any update the policy is the reference: every implicit reward exactly 0."""
+    assert row["pairs"] > 0
+    assert (row["rewards/chosen"], row["rewards/rejected"], row["rewards/margins"]) == (0.0, 0.0, 0.0), row
+
+
+@pytest.mark.parametrize("where", ["hf", "export", "run"])
+def test_dpo_starts_at_its_reference_from_every_starting_point(points, tmp_path, where):
+    """The reference is the model the run starts from (`hf:DIR`, a jaxpar export, a run directory), not the random
+    draw the state was built around: step 1's rewards are exactly 0."""
+    init_from = {"hf": points["hf"], "export": str(points["export"]), "run": str(points["sft"])}[where]
+    assert_at_the_reference(first_dpo_step(points, init_from, tmp_path / "dpo"))
+
+
+@pytest.fixture(scope="module")
+def adapter(points, tmp_path_factory):
+    """A PEFT adapter of 2 LoRA SFT steps from hf:DIR (`--format peft`): its B matrices are no longer zero."""
+    root = tmp_path_factory.mktemp("lora")
+    train(points, points["hf"], points["chat"], root / "run", **{"lora.rank": 4, "optim.lr": 1e-2})
+    assert export.main(["--workdir", str(root / "run"), "--out", str(root / "adapter"), "--format", "peft"]) == 0
+    return root / "adapter"
+
+
+def test_dpo_from_a_lora_adapter_keeps_it_in_the_reference(points, adapter, tmp_path):
+    """`lora.adapter`: the reference is the base with that adapter (frozen), not the base alone, as TRL keeps the
+    starting adapter; step 1's rewards are exactly 0."""
+    assert_at_the_reference(first_dpo_step(points, points["hf"], tmp_path / "dpo", **{"lora.adapter": str(adapter)}))
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_dpo_with_dropout_runs_it_alike_in_policy_and_reference(points, tmp_path, dropout):
+    """A model with dropout: off in both passes by default (`dpo.dropout=false`, TRL's `disable_dropout`), or on in
+    both with the same masks: either way step 1 is at the reference."""
+    row = first_dpo_step(points, points["hf"], tmp_path / "dpo", **{"model.dropout_resid": 0.3,
+                                                                   "dpo.dropout": dropout})
+    assert_at_the_reference(row)
+
+
+def test_a_precomputed_reference_from_other_starting_weights_is_refused(points, tmp_path):
+    """`dpo.precompute_reference`: the tables record what made them; tables of other starting weights are refused in
+    one line (and kept), never reused."""
+    first_dpo_step(points, str(points["export"]), tmp_path / "a", **{"dpo.precompute_reference": True})
+    made_by = json.loads((tmp_path / "a" / "reference_logps" / "made_by.json").read_text())
+    assert made_by["init_from"] == str(points["export"]) and len(made_by["weights"]) == 16
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "reference_logps", tmp_path / "b" / "reference_logps")
+    with pytest.raises(data.DataError, match=r"reference log-probs \(dpo.precompute_reference\) made from other "
+                                             r"starting weights[^\n]*init_from[^\n]*weights[^\n]*new run directory"):
+        first_dpo_step(points, points["hf"], tmp_path / "b", **{"dpo.precompute_reference": True})
+    assert sorted(p.name for p in (tmp_path / "b" / "reference_logps").iterdir()) == \
+        ["made_by.json", "train-0.npy", "val-0.npy"]

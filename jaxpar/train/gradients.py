@@ -5,7 +5,8 @@ ids int32 global row index, optional seg int32 `[.., seq]` document segments) an
 
     loss_and_grads(params, xs, norm, rng, reg_norm) -> (loss_sum, grads of norm · loss_sum + reg_norm · the MoE
         regularisers, MoE stats summed over the batch or None, the objective's count)   (at least float32)
-    loss(params, xs, objective=None) -> (loss_sum, count)              (evaluation, a reference pass: no dropout)
+    loss(params, xs, objective=None, rng=None) -> (loss_sum, count)    (evaluation, a reference pass; `rng`: its
+        dropout, keyed like the training pass's: DPO's reference with `dpo.dropout`)
 
 The loss is the training objective's (`jaxpar/train/objectives/`), computed where the head runs.
 
@@ -88,18 +89,18 @@ class Accumulate:
             (grads, sums), _ = jax.lax.scan(body, jax.tree.map(zeros, shapes), xs)
         return sums, grads
 
-    def loss(self, params, xs, objective=None):
+    def loss(self, params, xs, objective=None, rng=None):
         objective = objective or self.objective
         if CONTEXT not in self.dp.manual:
-            return self._loss(params, xs, objective)
+            return self._loss(params, xs, objective, rng=rng)
         # context parallel: each device runs its piece of every sequence, under the same manual region as training
         with activation_rules(self.rules, None, manual=self.dp.manual):
             return self.dp.run_forward(
                 lambda p, x: self._loss(p, x, objective, self.dp.gather_shared, self.gather_layer), params, xs)
 
-    def _loss(self, params, xs, objective, gather=lambda p: p, prepare=None):
+    def _loss(self, params, xs, objective, gather=lambda p: p, prepare=None, rng=None):
         def one(mb):
-            return self.fwd.loss_and_stats(gather(params), mb["x"], mb["y"], mb["w"], prepare=prepare,
+            return self.fwd.loss_and_stats(gather(params), mb["x"], mb["y"], mb["w"], rng, mb["ids"], prepare=prepare,
                                            segments=mb.get("seg"), positions=mb.get("pos"),
                                            head=lambda hp, x: objective.head(self.fwd, hp, x, mb))[:2]
 
@@ -174,8 +175,8 @@ class PipelineAutodiff:
         grads, (lsum, stats, count) = jax.grad(f, has_aux=True)(trained)
         return lsum, self.fence_grads(grads), stats, count
 
-    def loss(self, params, xs, objective=None):
-        return self._forward(self.fence(params), xs, None, objective)[:2]
+    def loss(self, params, xs, objective=None, rng=None):
+        return self._forward(self.fence(params), xs, rng, objective)[:2]
 
 
 class PipelineLoop(PipelineAutodiff):

@@ -7,17 +7,59 @@ log-probs (chosen, rejected) are written to the run directory, `reference_logps/
 reference weights and runs no reference forward pass. They live beside the run's checkpoints, not in the shared
 prepared-data cache, because they belong to this run's initial weights: a resumed run reads them back (its policy
 has moved on, so they are never recomputed after step 0).
+
+`reference_logps/made_by.json` records what made the tables: the starting weights' digest (`weights_digest`: exact
+integer sums of the weights' bits, the same on every layout), `init_from`, `lora.adapter` and the data's identity.
+Tables made from other starting weights or data are refused in one line, never reused and never deleted.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.data import DataError
 
 DIR = "reference_logps"
+MADE_BY = "made_by.json"
+_UINT = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def weights_digest(params) -> str:
+    """A digest of a params tree, the same on every layout and device count: per leaf, the sums (mod 2^32) of its
+    elements' bit patterns and of their squares (integer sums: exact in any order of reduction)."""
+    def leaf(a):
+        bits = jax.lax.bitcast_convert_type(a, _UINT[a.dtype.itemsize])
+        u = (bits ^ (bits >> 32)).astype(jnp.uint32) if a.dtype.itemsize == 8 else bits.astype(jnp.uint32)
+        return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * u, dtype=jnp.uint32)])
+
+    sums = jax.device_get(jax.jit(lambda p: jax.tree.map(leaf, p))(params))
+    text = json.dumps([[jax.tree_util.keystr(k), v.tolist()] for k, v in jax.tree_util.tree_leaves_with_path(sums)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_made_by(workdir: str, made_by: dict, start: int) -> None:
+    """Refuse tables in WORKDIR made from other starting weights or data (`made_by`: this run's; at a resume, when
+    the starting weights are gone, its data alone); at step 0 tables with no record are refused too.
+
+    Raises:
+      DataError: one line naming what differs and the fix."""
+    path = os.path.join(workdir, DIR, MADE_BY)
+    tables = [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".npy")] if os.path.isdir(
+        os.path.dirname(path)) else []
+    if not tables:
+        return
+    saved = json.load(open(path)) if os.path.isfile(path) else {}
+    keys = [k for k in made_by if start == 0 or k == "data"]
+    diff = [f"{k}: tables {saved.get(k)!r} vs now {made_by[k]!r}" for k in keys if saved.get(k) != made_by[k]]
+    if diff:
+        raise DataError(f"{os.path.dirname(path)} holds reference log-probs (dpo.precompute_reference) made from other "
+                        f"starting weights or data ({'; '.join(diff)}); move that folder away, or use a new run "
+                        f"directory.")
 
 
 def path(workdir: str, split: str, k: int) -> str:
@@ -38,12 +80,14 @@ def compute(batches, k: int, run, rows: tuple[int, int]) -> np.ndarray:
     return table
 
 
-def attach(workdir: str, splits, start: int, run, rows: tuple[int, int]) -> None:
+def attach(workdir: str, splits, start: int, run, rows: tuple[int, int], made_by: dict) -> None:
     """Give each packed source of `splits` (train and val `Batches`) its reference table: read from `workdir`, or at
-    step 0 computed with `run` and written (by process 0).
+    step 0 computed with `run` and written (by process 0) with `made_by` (what made it: `check_made_by`).
 
     Raises:
-      DataError: a resumed run (`start` > 0) whose tables are missing or do not fit its data."""
+      DataError: tables made from other starting weights or data; a resumed run (`start` > 0) whose tables are
+        missing or do not fit its data."""
+    check_made_by(workdir, made_by, start)
     for batches in splits:
         for k, packed in enumerate(batches.packed):
             f = path(workdir, batches.split, k)
@@ -61,6 +105,14 @@ def attach(workdir: str, splits, start: int, run, rows: tuple[int, int]) -> None
                 table = compute(batches, k, run, rows)
                 if jax.process_index() == 0:
                     os.makedirs(os.path.dirname(f), exist_ok=True)
+                    _write_made_by(workdir, made_by)
                     np.save(f + ".tmp.npy", table)
                     os.replace(f + ".tmp.npy", f)
             packed.reference = table
+
+
+def _write_made_by(workdir: str, made_by: dict) -> None:
+    path = os.path.join(workdir, DIR, MADE_BY)
+    with open(path + ".tmp", "w") as f:
+        json.dump(made_by, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)

@@ -18,7 +18,7 @@ from jaxpar.parallel import sharding as shd
 
 
 def init_state(cfg: gpt.ModelConfig, optimizer, seed: int, ls_cfg=loss_scale.LossScaleConfig(), params=None,
-               spike_window: int = 1, reference: bool = False) -> dict:
+               spike_window: int = 1, reference: str = "") -> dict:
     """A fresh train state; its values depend only on `seed` and `cfg` (not on the layout); `params`, if given,
     replace the drawn ones (a start from imported weights); `spike_window`: `train.spike_window`.
 
@@ -26,14 +26,21 @@ def init_state(cfg: gpt.ModelConfig, optimizer, seed: int, ls_cfg=loss_scale.Los
     with float16 compute, kept in every state so checkpoints move between precisions), nonfinite (int32 count of
     steps with a non-finite loss or grads), first_nonfinite (int32, the first such step, or -1) and spikes (the
     loss-spike statistics, `jaxpar/train/spikes.py`, kept whether `train.skip_spikes` is on or not); with
-    `reference` (DPO's reference model as its own weights), reference: a frozen copy of the initial params."""
+    `reference` (DPO's reference model as weights of its own), reference: a frozen copy of the starting params
+    ("params"), or of their LoRA adapters alone ("adapters": the base is the policy's, frozen)."""
     key = jax.random.key(seed)
     params = fresh_params(cfg, seed) if params is None else params
     i32 = lambda v: jnp.full((), v, jnp.int32)
     return {"params": params, "opt_state": optimizer.init(gpt.trainable(params, cfg)), "step": i32(0),
             "rng": jax.random.key_data(jax.random.fold_in(key, 1)), "loss_scale": loss_scale.init(ls_cfg),
             "nonfinite": i32(0), "first_nonfinite": i32(-1), "spikes": spikes.init(spike_window)} | \
-        ({"reference": jax.tree.map(jnp.copy, params)} if reference else {})
+        ({"reference": jax.tree.map(jnp.copy, reference_part(params, cfg, reference))} if reference else {})
+
+
+def reference_part(tree: dict, cfg: gpt.ModelConfig, reference: str) -> dict:
+    """What of a params-shaped tree the state's frozen reference holds: all of it ("params"), or the LoRA adapters
+    ("adapters")."""
+    return gpt.trainable(tree, cfg) if reference == "adapters" else tree
 
 
 def fresh_params(cfg: gpt.ModelConfig, seed: int) -> dict:
@@ -73,7 +80,7 @@ def on_device(tree, sh: Shardings, offload: str, group: str | None = None):
 
 
 def shardings(cfg: gpt.ModelConfig, optimizer, rules, mesh, zero_stage: int, offload: str = "none",
-              reference: bool = False) -> Shardings:
+              reference: str = "") -> Shardings:
     names = gpt.logical_axes(cfg)
     pshapes = jax.eval_shape(lambda: gpt.init_params(cfg, jax.random.key(0)))
     specs = lambda zero: shd.param_specs(names, pshapes, rules, mesh, zero=zero)
@@ -82,7 +89,8 @@ def shardings(cfg: gpt.ModelConfig, optimizer, rules, mesh, zero_stage: int, off
     ospecs = shd.opt_state_specs(optimizer, jax.eval_shape(optimizer.init, train(pshapes)), train(specs(zero_stage >= 1)))
     state = {"params": pspecs, "opt_state": ospecs, "step": P(), "rng": P(),
              "loss_scale": loss_scale.LossScaleState(*(P(),) * 5), "nonfinite": P(), "first_nonfinite": P(),
-             "spikes": {k: P() for k in spikes.KEYS + spikes.COUNTS}} | ({"reference": pspecs} if reference else {})
+             "spikes": {k: P() for k in spikes.KEYS + spikes.COUNTS}} | \
+        ({"reference": reference_part(pspecs, cfg, reference)} if reference else {})
     device = shd.named(mesh, state)
     host = {k: jax.tree.map(lambda n: n.with_memory_kind(HOST), v) if k in OFFLOADED[offload] else v
             for k, v in device.items()}

@@ -61,7 +61,10 @@ class StepSettings:
     optim: OptimSettings
     objective: objectives.Objective  # `jaxpar/train/objectives/`
     reference: str  # the objective's reference model: "" (none), "copy" (frozen weights in the state),
-    # "adapters_off" (LoRA), "batch" (precomputed log-probs arrive with the batch, `ref`)
+    # "adapters_off" (LoRA), "adapters" (a frozen copy of the starting adapters in the state), "batch" (precomputed
+    # log-probs arrive with the batch, `ref`)
+    start_adapters: bool  # the run starts from `lora.adapter`'s adapters (the reference keeps them)
+    dropout: bool  # the objective runs the model's dropout in its passes (`Objective.dropout`)
 
     @classmethod
     def from_config(cls, config, num_devices: int) -> "StepSettings":
@@ -73,7 +76,7 @@ class StepSettings:
                    spike_window=int(tr.spike_window), spike_threshold=float(tr.spike_threshold),
                    loss_scale=loss_scale.from_config(config),
                    optim=OptimSettings.from_config(config), objective=(obj := objectives.from_config(config)),
-                   reference=obj.reference)
+                   reference=obj.reference, start_adapters=bool(config.lora.adapter), dropout=obj.dropout)
 
 
 def split_batch(batch):
@@ -244,37 +247,45 @@ def mean_loss_and_grads(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Sha
     return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats, obj.metrics(count, total)
 
 
-def reference_weights(cfg: gpt.ModelConfig, params):
-    """DPO's reference from the policy's weights: with LoRA the adapters zeroed (the base model), else themselves."""
-    if cfg.lora_rank == 0:
+HELD = {"copy": "params", "adapters": "adapters"}  # reference kind -> what of it the state holds (`init_state`)
+
+
+def reference_weights(st: StepSettings, cfg: gpt.ModelConfig, params, held=None):
+    """DPO's reference, the model the run starts from, as weights: the state's frozen copy (`held`: "copy"), the
+    frozen base with the state's copy of the starting adapters ("adapters"), the base with its fresh adapters zeroed
+    ("adapters_off"); for a precomputed table (at step 0) the policy itself, but with LoRA's fresh adapters zeroed."""
+    if st.reference == "copy":
+        return held
+    if cfg.lora_rank == 0 or (st.reference == "batch" and st.start_adapters):
         return params
     trained, frozen = gpt.split_trainable(params, cfg)
-    return gpt.merge_trainable(jax.tree.map(jnp.zeros_like, trained), frozen)
+    return gpt.merge_trainable(held if st.reference == "adapters" else jax.tree.map(jnp.zeros_like, trained), frozen)
 
 
-def reference_sums(st: StepSettings, grad_fn, reference, batch):
+def reference_sums(st: StepSettings, grad_fn, reference, batch, rng=None):
     """DPO: the reference model's (`reference`: its weights) sums of the batch's response log-probs per pair,
-    `[global batch, pairs_per_row(seq), 2]` (`objectives.ReferenceSums`)."""
+    `[global batch, pairs_per_row(seq), 2]` (`objectives.ReferenceSums`); `rng`: its dropout's (the policy's)."""
     xs = microbatched(batch, st.layout.microbatches, st.layout.context)[1]
-    return jax.lax.stop_gradient(grad_fn.loss(reference, xs, objectives.ReferenceSums(batch["tokens"].shape[0]))[1])
+    return jax.lax.stop_gradient(
+        grad_fn.loss(reference, xs, objectives.ReferenceSums(batch["tokens"].shape[0]), rng)[1])
 
 
-def with_reference(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, reference, params, batch):
-    """DPO: the batch with its reference sums (`ref`) from a pass of the reference (`reference`: the frozen copy; with
-    LoRA the params with the adapters zeroed), unless they came with the batch (`dpo.precompute_reference`)."""
+def with_reference(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, held, params, batch, rng=None):
+    """DPO: the batch with its reference sums (`ref`) from a pass of the reference (`reference_weights`; `held`: the
+    state's frozen part of it), with the policy's dropout (`rng`), unless they came with the batch
+    (`dpo.precompute_reference`)."""
     if st.reference in ("", "batch"):
         return batch
-    reference = reference_weights(cfg, params) if st.reference == "adapters_off" else reference
-    return {**batch, "ref": reference_sums(st, grad_fn, reference, batch)}
+    return {**batch, "ref": reference_sums(st, grad_fn, reference_weights(st, cfg, params, held), batch, rng)}
 
 
 def train_update(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Shardings, optim, state, params, batch):
     """One training step on the state (on the device; `params`: its params, or offloaded ones fetched layer by
     layer), `optim` = (optimizer, lr schedule) -> (new state, metrics, the gradients applied)."""
     rng = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
-    batch = with_reference(st, cfg, grad_fn, state.get("reference"), params, batch)
-    loss, grads, stats, extra = mean_loss_and_grads(st, cfg, grad_fn, sh, params, batch,
-                                                    rng if gpt.has_dropout(cfg) else None,
+    rng = rng if gpt.has_dropout(cfg) and st.dropout else None
+    batch = with_reference(st, cfg, grad_fn, state.get("reference"), params, batch, rng)
+    loss, grads, stats, extra = mean_loss_and_grads(st, cfg, grad_fn, sh, params, batch, rng,
                                                     state["loss_scale"].scale if st.float16 else 1.0)
     new, metrics = apply_update(state, loss, grads, optim[0], st, optim[1], cfg)
     new = new | ({"reference": state["reference"]} if "reference" in state else {})  # frozen: passes through
@@ -298,7 +309,8 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     optimizer = make_optimizer(st.optim, cfg)
     lr_at = schedule(st.optim)
     lo = st.layout
-    sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage, lo.offload, reference=st.reference == "copy")
+    held = HELD.get(st.reference, "")  # what of the reference the state holds
+    sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage, lo.offload, reference=held)
     dev = lambda tree, group=None: on_device(tree, sh, lo.offload, group)  # host-resident state to the device
     grad_fn = strategy(st, fwd, sh, mesh)
     S = lo.stage
@@ -328,9 +340,9 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
             return grad_fn.loss(params, microbatched(batch, lo.microbatches, lo.context)[1])
 
     def reference_pass(params, batch):
-        """DPO's reference sums of a batch, the reference being `params` (with LoRA: adapters off)."""
+        """DPO's reference sums of a batch, the reference being `params`, the starting weights (`reference_weights`)."""
         with activation_rules(st.rules, mesh):
-            return reference_sums(st, grad_fn, reference_weights(cfg, dev(params, "params")), batch)
+            return reference_sums(st, grad_fn, reference_weights(st, cfg, dev(params, "params")), batch)
 
     def forward(params, batch, head):
         """A pass of `head` (an objective-like object, `head.head(fwd, params, x, mb)`) over a batch, microbatched
@@ -345,7 +357,6 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         return loss, canonical(g)
 
     state_sh, repl = sh.state, sh.replicated
-    copy = st.reference == "copy"
     jit_state = lambda f: jax.jit(lambda s: f(dev(s)), in_shardings=(state_sh,), out_shardings=state_sh) \
         if v > 1 else (lambda s: s)
     return Steps(
@@ -353,21 +364,21 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
         grad_shardings=sh.grads,
         batch_sharding=sh.batch,
         init=jax.jit(lambda seed: stage_major(init_state(cfg, optimizer, seed, st.loss_scale,
-                                                         spike_window=st.spike_window, reference=copy)),
+                                                         spike_window=st.spike_window, reference=held)),
                      static_argnums=0,
                      out_shardings=state_sh),
         train=jax.jit(train, in_shardings=(state_sh, sh.batch), out_shardings=(state_sh, repl), donate_argnums=0),
         train_with_grads=jax.jit(train_with_grads, in_shardings=(state_sh, sh.batch),
                                  out_shardings=(state_sh, repl, sh.grads), donate_argnums=0),
         evaluate=jax.jit(evaluate, out_shardings=(repl, repl),
-                         in_shardings=(state_sh["params"], sh.batch) + ((state_sh["reference"],) if copy else ())),
+                         in_shardings=(state_sh["params"], sh.batch) + ((state_sh["reference"],) if held else ())),
         grads=jax.jit(grads, in_shardings=(state_sh["params"], sh.batch)),
         reference_sums=jax.jit(reference_pass, in_shardings=(state_sh["params"], sh.batch), out_shardings=repl),
         forward=jax.jit(forward, static_argnums=2, in_shardings=(state_sh["params"], sh.batch), out_shardings=repl),
         to_canonical=jit_state(canonical), from_canonical=jit_state(stage_major),
         layer_order=tuple(int(i) for i in pipeline.to_stage_major(np.arange(cfg.layers), S, v)),
         init_with=jax.jit(lambda p, seed: init_state(cfg, optimizer, seed, st.loss_scale, params=dev(p, "params"),
-                                                    spike_window=st.spike_window, reference=copy),
+                                                    spike_window=st.spike_window, reference=held),
                           static_argnums=1, out_shardings=state_sh, donate_argnums=0),
         init_adapters=jax.jit(lambda seed: stage_major(gpt.trainable(fresh_params(cfg, seed), cfg)), static_argnums=0,
                               out_shardings=gpt.trainable(state_sh["params"], cfg)),

@@ -7,9 +7,11 @@ the data it reads (`data_kinds`: documents, conversations, pairs, images; `promp
 stage, or after the layer scan) on one microbatch `mb` (x, y, w, seg, ids, and `ref` with a reference: see
 `jaxpar/train/step.py`), `count` an array of sums the step adds over microbatches and data shards; `total(mask,
 seg)`, what the step's loss sum is divided by (the same on every layout and accumulation); `metrics(count, total)`
-and their names (`metric_names`); its reference model (`reference`: "" none, "copy" a frozen copy of the initial
-weights in the state, "adapters_off" the policy with its LoRA adapters off, "batch" precomputed sums that arrive with
-each batch); the packing its data needs (`packing`: what `data.packing=auto` becomes); and its own rules (`errors`).
+and their names (`metric_names`); its reference model, always the model the run starts from (`reference`: "" none,
+"copy" a frozen copy of the starting weights in the state, "adapters_off" the policy with its fresh LoRA adapters
+off, "adapters" the frozen base with a frozen copy of the starting `lora.adapter`, "batch" precomputed sums that
+arrive with each batch); whether dropout runs in its passes (`dropout`); the packing its data needs (`packing`: what
+`data.packing=auto` becomes); and its own rules (`errors`).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ class Objective:
     section = ""  # the config section of its settings ("": none)
     data_kinds: tuple = ()  # what its data is: documents | conversations | pairs | images | prompts
     metric_names: tuple = ()  # the names `metrics` logs (besides the loss)
-    reference = ""  # its reference model: "" | copy | adapters_off | batch
+    reference = ""  # its reference model: "" | copy | adapters_off | adapters | batch
     packing = ""  # the `data.packing` its data needs whatever the records ("": `auto` judges the records)
+    dropout = True  # whether the model's dropout runs in its training passes (DPO: `dpo.dropout`)
 
     @classmethod
     def from_config(cls, config) -> "Objective":

@@ -36,7 +36,8 @@ class DPO(Objective):
     beta: float
     loss: str  # sigmoid | ipo
     label_smoothing: float
-    reference: str = "copy"  # a frozen copy; "adapters_off" under LoRA; "batch": precomputed (`dpo.*`)
+    reference: str = "copy"  # copy | adapters_off | adapters | batch: the model the run starts from (`from_config`)
+    dropout: bool = False  # `dpo.dropout`: dropout in the policy's and the reference's passes (the same masks)
     name = "dpo"
     section = "dpo"
     data_kinds = ("pairs",)
@@ -45,11 +46,14 @@ class DPO(Objective):
 
     @classmethod
     def from_config(cls, config) -> "DPO":
-        """DPO with `dpo.*`; its reference: precomputed (`dpo.precompute_reference`), else the base under LoRA (the
-        adapters off), else a frozen copy of the initial weights."""
+        """DPO with `dpo.*`; its reference is always the model the run starts from: precomputed
+        (`dpo.precompute_reference`: `batch`); under LoRA the frozen base with the starting adapters (`adapters`: a
+        frozen copy of `lora.adapter`'s, no second copy of the base) or, with fresh adapters, the base alone
+        (`adapters_off`: PEFT's fresh adapters add nothing); else a frozen copy of the starting weights (`copy`)."""
         d = config.dpo
-        reference = "batch" if d.precompute_reference else "adapters_off" if int(config.lora.rank) > 0 else "copy"
-        return cls(float(d.beta), str(d.loss), float(d.label_smoothing), reference)
+        lora = "adapters" if config.lora.adapter else "adapters_off"
+        reference = "batch" if d.precompute_reference else lora if int(config.lora.rank) > 0 else "copy"
+        return cls(float(d.beta), str(d.loss), float(d.label_smoothing), reference, bool(d.dropout))
 
     @staticmethod
     def errors(config, lay) -> list[str]:
