@@ -34,11 +34,11 @@ import tempfile
 
 import jax
 
-from jaxpar.formats import hf, peft, start
+from jaxpar.formats import hf, peft
 from jaxpar.formats.exported import (CONFIG_FILE, FORMAT, ST_DTYPES, TOKENIZER_DIR, WEIGHTS_FILE,  # noqa: F401
                                       load_export, read_export_config)  # (the read side, re-exported)
 from jaxpar.state.runs import host_device, load_run, read_classes
-from jaxpar.model import LORA_FIELDS, merge_adapters, merge_trainable, split_adapters
+from jaxpar.model import LORA_FIELDS, merge_adapters
 from jaxpar.model import flatten, unflatten  # noqa: F401 (re-exported: canonical keys are the model spec's)
 
 FORMATS = ("jaxpar", "hf", "peft")  # --format
@@ -151,22 +151,6 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).upper() not in units:
         raise ValueError(f"--max_shard_size {text!r}: give a size such as 5GB, 200MB or 1GiB.")
     return int(float(m.group(1)) * units[m.group(2).upper()])
-
-
-def init_from_export(directory: str, steps, state) -> dict:
-    """`state` with its params replaced by those of an export (`python -m jaxpar.export`) or a run directory's latest
-    checkpoint (`formats/start.py`), placed in this layout.
-
-    Raises:
-      ConfigError: the starting point's model differs from this config's (shape or vocabulary).
-    """
-    start.check(directory, steps.cfg)
-    params = start.load(directory)
-    canon = steps.to_canonical(state)
-    adapters, base = split_adapters(canon["params"])  # LoRA: the start is the base model; the adapters stay
-    base = jax.tree.map(lambda p, q: p.astype(q.dtype), params, base)
-    canon["params"] = merge_trainable(adapters, jax.device_put(base, split_adapters(steps.state_shardings["params"])[1]))
-    return steps.from_canonical(canon)
 
 
 def main(argv: list[str] | None = None) -> int:

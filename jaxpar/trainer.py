@@ -28,8 +28,7 @@ from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.compiled import abstract_batch, ref_dtype, report_for, steps_for
 from jaxpar.config import ConfigError  # noqa: F401 (trainer.ConfigError: what a run raises for bad input)
 from jaxpar.evaluate import during as lm_tasks
-from jaxpar.export import init_from_export
-from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint, samples_consumed
+from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint
 from jaxpar.train import objectives
 from jaxpar.train.inputs import open_data, say_packing
 from jaxpar.plan import target
@@ -122,7 +121,7 @@ def run(config, workdir: str, devices=None) -> dict:
     ckpt = Checkpointer.from_config(workdir, config)
     try:
         abstract = steps.abstract_state()
-        state, start = restore_or_init(config, steps, ckpt, train_data, abstract)
+        state, start = starting_point.initial_state(config, steps, ckpt, train_data, abstract)
         if ref_dtype(config) is not None:  # DPO's reference sums, computed from the starting weights, kept in workdir
             precompute_reference(config, workdir, steps, state, start, info, (train_data, val_data))
         loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, start)
@@ -194,44 +193,6 @@ def write_run_files(config, workdir: str, info, start: int) -> None:
     tok_dir = os.path.join(workdir, "tokenizer")
     if not os.path.isdir(tok_dir):
         shutil.copytree(info.tokenizer_dir, tok_dir)
-
-
-def restore_or_init(config, steps, ckpt, train_data, abstract) -> tuple[dict, int]:
-    """(state in this layout, first step): the latest checkpoint's, the data order continued; else a fresh state
-    (params from `init_from`'s export when fine-tuning)."""
-    latest = ckpt.latest_step()
-    if latest is not None:
-        state, meta = ckpt.restore(latest, abstract)
-        state = steps.from_canonical(state)
-        start = int(state["step"])
-        # continue the order, whatever the batch size
-        train_data.resume_at(start, samples_consumed(meta, start, int(config.train.global_batch_size)))
-        return state, start
-    hf_dir = hf.directory_of(config.init_from)
-    if hf_dir is not None:  # weights straight onto this layout's shardings; fresh optimizer state, step 0
-        params = hf.load_params(hf_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order,
-                                seed=int(config.train.seed))  # (what the checkpoint lacks: a ViT's new head)
-        if steps.cfg.lora_rank:
-            params = gpt.merge_trainable(start_adapters(config, steps, abstract), params)
-        return steps.init_with(params, int(config.train.seed)), 0
-    state = steps.init(int(config.train.seed))
-    if not (config.init_from or config.lora.adapter):
-        return state, 0
-    if config.init_from:  # fine-tuning: params from an export or a run, fresh optimizer state, step 0
-        state = init_from_export(config.init_from, steps, state)
-    params = state["params"]
-    if config.lora.adapter:
-        params = gpt.merge_trainable(start_adapters(config, steps, abstract), gpt.split_trainable(params, steps.cfg)[1])
-    # the state anew around the starting params: DPO's frozen reference is a copy of them, not of the random draw
-    return steps.init_with(params, int(config.train.seed)), 0
-
-
-def start_adapters(config, steps, abstract) -> dict:
-    """The LoRA adapters a run starts from, in this layout: `lora.adapter`'s (PEFT), else freshly drawn."""
-    if config.lora.adapter:
-        return peft.load(config.lora.adapter, steps.cfg, gpt.trainable(abstract["params"], steps.cfg),
-                         steps.layer_order)
-    return steps.init_adapters(int(config.train.seed))
 
 
 # Steps the host may queue ahead of the devices before it waits for the oldest: enough to keep them busy, and a

@@ -247,7 +247,7 @@ def test_init_from_places_the_export_in_another_layout(tensor_run, corpus, tmp_p
     _, out = tensor_run
     c = run_config(corpus, tmp_path, **{**PIPELINE, "model.layers": 4})
     steps = steps_for(c, 256)
-    state = export.init_from_export(str(out), steps, steps.init(7))
+    state = start.place(str(out), steps, steps.init(7))
     got = jax.device_get(steps.to_canonical(state)["params"])
     want = export.flatten(export.load_export(str(out))[1])
     for k, a in export.flatten(got).items():

@@ -107,7 +107,7 @@ def test_a_run_directory_starts_as_its_export(points):
     assert by_run.model.to_dict() == by_export.model.to_dict()
     assert by_run.data.tokenizer == str(points["sft"] / "tokenizer" / "tokenizer.json")
     steps = steps_for(by_run, int(by_run.model.vocab_size), jax.devices()[:1])
-    state = export.init_from_export(str(points["sft"]), steps, steps.init(7))
+    state = start.place(str(points["sft"]), steps, steps.init(7))
     got = export.flatten(jax.device_get(steps.to_canonical(state)["params"]))
     want = export.flatten(export.load_export(str(points["export"]))[1])
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)

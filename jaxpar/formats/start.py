@@ -7,18 +7,24 @@ the weights) and `data.tokenizer` (its tokenizer, with the chat template and spe
 starting point's, as `hf.apply` does for `hf:DIR`. What stays the run's: `model.seq_len`, the dtypes, dropout, remat,
 attention and the MoE execution choices (no starting point names them), a ViT's `RUN_WINS` keys when the run sets
 them, and `data.chat_template` (a file given there is used over the tokenizer's). `check(init_from, cfg)` refuses a
-start whose model is not `cfg`'s before anything is written; `load(init_from)` reads its weights onto the host.
+start whose model is not `cfg`'s before anything is written; `load(init_from)` reads its weights onto the host,
+`place` puts them in a layout's state, `initial_state` is a run's first state (resumed, or from its starting point;
+DPO's frozen reference a copy of the starting weights, or of the starting `lora.adapter`).
 """
 from __future__ import annotations
 
 import os
 
+import jax
+
+from jaxpar import model as gpt
 from jaxpar.data import ByteTokenizer
 from jaxpar.errors import ConfigError
-from jaxpar.formats import hf
+from jaxpar.formats import hf, peft
 from jaxpar.formats.exported import CONFIG_FILE, START_FIELDS, is_export, load_export, read_export_config
+from jaxpar.state.resume import samples_consumed
 from jaxpar.state.runs import TOKENIZER_DIR, host_device, is_run, load_run, read_config, read_model
-from jaxpar.model import IDENTITY_FIELDS, family_of, merge_adapters
+from jaxpar.model import IDENTITY_FIELDS, family_of, merge_adapters, merge_trainable, split_adapters
 
 VIT_FIELDS = ("image_size", "patch_size", "channels", "num_classes")  # a language model's are 0 (no `model.*` key)
 IMAGE_KEYS = ("image_mean", "image_std")  # a ViT run's preprocessing (`hf.RUN_WINS`: the run's when it sets them)
@@ -117,3 +123,57 @@ def load(init_from: str) -> dict:
         return load_export(init_from, device=host_device())[1]
     run = load_run(init_from, device=host_device())
     return merge_adapters(run.params, run.fwd.cfg)[0]
+
+
+def place(directory: str, steps, state) -> dict:
+    """`state` with its params replaced by those of an export (`python -m jaxpar.export`) or a run directory's latest
+    checkpoint (`load`), placed in this layout.
+
+    Raises:
+      ConfigError: the starting point's model differs from this config's (shape or vocabulary).
+    """
+    check(directory, steps.cfg)
+    params = load(directory)
+    canon = steps.to_canonical(state)
+    adapters, base = split_adapters(canon["params"])  # LoRA: the start is the base model; the adapters stay
+    base = jax.tree.map(lambda p, q: p.astype(q.dtype), params, base)
+    canon["params"] = merge_trainable(adapters, jax.device_put(base, split_adapters(steps.state_shardings["params"])[1]))
+    return steps.from_canonical(canon)
+
+
+def initial_state(config, steps, ckpt, train_data, abstract) -> tuple[dict, int]:
+    """(state in this layout, first step): the latest checkpoint's, the data order continued; else a fresh state
+    (params from `init_from`'s export when fine-tuning)."""
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, meta = ckpt.restore(latest, abstract)
+        state = steps.from_canonical(state)
+        start = int(state["step"])
+        # continue the order, whatever the batch size
+        train_data.resume_at(start, samples_consumed(meta, start, int(config.train.global_batch_size)))
+        return state, start
+    hf_dir = hf.directory_of(config.init_from)
+    if hf_dir is not None:  # weights straight onto this layout's shardings; fresh optimizer state, step 0
+        params = hf.load_params(hf_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order,
+                                seed=int(config.train.seed))  # (what the checkpoint lacks: a ViT's new head)
+        if steps.cfg.lora_rank:
+            params = gpt.merge_trainable(start_adapters(config, steps, abstract), params)
+        return steps.init_with(params, int(config.train.seed)), 0
+    state = steps.init(int(config.train.seed))
+    if not (config.init_from or config.lora.adapter):
+        return state, 0
+    if config.init_from:  # fine-tuning: params from an export or a run, fresh optimizer state, step 0
+        state = place(config.init_from, steps, state)
+    params = state["params"]
+    if config.lora.adapter:
+        params = gpt.merge_trainable(start_adapters(config, steps, abstract), gpt.split_trainable(params, steps.cfg)[1])
+    # the state anew around the starting params: DPO's frozen reference is a copy of them, not of the random draw
+    return steps.init_with(params, int(config.train.seed)), 0
+
+
+def start_adapters(config, steps, abstract) -> dict:
+    """The LoRA adapters a run starts from, in this layout: `lora.adapter`'s (PEFT), else freshly drawn."""
+    if config.lora.adapter:
+        return peft.load(config.lora.adapter, steps.cfg, gpt.trainable(abstract["params"], steps.cfg),
+                         steps.layer_order)
+    return steps.init_adapters(int(config.train.seed))

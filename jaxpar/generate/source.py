@@ -31,8 +31,8 @@ from jaxpar.config_keys import MESH_AXES
 from jaxpar.data.chat import ChatFormat
 from jaxpar.data.common import DataError
 from jaxpar.errors import ConfigError
-from jaxpar.export import CONFIG_FILE, TOKENIZER_DIR, init_from_export, load_export, read_export_config
-from jaxpar.formats import hf, hub
+from jaxpar.export import CONFIG_FILE, TOKENIZER_DIR, load_export, read_export_config
+from jaxpar.formats import hf, hub, start
 from jaxpar.state import runs
 from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.layout import Layout
@@ -184,7 +184,7 @@ def on_layout(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
     if kind == "hf":
         return placed(hf.load_params(tok_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order))
     if kind == "export":
-        return placed(init_from_export(src, steps, steps.init(0))["params"])
+        return placed(start.place(src, steps, steps.init(0))["params"])
     ckpt = Checkpointer(src, 1, 1, async_save=False, read_only=True)
     try:
         step = int(at) if at else ckpt.latest_step()
