@@ -83,9 +83,9 @@ KEYS = (
     # top level
     K("name", "jaxpar", str, "the run's name (in messages and the planner's output; the workdir defaults to "
       "`runs/<config file name>`)"),
-    K("init_from", "", str, "weights to start from: an export directory (`python -m jaxpar.export`), `hf:DIR` (a "
-      "Hugging Face directory; its shape and tokenizer replace the config's) or `hf:ORG/NAME[@REVISION]` (a Hub "
-      "model, fetched into the Hugging Face cache): [models](models.md)"),
+    K("init_from", "", str, "weights to start from, whose model shape and tokenizer replace the config's: `hf:DIR`, "
+      "`hf:ORG/NAME[@REVISION]` (a Hub model), an export (`python -m jaxpar.export`) or a run directory (its latest "
+      "checkpoint): [starting points](finetune.md#starting-points)"),
     K("rules", DEFAULT_RULES, None, "logical axis → mesh axis (below): [layouts](layouts.md)"),
     # mesh
     K("mesh.data", -1, int, "data-parallel size; -1: the devices left over by tensor and stage"),
