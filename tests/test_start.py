@@ -146,8 +146,11 @@ def test_the_loss_weight_of_host_rows_is_the_steps(points, pairs):
 
 
 def first_dpo_step(points, init_from, workdir, **over) -> dict:
-    """Step 1's logged metrics of a DPO run on the pairs from `init_from` (the Shakespeare config, one device)."""
+    """Step 1's logged metrics of a DPO run on the pairs from `init_from` (the Shakespeare config, one device), in
+    float64: the policy's pass (under `jax.grad`) and the reference's (forward only) are two compiled programs, whose
+    float32 sums of the same weights agree only to rounding (about 1e-9 relative); in float64 they are equal."""
     c = shakespeare(**{"init_from": init_from, "data.sources": points["pairs"], "train.objective": "dpo",
+                       "train.param_dtype": "float64", "train.compute_dtype": "float64",
                        "train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 1,
                        "data.cache_dir": str(points["root"] / "cache"), **over})
     trainer.run(c, str(workdir), jax.devices()[:1])
