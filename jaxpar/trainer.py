@@ -1,7 +1,9 @@
 """The training loop: validate -> data -> mesh -> compiled steps -> restore or init -> train, eval, log, save.
 
 Everything that can be wrong with the input (layout, config, data, a checkpoint from another model) is checked
-before the first compile, and before anything is written to WORKDIR.
+before the first compile, and before anything is written to WORKDIR. The data is opened as the objective reads it
+(`jaxpar/train/inputs.py`), a resume checked against the checkpoint's fingerprint (`jaxpar/state/resume.py`), the
+metrics written by `jaxpar/observe/monitor.py`.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from jaxpar.config import base_config
-from jaxpar.data import DataError, ImageBatches, image_batch_shapes, images as img, prepare_images
+from jaxpar.data import DataError, ImageBatches, image_batch_shapes, image_decode as dec, images as img, prepare_images
 
 CLASSES = ["cat", "dog", "eel"]
 SIZES = [(10, 14), (17, 9), (12, 12), (30, 21)]  # (width, height): most differ from S = 12, one is S already
@@ -216,12 +216,12 @@ def test_augmentation_is_deterministic_and_only_on_train(tmp_path, images):
 def test_the_cache_is_reused_rebuilt_on_change_and_decoded_in_workers(tmp_path, images, monkeypatch):
     c = config(tmp_path, f"imagefolder:{images['folder']}")
     first = prepare_images(c)
-    monkeypatch.setattr(img, "fit", lambda *a: pytest.fail("decoded again"))
+    monkeypatch.setattr(dec, "fit", lambda *a: pytest.fail("decoded again"))
     assert prepare_images(c).sources[0][1].path == first.sources[0][1].path  # the entry found: nothing decoded
     monkeypatch.undo()
     monkeypatch.setattr(img, "CHUNK", 4)  # 4 jobs over 2 spawned workers
-    seen, run = [], img._run
-    monkeypatch.setattr(img, "_run", lambda jobs, n, *a: seen.append((len(jobs), n)) or run(jobs, n, *a))
+    seen, run = [], dec.run
+    monkeypatch.setattr(dec, "run", lambda jobs, n, *a: seen.append((len(jobs), n)) or run(jobs, n, *a))
     c2 = config(tmp_path / "w", f"imagefolder:{images['folder']}", workers=2)
     np.testing.assert_array_equal(prepare_images(c2).sources[0][1].images, first.sources[0][1].images)
     assert seen == [(4, 2)]
@@ -244,7 +244,7 @@ def test_a_failed_build_leaves_no_entry(tmp_path, images, monkeypatch):
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []
     (d / "dog" / "b.png").unlink()
     before = set(cache.glob("*.lock"))
-    monkeypatch.setattr(img, "fit", lambda *a: (_ for _ in ()).throw(RuntimeError("crashed")))
+    monkeypatch.setattr(dec, "fit", lambda *a: (_ for _ in ()).throw(RuntimeError("crashed")))
     with pytest.raises(RuntimeError):
         prepare_images(c)
     monkeypatch.undo()
