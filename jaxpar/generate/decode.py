@@ -46,6 +46,16 @@ class Decoder:
     def __eq__(self, other):
         return isinstance(other, Decoder) and self.key == other.key
 
+    def empty(self, batch: int, length: int):
+        """The running batch's carry with every slot empty: (cache, logits `[batch, vocab]`, experts)."""
+        return _jit_empty(self, batch, length)
+
+    def _empty(self, batch: int, length: int):
+        cfg = self.cfg
+        k = cfg.experts_per_token if cfg.experts else 0
+        cache = kv.empty(cfg, batch, length, self.cache_sharding(batch, length))
+        return cache, jnp.zeros((batch, cfg.vocab_size), jnp.float32), jnp.zeros((batch, cfg.layers, k), jnp.int32)
+
     def prefill(self, params, tokens, lengths, length: int):
         return _jit_prefill(self, params, tokens, lengths, length)
 
@@ -144,6 +154,7 @@ class Decoder:
             return fwd.token_logps(params, x[:, :-1], tokens[:, 1:])
 
 
+_jit_empty = jax.jit(Decoder._empty, static_argnums=(0, 1, 2))
 _jit_prefill = jax.jit(Decoder._prefill, static_argnums=(0, 4))
 _jit_insert = jax.jit(Decoder._insert, static_argnums=(0,), donate_argnums=(1,))
 _jit_decode = jax.jit(Decoder._decode, static_argnums=(0, 5, 6), donate_argnums=(2,))
