@@ -153,7 +153,8 @@ def first_dpo_step(points, init_from, workdir, **over) -> dict:
                        "train.param_dtype": "float64", "train.compute_dtype": "float64",
                        "train.steps": 1, "checkpoint.every_steps": 1, "eval.every_steps": 1,
                        "data.cache_dir": str(points["root"] / "cache"), **over})
-    trainer.run(c, str(workdir), jax.devices()[:1])
+    with jax.enable_x64(True):
+        trainer.run(c, str(workdir), jax.devices()[:1])
     return json.loads((workdir / "metrics.jsonl").read_text().splitlines()[0])
 
 
