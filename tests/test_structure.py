@@ -41,7 +41,8 @@ def test_every_subpackage_is_installed():
 # A root module is a room of its own; a folder is one room (docs/architecture.md draws this map).
 ORDER = ("config_keys", "errors", "config", "dtypes", "layout",  # what every room may read
          "data", "cluster", "parallel", "kernels", "model", "analysis", "train",  # the rooms
-         "validate", "interop", "compiled", "export", "generate", "plan", "trainer", "launch", "preprocess")  # entry points
+         "validate", "interop", "compiled", "export", "generate", "plan", "trainer", "launch",  # entry points
+         "preprocess")
 
 
 def room(module: str) -> str:
