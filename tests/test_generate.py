@@ -17,7 +17,7 @@ import jax  # noqa: E402
 from helpers import run_config, steps_for, tiny_config  # noqa: E402
 from jaxpar.config import step_rules  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
-from jaxpar.generate.cache import cache_bytes, dry_run_entry  # noqa: E402
+from jaxpar.generate.cache import cache_bytes, decode_param_bytes, dry_run_entry  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
 from jaxpar.generate.sampling import Sampling, sample  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
@@ -221,6 +221,8 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     if name == "pipeline":  # the decode layout: the layers gathered over stage, in their canonical order
         assert list(steps.layer_order) == [0, 2, 1, 3]
         assert all((tuple(a.sharding.spec) + (None,))[0] is None for a in jax.tree.leaves(engine.params["blocks"]))
+        held = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(engine.params))
+        assert decode_param_bytes(placed) == held  # the price the guide states: stage x the per-layer share
     else:  # no second copy: the engine reads the training arrays themselves
         assert all(a is b for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(placed)))
 
