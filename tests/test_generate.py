@@ -276,3 +276,16 @@ def test_the_dry_run_prices_the_kv_cache_of_the_layout():
     assert dry_run_entry(c, 8) == {"rows": 16, "positions": 16, "total": total, "per_device": total // 8}
     c.model.kv_heads = 1  # one KV head: replicated over tensor, as its params are
     assert dry_run_entry(c, 8)["per_device"] == total // 2 // 4
+
+
+def test_rules_read_back_from_a_run_directory_key_the_same_programs():
+    """A run's config.json holds its rules as lists: the decode layout's rules are the same hashable tuples (equal
+    decoders share their compiled programs)."""
+    import json
+
+    from jaxpar.config_keys import DEFAULT_RULES
+    from jaxpar.generate.cache import decode_rules
+
+    read = decode_rules(json.loads(json.dumps(DEFAULT_RULES)))
+    assert read == decode_rules(DEFAULT_RULES) and hash(read) == hash(decode_rules(DEFAULT_RULES))
+    assert dict(read)["layers"] is None and dict(read)["batch"] == ("data", "expert")
