@@ -14,10 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 
-from helpers import run_config, steps_for  # noqa: E402
+from helpers import run_config, steps_for, tiny_config  # noqa: E402
 from jaxpar.config import step_rules  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
-from jaxpar.generate.cache import cache_bytes  # noqa: E402
+from jaxpar.generate.cache import cache_bytes, decode_param_bytes, dry_run_entry  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
 from jaxpar.generate.sampling import Sampling, sample  # noqa: E402
 from jaxpar.formats import hf  # noqa: E402
@@ -221,6 +221,8 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     if name == "pipeline":  # the decode layout: the layers gathered over stage, in their canonical order
         assert list(steps.layer_order) == [0, 2, 1, 3]
         assert all((tuple(a.sharding.spec) + (None,))[0] is None for a in jax.tree.leaves(engine.params["blocks"]))
+        held = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(engine.params))
+        assert decode_param_bytes(placed) == held  # the price the guide states: stage x the per-layer share
     else:  # no second copy: the engine reads the training arrays themselves
         assert all(a is b for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(placed)))
 
@@ -264,3 +266,26 @@ def test_cli_writes_n_samples_resumes_and_refuses_bad_records_one_line_each(mode
         assert main(args + flags) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
+
+
+def test_the_dry_run_prices_the_kv_cache_of_the_layout():
+    """`train.py --dry_run`'s line: keys and values of every layer for global_batch_size rows x seq_len positions,
+    rows split over data, KV heads over tensor (the sharding the layout test above reads off the engine)."""
+    c = tiny_config(**{"model.arch": "llama", "model.kv_heads": 2, "mesh.data": 4, "mesh.tensor": 2})
+    total = 2 * 4 * 16 * 16 * 2 * (32 // 8) * 4  # k and v x layers x rows x positions x kv heads x head_dim x fp32
+    assert dry_run_entry(c, 8) == {"rows": 16, "positions": 16, "total": total, "per_device": total // 8}
+    c.model.kv_heads = 1  # one KV head: replicated over tensor, as its params are
+    assert dry_run_entry(c, 8)["per_device"] == total // 2 // 4
+
+
+def test_rules_read_back_from_a_run_directory_key_the_same_programs():
+    """A run's config.json holds its rules as lists: the decode layout's rules are the same hashable tuples (equal
+    decoders share their compiled programs)."""
+    import json
+
+    from jaxpar.config_keys import DEFAULT_RULES
+    from jaxpar.generate.cache import decode_rules
+
+    read = decode_rules(json.loads(json.dumps(DEFAULT_RULES)))
+    assert read == decode_rules(DEFAULT_RULES) and hash(read) == hash(decode_rules(DEFAULT_RULES))
+    assert dict(read)["layers"] is None and dict(read)["batch"] == ("data", "expert")

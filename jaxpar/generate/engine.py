@@ -64,7 +64,7 @@ class Completion:
 def check(req: Request, where: str, context: int, tokenizer=None) -> None:
     """One line naming `where` for a request the engine cannot run. Raises ValueError."""
     n = len(req.prompt)
-    bad = (f"an empty prompt" if n == 0 else
+    bad = ("an empty prompt" if n == 0 else
            f"a prompt of {n} tokens; the model's context is {context} (shorten it)" if n >= context else
            f"top_p={req.top_p}: it must be in (0, 1]" if not 0 < req.top_p <= 1 else
            f"min_p={req.min_p}: it must be in [0, 1]" if not 0 <= req.min_p <= 1 else
@@ -118,7 +118,8 @@ class Engine:
         B = self.slots
         carry = self.decoder.empty(B, length)
         rows = {"seed": np.zeros(B, np.int32), "stream": np.zeros(B, np.int32), "index": np.zeros(B, np.int32),
-                "max_new": np.ones(B, np.int32), "done": np.ones(B, bool), "stop_ids": np.full((B, stops), -1, np.int32)}
+                "max_new": np.ones(B, np.int32), "done": np.ones(B, bool),
+                "stop_ids": np.full((B, stops), -1, np.int32)}
         knobs = {"temperature": np.zeros(B, np.float32), "top_k": np.zeros(B, np.int32),
                  "top_p": np.ones(B, np.float32), "min_p": np.zeros(B, np.float32)}
         self.stats = {"prefill_calls": 0, "decode_calls": 0}  # of the last `generate` (bench/generate.py)
