@@ -1,6 +1,8 @@
 """Generation speed on CPU (prints JSON): jaxpar's engine against `transformers`' `generate` on the same tiny random
 Llama, the same prompts and lengths, in one run: prefill and decode apart, and jaxpar with and without refilling
-finished slots on a mix of completion lengths (one in four rows long).
+finished slots on a mix of completion lengths (one in four rows long). Prefill and decode are measured on one batch
+of `--slots` prompts (transformers left-padded, as its `generate` wants), decode at `--long` tokens a row; the mixed
+workload end to end (transformers one prompt at a time: its batched generate cannot free a finished row).
 
     python bench/generate.py [--rows 16] [--slots 8] [--short 8] [--long 64]
 
@@ -12,12 +14,15 @@ import platform
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
 
 from jaxpar.data import ByteTokenizer
 from jaxpar.generate.engine import Engine, Request
+from jaxpar.generate.sampling import Sampling
 from jaxpar.interop import hf
 
 
@@ -31,23 +36,62 @@ def model(d):
     return m
 
 
-def timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+def timed(fn, repeats: int = 3):
+    """(fn's result, its best time of `repeats` runs: the machine's noise only ever adds)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return out, best
 
 
-def hf_run(m, prompts, news):
-    """transformers, one prompt at a time (its batched generate pads and cannot stop rows apart): prefill = one
-    forward of the prompt; decode = generate's time less that."""
-    pre = dec = 0.0
+def hf_mixed(m, prompts, news):
+    """transformers on the mixed workload, one prompt at a time (its batched generate pads and cannot free rows):
+    tokens/s of new tokens, end to end."""
     with torch.no_grad():
-        for p, n in zip(prompts, news):
-            x = torch.tensor([p])
-            _, t = timed(lambda: m(x))
-            _, g = timed(lambda: m.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0))
-            pre, dec = pre + t, dec + g - t
-    return pre, dec
+        _, t = timed(lambda: [m.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                         pad_token_id=0) for p, n in zip(prompts, news)], 1)
+    return sum(news) / t
+
+
+def hf_batch(m, prompts, new):
+    """transformers on one batch of the prompts (left-padded, as its generate wants): (prefill tokens/s: one forward,
+    decode tokens/s: generate's time less that forward, `new` tokens a row)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        m(ids, attention_mask=mask)  # warm-up
+        _, pre = timed(lambda: m(ids, attention_mask=mask))
+        _, gen = timed(lambda: m.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                          do_sample=False, pad_token_id=0))
+    return sum(map(len, prompts)) / pre, len(prompts) * new / (gen - pre)
+
+
+def jax_batch(fwd, params, prompts, new, slots):
+    """jaxpar on the same batch: (prefill tokens/s: the prompts into the slots, decode tokens/s: `new` tokens a row
+    in compiled chunks)."""
+    eng = Engine(fwd, params, slots=slots, chunk=8)
+    length = 128
+    b = slots
+    rows = {"seed": jnp.zeros(b, jnp.int32), "stream": jnp.zeros(b, jnp.int32), "index": jnp.zeros(b, jnp.int32),
+            "max_new": jnp.full(b, 10 ** 6, jnp.int32), "done": jnp.zeros(b, bool),
+            "stop_ids": jnp.full((b, 1), -1, jnp.int32)}
+    knobs = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b))
+
+    def run():
+        carry = jax.block_until_ready(eng._admit(eng.decoder.empty(b, length), prompts, list(range(b)), length))
+        t0 = time.perf_counter()
+        for _ in range(new // 8):
+            carry, out = eng.decoder.decode(eng.params, carry, rows, knobs, 8, True)
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
+
+    run()  # compile
+    _, pre = timed(lambda: jax.block_until_ready(eng._admit(eng.decoder.empty(b, length), prompts, list(range(b)),
+                                                             length)))  # (an empty cache: an allocation)
+    return sum(map(len, prompts)) / pre, b * (new // 8) * 8 / min(run() for _ in range(3))
 
 
 def main():
@@ -70,26 +114,22 @@ def main():
         eng = Engine(fwd, params, slots=args.slots, refill=refill)
         eng.generate(reqs)  # compile
         _, t = timed(lambda: eng.generate(reqs))
-        out[f"jaxpar_{'refill' if refill else 'static'}_tokens_per_s"] = sum(news) / t
-    eng = Engine(fwd, params, slots=args.slots)
-    length = 256
-    group = [prompts[:args.slots]]
-    eng._admit(eng._empty(args.slots, length), group[0], list(range(args.slots)), length)  # compile
-    _, pre = timed(lambda: jax_block(eng._admit(eng._empty(args.slots, length), group[0],
-                                                list(range(args.slots)), length)))
-    out["jaxpar_prefill_tokens_per_s"] = sum(map(len, group[0])) / pre
-    hf_pre, hf_dec = hf_run(m, prompts, news)
-    out["transformers_prefill_tokens_per_s"] = out["prompt_tokens"] / hf_pre
-    out["transformers_decode_tokens_per_s"] = sum(news) / hf_dec
-    out["ratio_decode_jaxpar_refill_over_transformers"] = out["jaxpar_refill_tokens_per_s"] / \
+        name = "refill" if refill else "static"
+        out[f"jaxpar_{name}_tokens_per_s"] = sum(news) / t
+        out[f"jaxpar_{name}_calls"] = dict(eng.stats)  # decode calls: `chunk` steps of every slot each
+    batch = prompts[:args.slots]
+    out["jaxpar_prefill_tokens_per_s"], out["jaxpar_decode_tokens_per_s"] = jax_batch(fwd, params, batch, args.long,
+                                                                                       args.slots)
+    out["transformers_prefill_tokens_per_s"], out["transformers_decode_tokens_per_s"] = hf_batch(m, batch, args.long)
+    out["transformers_mixed_tokens_per_s"] = hf_mixed(m, prompts, news)
+    out["ratio_decode_jaxpar_over_transformers"] = out["jaxpar_decode_tokens_per_s"] / \
         out["transformers_decode_tokens_per_s"]
+    out["ratio_prefill_jaxpar_over_transformers"] = out["jaxpar_prefill_tokens_per_s"] / \
+        out["transformers_prefill_tokens_per_s"]
+    out["ratio_mixed_jaxpar_refill_over_transformers"] = out["jaxpar_refill_tokens_per_s"] / \
+        out["transformers_mixed_tokens_per_s"]
     out["ratio_refill_over_static"] = out["jaxpar_refill_tokens_per_s"] / out["jaxpar_static_tokens_per_s"]
     print(json.dumps(out, indent=1))
-
-
-def jax_block(carry):
-    import jax
-    return jax.block_until_ready(carry)
 
 
 if __name__ == "__main__":

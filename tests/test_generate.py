@@ -14,10 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 
-from helpers import run_config, steps_for  # noqa: E402
+from helpers import run_config, steps_for, tiny_config  # noqa: E402
 from jaxpar.config import step_rules  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
-from jaxpar.generate.cache import cache_bytes  # noqa: E402
+from jaxpar.generate.cache import cache_bytes, decode_param_bytes, dry_run_entry  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
 from jaxpar.generate.sampling import Sampling, sample  # noqa: E402
 from jaxpar.interop import hf  # noqa: E402
@@ -29,7 +29,8 @@ V = 300
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
               max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
 KINDS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, intermediate_size=48)),
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(  # 4 layers: 2 stages x 2 virtual
+        **{**COMMON, "num_hidden_layers": 4}, intermediate_size=48)),
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, intermediate_size=48,
                                                                             head_dim=16)),
     "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -79,7 +80,7 @@ def hf_greedy(model, prompt, n):
 def test_greedy_equals_transformers_and_log_probs_equal_the_training_forward(models, kind):
     model, d = models[kind]
     fwd, params, tok = hf.load(str(d))
-    engine = Engine(fwd, params, slots=4, tokenizer=tok)  # 5 prompts in 4 slots: one refill
+    engine = Engine(fwd, params, slots=8, tokenizer=tok)
     outs = engine.generate([Request(p, max_new_tokens=8) for p in PROMPTS])
     scores = engine.score([p + o.tokens for p, o in zip(PROMPTS, outs)])
     for p, o, s in zip(PROMPTS, outs, scores):
@@ -115,14 +116,16 @@ def test_stops_end_a_row_with_its_reason(models):
     fwd, params, tok = hf.load(str(models["llama"][1]))
     engine = Engine(fwd, params, slots=2, tokenizer=tok)
     free = engine.generate([Request(PROMPTS[1], max_new_tokens=10)])[0]
-    stop_at = free.tokens[3]
+    stop_at, stop_text = free.tokens[3], tok.decode(free.tokens[2:4])
     first = free.tokens.index(stop_at)
+    ends = min(j for j in range(1, 11) if stop_text in tok.decode(free.tokens[:j]))  # the first prefix holding it
     by_id, by_text = engine.generate([Request(PROMPTS[1], max_new_tokens=10, stop_ids=[stop_at]),
-                                      Request(PROMPTS[1], max_new_tokens=10, stop=[tok.decode(free.tokens[2:4])])])
+                                      Request(PROMPTS[1], max_new_tokens=10, stop=[stop_text])])
     assert by_id.tokens == free.tokens[:first + 1] and by_id.finish_reason == "stop"
     assert by_id.text == tok.decode(free.tokens[:first])
-    assert by_text.finish_reason == "stop" and by_text.tokens == free.tokens[:4]
-    assert by_text.text == tok.decode(free.tokens)[:tok.decode(free.tokens).find(tok.decode(free.tokens[2:4]))]
+    assert by_text.finish_reason == "stop" and by_text.tokens == free.tokens[:ends]
+    text = tok.decode(free.tokens[:ends])
+    assert by_text.text == text[:text.find(stop_text)]
 
 
 def reference_filter(logits, t, k, p, m):
@@ -151,9 +154,10 @@ def test_sampler_filters_equal_their_formula():
     s = Sampling(s.temperature.astype("float32"), s.top_k.astype("int32"), s.top_p.astype("float32"),
                  s.min_p.astype("float32"))
     counts = np.zeros((4, 50))
-    for i in range(400):
-        keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(i), r))(np.arange(4))
-        tok, lp, lpm = (np.asarray(a) for a in sample(jax.numpy.asarray(logits), keys, s))
+    draw = jax.jit(jax.vmap(lambda i: sample(jax.numpy.asarray(logits), jax.vmap(
+        lambda r: jax.random.fold_in(jax.random.key(i), r))(np.arange(4)), s)))
+    toks, lps, lpms = (np.asarray(a) for a in draw(np.arange(400)))
+    for tok, lp, lpm in zip(toks, lps, lpms):
         for r in range(4):
             want = reference_filter(logits[r], *knobs[r])
             assert want[tok[r]] > 0
@@ -180,7 +184,8 @@ LAYOUTS = {
     "data2_tensor2": ("llama", {"mesh.data": 2, "mesh.tensor": 2}),
     "zero3": ("qwen3", {"mesh.data": 4, "mesh.tensor": 2, "optim.zero_stage": 3}),
     "expert": ("qwen3_moe", {"mesh.data": 2, "mesh.expert": 4}),
-    "pipeline": ("llama", {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2}),
+    "pipeline": ("llama", {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2,
+                           "pipeline.schedule": "circular", "pipeline.virtual_stages": 2}),  # layers out of order
 }
 
 
@@ -213,7 +218,12 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}
     leaf = jax.tree.leaves(engine.params)[0]
     assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
-    if name != "pipeline":  # no second copy: the engine reads the training arrays themselves
+    if name == "pipeline":  # the decode layout: the layers gathered over stage, in their canonical order
+        assert list(steps.layer_order) == [0, 2, 1, 3]
+        assert all((tuple(a.sharding.spec) + (None,))[0] is None for a in jax.tree.leaves(engine.params["blocks"]))
+        held = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(engine.params))
+        assert decode_param_bytes(placed) == held  # the price the guide states: stage x the per-layer share
+    else:  # no second copy: the engine reads the training arrays themselves
         assert all(a is b for a, b in zip(jax.tree.leaves(engine.params), jax.tree.leaves(placed)))
 
 
@@ -256,3 +266,26 @@ def test_cli_writes_n_samples_resumes_and_refuses_bad_records_one_line_each(mode
         assert main(args + flags) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
+
+
+def test_the_dry_run_prices_the_kv_cache_of_the_layout():
+    """`train.py --dry_run`'s line: keys and values of every layer for global_batch_size rows x seq_len positions,
+    rows split over data, KV heads over tensor (the sharding the layout test above reads off the engine)."""
+    c = tiny_config(**{"model.arch": "llama", "model.kv_heads": 2, "mesh.data": 4, "mesh.tensor": 2})
+    total = 2 * 4 * 16 * 16 * 2 * (32 // 8) * 4  # k and v x layers x rows x positions x kv heads x head_dim x fp32
+    assert dry_run_entry(c, 8) == {"rows": 16, "positions": 16, "total": total, "per_device": total // 8}
+    c.model.kv_heads = 1  # one KV head: replicated over tensor, as its params are
+    assert dry_run_entry(c, 8)["per_device"] == total // 2 // 4
+
+
+def test_rules_read_back_from_a_run_directory_key_the_same_programs():
+    """A run's config.json holds its rules as lists: the decode layout's rules are the same hashable tuples (equal
+    decoders share their compiled programs)."""
+    import json
+
+    from jaxpar.config_keys import DEFAULT_RULES
+    from jaxpar.generate.cache import decode_rules
+
+    read = decode_rules(json.loads(json.dumps(DEFAULT_RULES)))
+    assert read == decode_rules(DEFAULT_RULES) and hash(read) == hash(decode_rules(DEFAULT_RULES))
+    assert dict(read)["layers"] is None and dict(read)["batch"] == ("data", "expert")

@@ -32,8 +32,9 @@ CACHE_NAMES = (None, "batch", "seq", "kv_heads", "kv")  # the cache's logical ax
 
 
 def decode_rules(rules) -> tuple:
-    """The rules of the decode layout: the training rules with `layers` on no mesh axis (gathered over `stage`)."""
-    return tuple((n, None if n == "layers" else a) for n, a in rules)
+    """The rules of the decode layout: the training rules with `layers` on no mesh axis (gathered over `stage`), as
+    tuples (a run's config.json holds lists)."""
+    return tuple((n, None if n == "layers" else tuple(a) if isinstance(a, list) else a) for n, a in rules)
 
 
 def _fitting(p: P, shape, sizes: dict) -> P:

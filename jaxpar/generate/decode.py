@@ -37,10 +37,36 @@ class Decoder:
             specs = kv.layer_specs(self.cfg, rules, mesh)
             self.prepare = lambda p: jax.tree.map(
                 lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), p, specs)
-        self.prefill = jax.jit(self._prefill, static_argnums=(3,))
-        self.insert = jax.jit(self._insert, donate_argnums=(0,))
-        self.decode = jax.jit(self._decode, static_argnums=(4, 5), donate_argnums=(1,))
-        self.score = jax.jit(self._score)
+        self.key = (self.cfg, mesh, self.rules, zero3)
+
+    # equal decoders (the same model, mesh, rules) share their compiled programs: `self` is a static argument
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, Decoder) and self.key == other.key
+
+    def empty(self, batch: int, length: int):
+        """The running batch's carry with every slot empty: (cache, logits `[batch, vocab]`, experts)."""
+        return _jit_empty(self, batch, length)
+
+    def _empty(self, batch: int, length: int):
+        cfg = self.cfg
+        k = cfg.experts_per_token if cfg.experts else 0
+        cache = kv.empty(cfg, batch, length, self.cache_sharding(batch, length))
+        return cache, jnp.zeros((batch, cfg.vocab_size), jnp.float32), jnp.zeros((batch, cfg.layers, k), jnp.int32)
+
+    def prefill(self, params, tokens, lengths, length: int):
+        return _jit_prefill(self, params, tokens, lengths, length)
+
+    def insert(self, carry, rows, slots):
+        return _jit_insert(self, carry, rows, slots)
+
+    def decode(self, params, carry, rows, sampling, steps: int, greedy_only: bool):
+        return _jit_decode(self, params, carry, rows, sampling, steps, greedy_only)
+
+    def score(self, params, tokens):
+        return _jit_score(self, params, tokens)
 
     def _scope(self):
         return activation_rules(self.rules, self.mesh) if self.mesh is not None else contextlib.nullcontext()
@@ -85,7 +111,7 @@ class Decoder:
         cache, logits, experts = carry
         new_cache, new_logits, new_experts = rows
         cache = KVCache(put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1), put(cache.pos, new_cache.pos, 1))
-        return cache, put(logits, new_logits, 0), put(experts, new_experts, 0)
+        return self._pin(cache), put(logits, new_logits, 0), put(experts, new_experts, 0)
 
     def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, greedy_only: bool):
         """`steps` tokens for every slot. `carry` = (cache, next-token logits `[b, vocab]`, the experts behind those
@@ -108,7 +134,15 @@ class Decoder:
 
         with self._scope():
             (carry, _, _), out = jax.lax.scan(step, (carry, rows["index"], rows["done"]), None, length=steps)
-        return carry, out
+        return (self._pin(carry[0]), *carry[1:]), out
+
+    def _pin(self, cache: KVCache) -> KVCache:
+        """`cache` constrained to its sharding (rows over data x expert, KV heads over tensor)."""
+        sharding = self.cache_sharding(cache.k.shape[1], cache.k.shape[2])
+        if sharding is None:
+            return cache
+        return cache._replace(k=jax.lax.with_sharding_constraint(cache.k, sharding),
+                              v=jax.lax.with_sharding_constraint(cache.v, sharding))
 
     def _score(self, params, tokens):
         """The training forward's log-probability of each next token: tokens `[b, t]` -> `[b, t - 1]` float32
@@ -118,6 +152,13 @@ class Decoder:
             x = fwd.embed(params, tokens)
             x = fwd.layers(gpt.split_params(params)[1], x, prepare=self.prepare)
             return fwd.token_logps(params, x[:, :-1], tokens[:, 1:])
+
+
+_jit_empty = jax.jit(Decoder._empty, static_argnums=(0, 1, 2))
+_jit_prefill = jax.jit(Decoder._prefill, static_argnums=(0, 4))
+_jit_insert = jax.jit(Decoder._insert, static_argnums=(0,), donate_argnums=(1,))
+_jit_decode = jax.jit(Decoder._decode, static_argnums=(0, 5, 6), donate_argnums=(2,))
+_jit_score = jax.jit(Decoder._score, static_argnums=(0,))
 
 
 @functools.cache

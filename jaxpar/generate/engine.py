@@ -64,7 +64,7 @@ class Completion:
 def check(req: Request, where: str, context: int, tokenizer=None) -> None:
     """One line naming `where` for a request the engine cannot run. Raises ValueError."""
     n = len(req.prompt)
-    bad = (f"an empty prompt" if n == 0 else
+    bad = ("an empty prompt" if n == 0 else
            f"a prompt of {n} tokens; the model's context is {context} (shorten it)" if n >= context else
            f"top_p={req.top_p}: it must be in (0, 1]" if not 0 < req.top_p <= 1 else
            f"min_p={req.min_p}: it must be in [0, 1]" if not 0 <= req.min_p <= 1 else
@@ -116,11 +116,13 @@ class Engine:
         greedy = all(r.temperature == 0 for r in requests)
         stops = max(1, max(len(r.stop_ids) for r in requests))
         B = self.slots
-        carry = self._empty(B, length)
+        carry = self.decoder.empty(B, length)
         rows = {"seed": np.zeros(B, np.int32), "stream": np.zeros(B, np.int32), "index": np.zeros(B, np.int32),
-                "max_new": np.ones(B, np.int32), "done": np.ones(B, bool), "stop_ids": np.full((B, stops), -1, np.int32)}
+                "max_new": np.ones(B, np.int32), "done": np.ones(B, bool),
+                "stop_ids": np.full((B, stops), -1, np.int32)}
         knobs = {"temperature": np.zeros(B, np.float32), "top_k": np.zeros(B, np.int32),
                  "top_p": np.ones(B, np.float32), "min_p": np.zeros(B, np.float32)}
+        self.stats = {"prefill_calls": 0, "decode_calls": 0}  # of the last `generate` (bench/generate.py)
         slot: list[_Row | None] = [None] * B
         queue, out = collections.deque(range(len(requests))), [None] * len(requests)
         while queue or any(slot):
@@ -131,6 +133,8 @@ class Engine:
                     slot[s] = _Row(i, requests[i], news[i])
                     self._arm(rows, knobs, s, requests[i], news[i])
                 carry = self._admit(carry, [requests[i].prompt for i in take], free[:len(take)], length)
+                self.stats["prefill_calls"] += 1
+            self.stats["decode_calls"] += 1
             carry, got = self.decoder.decode(self.params, carry, {k: jnp.asarray(v) for k, v in rows.items()},
                                              Sampling(**{k: jnp.asarray(v) for k, v in knobs.items()}),
                                              self.chunk, greedy)
@@ -138,13 +142,6 @@ class Engine:
             if progress is not None:
                 progress(made)
         return out
-
-    def _empty(self, batch: int, length: int):
-        cfg = self.cfg
-        k = cfg.experts_per_token if cfg.experts else 0
-        sharding = self.decoder.cache_sharding(batch, length)
-        cache = jax.jit(lambda: kv.empty(cfg, batch, length, sharding))()
-        return cache, jnp.zeros((batch, cfg.vocab_size), jnp.float32), jnp.zeros((batch, cfg.layers, k), jnp.int32)
 
     @staticmethod
     def _arm(rows, knobs, s: int, r: Request, max_new: int) -> None:

@@ -1,7 +1,7 @@
 """Choosing the next token: greedy, or sampling with temperature, top-k, top-p (nucleus) and min-p, per row.
 
-Every row carries its own settings (`Sampling`, arrays `[batch]`) and its own key, `row_keys`: fold_in(fold_in(key(seed),
-stream), token index), so a request's tokens depend on its seed, its stream (the n-th sample of a prompt) and its own
+Every row carries its own settings (`Sampling`, arrays `[batch]`) and its own key, `row_keys`:
+fold_in(fold_in(key(seed), stream), token index), so a request's tokens depend on its seed, its stream (the n-th sample of a prompt) and its own
 history only, never on the other rows of the batch or on the layout.
 
 The filters run in the order Hugging Face's `generate` and vLLM apply them: temperature, then top-k (the k most likely),

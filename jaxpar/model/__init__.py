@@ -422,7 +422,8 @@ class Forward:
         (leading `[layers]` axis), `kv_heads` heads."""
         cfg = self.cfg
         shape = (cfg.layers, batch, length or cfg.max_positions, cfg.kv_heads, cfg.head_dim)
-        return KVCache(jnp.zeros(shape, self.cdt), jnp.zeros(shape, self.cdt), jnp.zeros((cfg.layers, batch), jnp.int32))
+        pos = jnp.zeros((cfg.layers, batch), jnp.int32)
+        return KVCache(jnp.zeros(shape, self.cdt), jnp.zeros(shape, self.cdt), pos)
 
     def decode(self, params, tokens, caches: KVCache):
         """tokens `[batch, t]` at positions caches.pos.. -> (last-position logits `[batch, vocab]`, new caches)."""

@@ -157,9 +157,9 @@ class _PreNormBlock(nnx.Module):
     def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None, layer=0):
         """x `[batch, seq, embed]` -> (same, cache, MoE stats or None; decoding, {"experts": `[b, t, k]`}).
         `drop(y, site, rate)` applies dropout keyed by site (0, 1: the residual branches; the adapters' inputs:
-        `lora.site`); `positions` `[seq]` or `[batch, seq]` (default: from the cache's fill, else 0..seq-1); `cache` is for
-        decoding; `segments` `[batch, seq]` int32 keeps attention within each packed document; `layer` is the
-        block's global index (int or traced int32: which FFN a model of dense and MoE layers runs)."""
+        `lora.site`); `positions` `[seq]` or `[batch, seq]` (default: from each row's cache fill, else 0..seq-1);
+        `cache` is for decoding; `segments` `[batch, seq]` int32 keeps attention within each packed document;
+        `layer` is the block's global index (int or traced int32: which FFN a model of dense and MoE layers runs)."""
         if positions is None:
             positions = jnp.arange(x.shape[1]) if cache is None else cache.pos[:, None] + jnp.arange(x.shape[1])
         ad = lora.input_dropout(drop, cfg)
