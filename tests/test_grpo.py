@@ -1,0 +1,218 @@
+"""GRPO (`train.objective=grpo`): the loss of every loss type, its gradients and TRL's metrics against an independent
+float64 transcription of TRL's `GRPOTrainer._compute_loss` (and its reward scaling) on `transformers` log-probs of
+the same tiny model, on one device and on pipeline and ZeRO layouts; the importance ratio of an unchanged policy is
+exactly 1 (no clipping), and a second pass on the same completions follows the formula."""
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+try:  # the `interop` extra
+    import torch
+except ImportError:
+    torch = None
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import float64_config, steps_for, tiny_config  # noqa: E402
+from test_dpo import COMMON, LAYOUTS, V, models  # noqa: E402,F401  (the fixture: two random float64 Llamas)
+from jaxpar.formats import hf  # noqa: E402
+from jaxpar.rl import advantages as adv_mod  # noqa: E402
+from jaxpar.train.objectives import TokenLogps  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("test_grpo")
+
+T, G, PROMPTS = 32, 4, 2
+ROWS = G * PROMPTS
+RTOL = 1e-9
+
+
+def make_round(seed=0):
+    """PROMPTS prompts, G completions each (token ids), rewards from two functions (one returns None sometimes) and
+    which completions were truncated."""
+    rng = np.random.default_rng(seed)
+    prompts, completions = [], []
+    for _ in range(PROMPTS):
+        p = rng.integers(1, V, rng.integers(3, 7)).tolist()
+        for _ in range(G):
+            prompts.append(p)
+            completions.append(rng.integers(1, V, rng.integers(2, 9)).tolist())
+    per_fn = np.stack([rng.integers(0, 2, ROWS).astype(float), rng.normal(size=ROWS)], 1)
+    per_fn[3, 1] = np.nan
+    return prompts, completions, per_fn, rng.random(ROWS) < 0.25
+
+
+# ---- the transcription of TRL's math (float64, written from TRL's GRPOTrainer) -------------------------------------
+
+def trl_advantages(per_fn, weights, group, scale):
+    """TRL's `_generate_and_score_completions` ("sum_then_normalize"): nansum of the weighted rewards, group mean,
+    nanstd (Bessel) per group or over the batch, (r - mean) / (std + 1e-4); NaN advantages -> 0."""
+    r = np.nansum(per_fn * np.asarray(weights)[None], 1)
+    r[np.isnan(per_fn).all(1)] = np.nan
+    g = r.reshape(-1, group)
+    mean = np.repeat(np.nanmean(g, 1), group)
+
+    def nanstd(x):
+        n = (~np.isnan(x)).sum(-1)
+        return np.sqrt(np.nanmean((x - np.nanmean(x, -1, keepdims=True)) ** 2, -1) * n / (n - 1))
+
+    std = np.full(r.shape, nanstd(r)) if scale == "batch" else np.repeat(nanstd(g), group)
+    a = r - mean
+    if scale != "none":
+        a = a / (std + 1e-4)
+    return np.nan_to_num(a, nan=0.0)
+
+
+def trl_loss(lp, old, ref, adv, mask, s):
+    """TRL's `_compute_loss` on `[B, Tc]` completion tensors (lp differentiable), settings `s`; -> (loss, metrics)."""
+    adv = adv[:, None]
+    log_ratio = lp - old
+    if s["loss_type"] == "gspo":  # importance_sampling_level="sequence"
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    coef_1 = torch.exp(log_ratio)
+    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    if s["loss_type"] == "cispo":
+        per_token = -torch.clamp(coef_1, max=s["eps_high"]).detach() * adv * lp
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - s["eps"], 1 + s["eps_high"])
+        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if s["beta"]:
+        per_token = per_token + s["beta"] * kl
+    if s["loss_type"] in ("grpo", "gspo"):
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif s["loss_type"] == "dr_grpo":
+        loss = (per_token * mask).sum() / (per_token.size(0) * s["max_len"])
+    else:  # dapo, cispo (the global token count), bnpo (one micro-batch: the same)
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def mean(x):
+        if x.shape[1] == 1:
+            return (x.sum() / x.shape[0]).item()
+        return ((x * mask).sum() / mask.sum()).item()
+
+    m = {"kl": mean(kl.detach())} if s["beta"] else {}
+    if s["loss_type"] == "cispo":
+        m["cispo_clip_ratio"] = mean(((coef_1 > s["eps_high"]) & (adv > 0)).double())
+    else:
+        low, high = (coef_1 < 1 - s["eps"]) & (adv < 0), (coef_1 > 1 + s["eps_high"]) & (adv > 0)
+        m |= {"clip_ratio/low_mean": mean(low.double()), "clip_ratio/high_mean": mean(high.double()),
+              "clip_ratio/region_mean": mean((low | high).double())}
+    return loss, m
+
+
+def completion_logps(model, prompts, completions, grad=True):
+    """Each completion's per-token log-probs and entropies under `model`, padded `[B, Tc]`, and the mask."""
+    tc = max(len(c) for c in completions)
+    lps, ents, mask = [], [], torch.zeros(len(completions), tc, dtype=torch.float64)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        ids = torch.tensor(p + c)
+        with torch.set_grad_enabled(grad):
+            logp = torch.log_softmax(model(ids[None]).logits[0, :-1], -1)[len(p) - 1:]
+        lp = logp.gather(-1, ids[len(p):, None]).squeeze(-1)
+        pad = torch.zeros(tc - len(c), dtype=torch.float64)
+        lps.append(torch.cat([lp, pad]))
+        ents.append(torch.cat([-(logp.exp() * logp).sum(-1).detach(), pad]))
+        mask[i, :len(c)] = 1.0
+    return torch.stack(lps), torch.stack(ents), mask
+
+
+def torch_grpo(policy, reference, rnd, s, noise):
+    """The transcription on transformers' float64 log-probs: (loss, metrics, grads by name, the batch's inputs)."""
+    prompts, completions, per_fn, truncated = rnd
+    policy.zero_grad()
+    lp, ent, mask = completion_logps(policy, prompts, completions)
+    ref = completion_logps(reference, prompts, completions, grad=False)[0]
+    rng = np.random.default_rng(7)
+    old = lp.detach() + torch.tensor(rng.normal(0, noise, lp.shape)) * mask
+    adv = trl_advantages(per_fn, s["weights"], G, s["scale"])
+    if s["mask_truncated"]:
+        mask = mask * torch.tensor(~truncated)[:, None]
+    loss, metrics = trl_loss(lp, old, ref, torch.tensor(adv), mask, s)
+    loss.backward()
+    metrics["entropy"] = ((ent * mask).sum() / mask.sum()).item()
+    k = [len(c) for c in completions]
+    inputs = dict(old=[old[i, :n].numpy() for i, n in enumerate(k)], ref=[ref[i, :n].numpy() for i, n in enumerate(k)])
+    return loss.item(), metrics, {n: p.grad.numpy() for n, p in policy.named_parameters()}, inputs
+
+
+def grpo_config(policy_dir, s, **over):
+    c = tiny_config(**{"init_from": f"hf:{policy_dir}", "mesh.data": 1, "model.seq_len": T,
+                       "train.global_batch_size": ROWS, "train.objective": "grpo", "grpo.loss_type": s["loss_type"],
+                       "grpo.epsilon": s["eps"], "grpo.epsilon_high": s["eps_high"], "grpo.beta": s["beta"],
+                       "grpo.max_completion_length": s["max_len"], "grpo.num_generations": G,
+                       "grpo.scale_rewards": s["scale"], "grpo.mask_truncated_completions": s["mask_truncated"],
+                       **over})
+    return float64_config(hf.apply(c, say=False))
+
+
+def jaxpar_batch(rnd, s, inputs):
+    prompts, completions, per_fn, truncated = rnd
+    adv, _ = adv_mod.advantages(adv_mod.rewards_of(per_fn, s["weights"]), G, s["scale"])
+    return adv_mod.completion_batch(prompts, completions, inputs["old"], adv, T,
+                                    truncated if s["mask_truncated"] else None, inputs["ref"] if s["beta"] else None)
+
+
+def settings(loss_type, scale="group", beta=0.0, eps=0.2, eps_high=0.0, mask_truncated=False):
+    return dict(loss_type=loss_type, scale=scale, beta=beta, eps=eps, eps_high=eps_high or eps, max_len=10,
+                mask_truncated=mask_truncated, weights=(1.0, 0.5))
+
+
+def check_against_torch(models, s, over=None, devices=1, noise=0.3, seed=0):
+    policy_dir, ref_dir, policy, reference = models
+    rnd = make_round(seed)
+    want, want_metrics, want_grads, inputs = torch_grpo(policy, reference, rnd, s, noise)
+    with jax.enable_x64(True):
+        c = grpo_config(policy_dir, s, **(over or {}))
+        st = steps_for(c, V, jax.devices()[:devices])
+        state = st.init_with(hf.load_params(str(policy_dir), st.cfg, st.state_shardings["params"], st.layer_order),
+                             0)
+        batch = jax.device_put(jaxpar_batch(rnd, s, inputs), st.batch_sharding)
+        _, metrics, grads = st.train_with_grads(state, batch)
+        metrics, grads = jax.device_get((metrics, grads))
+    np.testing.assert_allclose(float(metrics["loss"]), want, rtol=RTOL)
+    for k, v in want_metrics.items():
+        np.testing.assert_allclose(float(metrics[k]), v, rtol=RTOL, atol=1e-12, err_msg=k)
+    clipped = [v for k, v in want_metrics.items() if "clip" in k]
+    ours = dict(hf.hf_tensors(grads, st.cfg))
+    assert set(ours) == set(want_grads)
+    for name, g in want_grads.items():
+        np.testing.assert_allclose(ours[name], g, rtol=RTOL, atol=1e-12 * np.abs(g).max(), err_msg=name)
+    return clipped
+
+
+CASES = {  # every loss type and reward scaling; KL on and off; clipping active (noise 0.3 on the old log-probs)
+    "dapo_group_kl": settings("dapo", "group", beta=0.1),
+    "grpo_batch": settings("grpo", "batch", mask_truncated=True),
+    "dr_grpo_none_kl": settings("dr_grpo", "none", beta=0.05),
+    "bnpo_group_truncated": settings("bnpo", "group", mask_truncated=True),
+    "gspo_batch_kl": settings("gspo", "batch", beta=0.1, eps=0.03, eps_high=0.04),
+    "cispo_none": settings("cispo", "none", eps_high=1.2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grpo_losses_equal_trl_on_transformers_logprobs(models, case):
+    clipped = check_against_torch(models, CASES[case])
+    assert max(clipped) > 0  # the clipping is active
+
+
+def test_grpo_without_clipping_equals_trl(models):
+    clipped = check_against_torch(models, settings("dapo", eps=0.99, eps_high=100.0), noise=0.05)
+    assert max(clipped) == 0
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_grpo_on_layouts_with_accumulation_equals_trl(models, name):
+    check_against_torch(models, settings("grpo", "group", beta=0.1), LAYOUTS[name], devices=8, seed=1)
+    check_against_torch(models, settings("dapo", "batch", mask_truncated=True), LAYOUTS[name], devices=8, seed=2)
+
+
+def test_advantages_follow_trl_for_every_scaling():
+    for seed in range(3):
+        per_fn = make_round(seed)[2]
+        for scale in adv_mod.SCALES:
+            got, _ = adv_mod.advantages(adv_mod.rewards_of(per_fn, (1.0, 0.5)), G, scale)
+            np.testing.assert_allclose(got, trl_advantages(per_fn, (1.0, 0.5), G, scale), rtol=1e-12)
+    zero = adv_mod.advantages(np.r_[np.ones(G), np.arange(G)], G)[1]
+    assert zero.tolist() == [True] * G + [False] * G
