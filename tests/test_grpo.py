@@ -133,7 +133,23 @@ def torch_grpo(policy, reference, rnd, s, noise):
     metrics["entropy"] = ((ent * mask).sum() / mask.sum()).item()
     k = [len(c) for c in completions]
     inputs = dict(old=[old[i, :n].numpy() for i, n in enumerate(k)], ref=[ref[i, :n].numpy() for i, n in enumerate(k)])
-    return loss.item(), metrics, {n: p.grad.numpy() for n, p in policy.named_parameters()}, inputs
+    return loss.item(), metrics, checkpoint_names({n: p.grad.numpy() for n, p in policy.named_parameters()}), inputs
+
+
+def checkpoint_names(grads):
+    """transformers 5's fused experts (`experts.gate_up_proj` `[E, 2I, H]`, `experts.down_proj` `[E, H, I]`) under
+    the per-expert names of the checkpoints (`experts.{e}.gate_proj.weight`, ...)."""
+    out = {}
+    for name, g in grads.items():
+        head, _, last = name.rpartition(".")
+        if last == "gate_up_proj":
+            for e, (gate, up) in enumerate(zip(*np.split(g, 2, axis=1))):
+                out[f"{head}.{e}.gate_proj.weight"], out[f"{head}.{e}.up_proj.weight"] = gate, up
+        elif last == "down_proj" and g.ndim == 3:
+            out |= {f"{head}.{e}.down_proj.weight": d for e, d in enumerate(g)}
+        else:
+            out[name] = g
+    return out
 
 
 def grpo_config(policy_dir, s, **over):
@@ -204,8 +220,36 @@ def test_grpo_without_clipping_equals_trl(models):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_grpo_on_layouts_with_accumulation_equals_trl(models, name):
-    check_against_torch(models, settings("grpo", "group", beta=0.1), LAYOUTS[name], devices=8, seed=1)
-    check_against_torch(models, settings("dapo", "batch", mask_truncated=True), LAYOUTS[name], devices=8, seed=2)
+    """Per-sequence means (grpo) over microbatches of different token counts, the KL term, truncated completions."""
+    check_against_torch(models, settings("grpo", "batch", beta=0.1, mask_truncated=True), LAYOUTS[name], devices=8,
+                        seed=1)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """(dir, dir, model, model): a random float64 Qwen3-MoE (8 experts, 2 per token), its own reference."""
+    for name in ("torch", "transformers"):
+        pytest.importorskip(name)
+    import transformers
+    from helpers import float64_oracle
+    from jaxpar.data import ByteTokenizer
+    torch.manual_seed(3)
+    m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 2}, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=24, norm_topk_prob=True, router_aux_loss_coef=0.0)).double()  # TRL: no aux loss
+    with torch.no_grad():  # routers sharp enough that the choice matters
+        for name, p in m.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+    d = tmp_path_factory.mktemp("moe")
+    m.save_pretrained(d)
+    ByteTokenizer.to_hf().save(str(d / "tokenizer.json"))
+    m = float64_oracle(m.eval())
+    return d, d, m, m
+
+
+def test_grpo_on_an_expert_parallel_moe_equals_trl(moe_model):
+    """Qwen3-MoE on (expert 4, data 2): tokens reach their experts by all-to-all; the loss and gradients are TRL's."""
+    check_against_torch(moe_model, settings("dr_grpo", "group"), {"mesh.data": 2, "mesh.expert": 4}, devices=8)
 
 
 def test_advantages_follow_trl_for_every_scaling():
@@ -216,3 +260,41 @@ def test_advantages_follow_trl_for_every_scaling():
             np.testing.assert_allclose(got, trl_advantages(per_fn, (1.0, 0.5), G, scale), rtol=1e-12)
     zero = adv_mod.advantages(np.r_[np.ones(G), np.arange(G)], G)[1]
     assert zero.tolist() == [True] * G + [False] * G
+
+
+def test_an_unchanged_policy_has_ratio_one_and_a_second_pass_follows_the_formula(models):
+    """float32, epsilon 0: with the old log-probs from a pass of the same params (mu = 1), no token is clipped for
+    the advantages or their negation, so every ratio is exactly 1 and the loss is -sum(A) over the tokens / tokens.
+    After that update (mu = 2) the same batch's loss and clip fractions are the formula's on the new log-probs."""
+    policy_dir = models[0]
+    rnd = make_round(4)
+    s = settings("dapo", eps=0.0, eps_high=0.0)
+    c = hf.apply(tiny_config(**{"init_from": f"hf:{policy_dir}", "mesh.data": 1, "model.seq_len": T,
+                                "train.global_batch_size": ROWS, "train.objective": "grpo", "grpo.epsilon": 0.0,
+                                "grpo.num_generations": G, "optim.lr": 1e-2}), say=False)
+    st = steps_for(c, V, jax.devices()[:1])
+    params = hf.load_params(str(policy_dir), st.cfg, st.state_shardings["params"], st.layer_order)
+    zeros = [np.zeros(len(x)) for x in rnd[1]]
+    batch = jaxpar_batch(rnd, s, {"old": zeros, "ref": zeros})
+    put = lambda b: jax.device_put({k: v.astype(np.float32) if v.dtype == np.float64 else v  # noqa: E731
+                                    for k, v in b.items()}, st.batch_sharding)
+    logps = lambda p: np.asarray(st.forward(p, put(batch), TokenLogps(ROWS))[1])  # noqa: E731
+    batch["old"] = logps(params)
+    mask, adv = batch["mask"], batch["advantages"]
+    assert (adv > 0).any() and (adv < 0).any()
+    for sign in (-1, 1):
+        state = st.init_with(jax.tree.map(np.asarray, jax.device_get(params)), 0)
+        new, m = st.train(state, put({**batch, "advantages": sign * adv}))
+        m = jax.device_get(m)
+        assert [float(m[k]) for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")] == [0.0, 0.0]
+        np.testing.assert_allclose(float(m["loss"]), -(sign * adv[:, None] * mask).sum() / mask.sum(), rtol=1e-6)
+    lp1 = logps(new["params"])
+    ratio = np.exp(lp1.astype(np.float64) - batch["old"])
+    want = (-np.minimum(ratio * adv[:, None], adv[:, None]) * mask).sum() / mask.sum()
+    m = jax.device_get(st.train(new, put(batch))[1])
+    np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-5)
+    tokens = mask.sum()
+    low, high = ((ratio < 1) & (adv[:, None] < 0)), ((ratio > 1) & (adv[:, None] > 0))
+    np.testing.assert_allclose(float(m["clip_ratio/low_mean"]), (low * mask).sum() / tokens, rtol=1e-6)
+    np.testing.assert_allclose(float(m["clip_ratio/high_mean"]), (high * mask).sum() / tokens, rtol=1e-6)
+    assert 0 < (low * mask).sum() and 0 < (high * mask).sum() and abs(float(m["loss"]) - want) < 1e-3
