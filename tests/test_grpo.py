@@ -15,17 +15,25 @@ except ImportError:
     torch = None
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import float64_config, steps_for, tiny_config  # noqa: E402
-from test_dpo import COMMON, LAYOUTS, V, models  # noqa: E402,F401  (the fixture: two random float64 Llamas)
+from helpers import (EQUIVALENT_LAYOUTS as LAYOUTS, float64_config, float64_llamas, steps_for,  # noqa: E402
+                     tiny_config)
 from jaxpar.formats import hf  # noqa: E402
 from jaxpar.rl import advantages as adv_mod  # noqa: E402
 from jaxpar.train.objectives import TokenLogps  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_grpo")
 
-T, G, PROMPTS = 32, 4, 2
+V, T, G, PROMPTS = 300, 32, 4, 2
 ROWS = G * PROMPTS
 RTOL = 1e-9
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(policy dir, reference dir, policy model, reference model): two random float64 Llamas of one shape."""
+    for name in ("torch", "transformers"):
+        pytest.importorskip(name)
+    return float64_llamas(tmp_path_factory, V)
 
 
 def make_round(seed=0):
@@ -235,7 +243,8 @@ def moe_model(tmp_path_factory):
     from jaxpar.data import ByteTokenizer
     torch.manual_seed(3)
     m = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        **{**COMMON, "num_hidden_layers": 2}, head_dim=8, num_experts=8, num_experts_per_tok=2,
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
+        max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5, head_dim=8, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=24, norm_topk_prob=True, router_aux_loss_coef=0.0)).double()  # TRL: no aux loss
     with torch.no_grad():  # routers sharp enough that the choice matters
         for name, p in m.named_parameters():
@@ -271,7 +280,8 @@ def test_an_unchanged_policy_has_ratio_one_and_a_second_pass_follows_the_formula
     s = settings("dapo", eps=0.0, eps_high=0.0)
     c = hf.apply(tiny_config(**{"init_from": f"hf:{policy_dir}", "mesh.data": 1, "model.seq_len": T,
                                 "train.global_batch_size": ROWS, "train.objective": "grpo", "grpo.epsilon": 0.0,
-                                "grpo.num_generations": G, "optim.lr": 1e-2}), say=False)
+                                "grpo.num_generations": G, "grpo.max_completion_length": 10,
+                                "optim.lr": 1e-2}), say=False)
     st = steps_for(c, V, jax.devices()[:1])
     params = hf.load_params(str(policy_dir), st.cfg, st.state_shardings["params"], st.layer_order)
     zeros = [np.zeros(len(x)) for x in rnd[1]]
@@ -298,3 +308,67 @@ def test_an_unchanged_policy_has_ratio_one_and_a_second_pass_follows_the_formula
     np.testing.assert_allclose(float(m["clip_ratio/low_mean"]), (low * mask).sum() / tokens, rtol=1e-6)
     np.testing.assert_allclose(float(m["clip_ratio/high_mean"]), (high * mask).sum() / tokens, rtol=1e-6)
     assert 0 < (low * mask).sum() and 0 < (high * mask).sum() and abs(float(m["loss"]) - want) < 1e-3
+
+
+# ---- rewards and bad input ------------------------------------------------------------------------------------------
+
+def test_builtin_rewards_and_user_functions_are_called_as_trl_calls_them(tmp_path):
+    pytest.importorskip("math_verify")
+    from jaxpar.rl import rewards
+    f = tmp_path / "my_rewards.py"
+    f.write_text("def echo(prompts, completions, completion_ids, difficulty, **kw):\n"
+                 "    return [None if d is None else float(d) + len(c) for d, c in zip(difficulty, completions)]\n")
+    fns, w = rewards.load(f"jaxpar.rl.rewards:exact_answer, {f}:echo,jaxpar.rl.rewards:soft_overlong",
+                          "1, 0.5, 2")
+    assert [n for n, _ in fns] == ["exact_answer", "echo", "soft_overlong"] and w.tolist() == [1.0, 0.5, 2.0]
+    completions = ["<think>6*7=42, not 41</think> <answer>42</answer>", [{"role": "assistant", "content": "The answer is $\\frac{1}{2}$"}], "41", "x"]
+    records = [{"prompt": "q", "solution": "42", "difficulty": 1}, {"prompt": "q", "solution": "0.5",
+                                                                   "difficulty": None},
+               {"prompt": "q", "solution": "42", "difficulty": 2}, {"prompt": "q", "solution": "no", "difficulty": 0}]
+    ids = [[1] * 5, [1] * 8, [1] * 9, [1] * 12]
+    got = rewards.score(fns, ["q"] * 4, completions, ids, records, max_completion_length=10)
+    np.testing.assert_array_equal(got[:, 0], [1.0, 1.0, 0.0, np.nan])  # "no" parses to nothing: None
+    np.testing.assert_array_equal(got[:, 1], [12.0, np.nan, 4.0, 1.0])
+    np.testing.assert_allclose(got[:, 2], [0.0, 0.0, -0.5, -1.0])  # cache 2 tokens: 8 -> 0, 9 -> -0.5, over -> -1
+    fmt = rewards.think_format(completions=["<think>a\nb</think> <answer>3</answer>", "<answer>3</answer>",
+                                            "<think>a</think><think>b</think><answer>3</answer>"])
+    assert fmt == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("case", ["unknown", "no_file", "wrong_length", "raises", "weights"])
+def test_bad_reward_functions_are_one_line(tmp_path, case):
+    from jaxpar.rl import rewards
+    f = tmp_path / "r.py"
+    f.write_text("def short(completions, **kw):\n    return [1.0]\n"
+                 "def boom(completions, **kw):\n    raise KeyError('solution')\n")
+    spec, weights, want = {
+        "unknown": ("jaxpar.rl.rewards:exact", "", "jaxpar.rl.rewards has no function 'exact'"),
+        "no_file": ("missing.py:f", "", "no file missing.py"),
+        "wrong_length": (f"{f}:short", "", "reward function 'short' returned 1 values for 2 completions"),
+        "raises": (f"{f}:boom", "", "reward function 'boom' raised KeyError: 'solution' (on the round's first "
+                                    "record {'prompt': 'q'}"),
+        "weights": (f"{f}:short", "1,2", "grpo.reward_weights has 2 weights for 1 reward functions")}[case]
+    with pytest.raises(rewards.RewardError) as e:
+        fns, _ = rewards.load(spec, weights)
+        rewards.score(fns, ["q"] * 2, ["a", "b"], [[1], [2]], [{"prompt": "q"}] * 2)
+    assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("case", ["one_generation", "no_room", "loop"])
+def test_bad_grpo_config_is_one_line_before_compiling(corpus, tmp_path, case):
+    from jaxpar import trainer
+    from jaxpar.config import ConfigError
+    from jaxpar.data import DataError
+    over, want = {
+        "one_generation": ({"grpo.num_generations": 1}, "grpo.num_generations=1"),
+        "no_room": ({"grpo.max_completion_length": 16}, "grpo.max_completion_length=16 with model.seq_len=16: no "
+                                                          "room is left for a prompt"),
+        "loop": ({"grpo.max_completion_length": 8}, "that loop is not built yet")}[case]
+    from helpers import run_config
+    c = run_config(corpus, tmp_path, **{"mesh.data": 1, "train.objective": "grpo", "grpo.max_completion_length": 8,
+                                        **over})
+    with pytest.raises((ConfigError, DataError)) as e:
+        trainer.run(c, str(tmp_path / "run"), jax.devices()[:1])
+    msg = str(e.value).replace("invalid config:\n", "")
+    assert want in msg and "\n" not in msg.strip(), msg
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SCALES = ("group", "batch", "none")
+from jaxpar.config_keys import REWARD_SCALES as SCALES
 
 
 def _nanstd(x, axis=None):

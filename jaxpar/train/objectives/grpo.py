@@ -29,8 +29,6 @@ import jax.numpy as jnp
 from jax.scipy.special import entr
 
 from jaxpar.train.objectives.base import Objective
-
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "gspo", "cispo")
 _CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
 
@@ -63,11 +61,16 @@ class GRPO(Objective):
 
     @staticmethod
     def errors(config, lay) -> list[str]:
-        """No context parallelism (the per-token inputs are not laid out in its order)."""
+        """Room for a prompt next to a whole completion; no context parallelism (the per-token inputs are not laid
+        out in its order)."""
+        errs, n, T = [], int(config.grpo.max_completion_length), int(config.model.seq_len)
+        if n >= T:
+            errs.append(f"grpo.max_completion_length={n} with model.seq_len={T}: no room is left for a prompt; "
+                        f"lower grpo.max_completion_length below {T} or raise model.seq_len.")
         if lay.context > 1:
-            return [f"train.objective='grpo' with mesh.context={lay.context}: GRPO's per-token log-probs are not "
-                    f"context-parallel yet; set mesh.context=1."]
-        return []
+            errs.append(f"train.objective='grpo' with mesh.context={lay.context}: GRPO's per-token log-probs are not "
+                        f"context-parallel yet; set mesh.context=1.")
+        return errs
 
     def per_token(self, lp, mb):
         """(per-token loss `[rows, seq]` (gspo, cispo: broadcast from `[rows, 1]`), the ratio r, its advantage)."""
