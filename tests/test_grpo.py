@@ -205,10 +205,10 @@ def check_against_torch(models, s, over=None, devices=1, noise=0.3, seed=0):
     return clipped
 
 
-CASES = {  # every loss type and reward scaling; KL on and off; clipping active (noise 0.3 on the old log-probs)
+CASES = {  # every loss type and reward scaling; KL on and off; clipping active (noise 0.3 on the old log-probs) or not
     "dapo_group_kl": settings("dapo", "group", beta=0.1),
     "grpo_batch": settings("grpo", "batch", mask_truncated=True),
-    "dr_grpo_none_kl": settings("dr_grpo", "none", beta=0.05),
+    "dr_grpo_none_kl_unclipped": settings("dr_grpo", "none", beta=0.05, eps=0.99, eps_high=100.0),
     "bnpo_group_truncated": settings("bnpo", "group", mask_truncated=True),
     "gspo_batch_kl": settings("gspo", "batch", beta=0.1, eps=0.03, eps_high=0.04),
     "cispo_none": settings("cispo", "none", eps_high=1.2),
@@ -218,12 +218,7 @@ CASES = {  # every loss type and reward scaling; KL on and off; clipping active 
 @pytest.mark.parametrize("case", list(CASES))
 def test_grpo_losses_equal_trl_on_transformers_logprobs(models, case):
     clipped = check_against_torch(models, CASES[case])
-    assert max(clipped) > 0  # the clipping is active
-
-
-def test_grpo_without_clipping_equals_trl(models):
-    clipped = check_against_torch(models, settings("dapo", eps=0.99, eps_high=100.0), noise=0.05)
-    assert max(clipped) == 0
+    assert (max(clipped) == 0) if "unclipped" in case else (max(clipped) > 0)  # the clipping active, or not
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -328,7 +323,7 @@ def test_builtin_rewards_and_user_functions_are_called_as_trl_calls_them(tmp_pat
     ids = [[1] * 5, [1] * 8, [1] * 9, [1] * 12]
     got = rewards.score(fns, ["q"] * 4, completions, ids, records, max_completion_length=10)
     np.testing.assert_array_equal(got[:, 0], [1.0, 1.0, 0.0, np.nan])  # "no" parses to nothing: None
-    np.testing.assert_array_equal(got[:, 1], [12.0, np.nan, 4.0, 1.0])
+    np.testing.assert_array_equal(got[:, 1], [1.0 + len(completions[0]), np.nan, 4.0, 1.0])
     np.testing.assert_allclose(got[:, 2], [0.0, 0.0, -0.5, -1.0])  # cache 2 tokens: 8 -> 0, 9 -> -0.5, over -> -1
     fmt = rewards.think_format(completions=["<think>a\nb</think> <answer>3</answer>", "<answer>3</answer>",
                                             "<think>a</think><think>b</think><answer>3</answer>"])
