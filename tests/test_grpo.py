@@ -367,3 +367,34 @@ def test_bad_grpo_config_is_one_line_before_compiling(corpus, tmp_path, case):
     msg = str(e.value).replace("invalid config:\n", "")
     assert want in msg and "\n" not in msg.strip(), msg
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_round_sampled_by_the_engine_trains_with_ratio_exactly_one(tmp_path):
+    """A round from the generation engine on the training state's params: G completions per prompt, scored by a
+    user's FILE.py reward, TRL's advantages; the engine's model log-probs within 2e-6 of the training forward's; with
+    the training forward's as the old policy's (mu = 1), no token is clipped at epsilon 0 for the advantages or their
+    negation: every ratio is exactly 1."""
+    from jaxpar.generate.engine import Engine
+    from jaxpar.rl import rewards, rollout
+    f = tmp_path / "parity.py"
+    f.write_text("def odd(completion_ids, **kw):\n    return [sum(i % 2 for i in c) / len(c) for c in completion_ids]\n")
+    fns, w = rewards.load(f"{f}:odd")
+    c = tiny_config(**{"mesh.data": 1, "model.seq_len": T, "train.global_batch_size": ROWS, "train.objective": "grpo",
+                       "grpo.epsilon": 0.0, "grpo.num_generations": G, "grpo.max_completion_length": 8})
+    st = steps_for(c, V, jax.devices()[:1])
+    state = st.init(0)
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
+    done = rollout.sample(Engine.on_steps(st, state["params"], c), prompts, G, 8, seed=3, temperature=1.0)
+    assert len(done) == ROWS and len({tuple(x.tokens) for x in done}) > 1
+    batch, per_fn, a = rollout.round_batch(prompts, [{"prompt": "p"}] * PROMPTS, done, fns, w, G, "group", T)
+    assert (a > 0).any() and (a < 0).any() and per_fn.shape == (ROWS, 1)
+    put = lambda b: jax.device_put({k: v.astype(np.float32) if v.dtype == np.float64 else v  # noqa: E731
+                                    for k, v in b.items()}, st.batch_sharding)
+    trained = rollout.with_old_logps(st, state["params"], put(batch))
+    mask = batch["mask"] > 0
+    np.testing.assert_allclose(np.asarray(trained["old"])[mask], batch["old"][mask], atol=2e-6)  # the engine's
+    params = jax.device_get(state["params"])
+    for sign in (-1, 1):
+        m = jax.device_get(st.train(st.init_with(jax.tree.map(np.asarray, params), 0),
+                                    {**trained, "advantages": put({"a": sign * a.astype(np.float32)})["a"]})[1])
+        assert [float(m[k]) for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")] == [0.0, 0.0], sign
