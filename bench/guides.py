@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDES = ("README.md", "docs/getting-started.md", "docs/checkpoints.md", "docs/models.md", "docs/layouts.md",
           "docs/pipeline.md", "docs/precision.md", "docs/moe.md", "docs/context.md", "docs/offload.md",
           "docs/planning.md", "docs/data.md", "docs/multihost.md", "docs/finetune.md", "docs/generate.md",
-          "docs/evaluate.md", "docs/gpu.md", "docs/testing.md")
+          "docs/evaluate.md", "docs/rl.md", "docs/gpu.md", "docs/testing.md")
 SKIP = (r"^pip install\b", r"^python3 -m venv\b", r"-m pytest\b", r"^python train\.py --config configs/llama3_8b\.py",
         r"\bsbatch\b", r"\$EDITOR", r"\btail -f\b", r"^tensorboard\b", r"^ssh\b", r"--coordinator\b",
         r"bench/gpu\.py", r"/path/to/", r"data/corpus", r"runs/llama3_8b\b", r"hf:meta-llama/",

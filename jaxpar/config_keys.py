@@ -8,6 +8,7 @@ jaxpar.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Callable
 
@@ -41,6 +42,7 @@ NEW_RULES = ("experts", "router", "lora_rank", "patch", "channels", "classes")
 # all-to-all) within a node where they fit
 MESH_AXES = ("data", "stage", "expert", "context", "tensor")
 ROUTERS = ("softmax", "sigmoid")
+GRPO_LOSSES, REWARD_SCALES = ("dapo", "grpo", "dr_grpo", "bnpo", "gspo", "cispo"), ("group", "batch", "none")
 REMAT_POLICIES = ("none", "selective", "full", "dots", "attention", "offload")
 OFFLOAD = ("none", "optimizer", "params")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs (validate._check_float64)
@@ -214,9 +216,19 @@ KEYS = (
     K("dpo.precompute_reference", False, bool, "compute the reference model's log-probs of every pair once, before "
       "training, and keep them with the prepared data (TRL's `precompute_ref_log_probs`): no reference weights "
       "during training"),
+    # grpo ([rl](rl.md))
+    K("grpo.loss_type", "dapo", str, "the policy loss and its normalisation ([rl](rl.md#losses))", choices=GRPO_LOSSES),
+    K("grpo.epsilon", 0.2, float, "the ratio's lower clip 1 - epsilon", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    K("grpo.epsilon_high", 0.0, float, "upper clip 1 + epsilon_high (cispo: the cap); 0: epsilon", lambda v: v >= 0),
+    K("grpo.beta", 0.0, float, "the k3 KL-to-reference weight; 0: no reference", lambda v: 0 <= v < _INF, ">= 0"),
+    K("grpo.max_completion_length", 256, int, "tokens per completion at most", lambda v: v >= 1, "an integer >= 1"),
+    K("grpo.mask_truncated_completions", False, bool, "completions cut at max_completion_length: out of the loss"),
+    K("grpo.num_generations", 8, int, "G: completions per prompt", lambda v: v >= 2, "an integer >= 2"),
+    K("grpo.rewards", "", str, "`MODULE:FUNCTION` or `FILE.py:FUNCTION`, comma-separated ([rl](rl.md#rewards))"),
+    K("grpo.reward_weights", "", str, "a weight per reward function, comma-separated (`\"\"`: 1 each)"),
+    K("grpo.scale_rewards", "group", str, "advantages / the rewards' std: group, batch or none", choices=REWARD_SCALES),
     # train
-    K("train.objective", "lm", str, "`lm` (next-token cross-entropy over the loss mask) or `dpo` (direct preference "
-      "optimization on preference pairs, the reference model the initial weights)", choices=("lm", "dpo")),
+    K("train.objective", "lm", str, "what trains: [finetune](finetune.md), [rl](rl.md)", choices=("lm", "dpo", "grpo")),
     K("train.steps", 1000, int, "optimizer steps to run to", lambda v: v >= 1, "an integer >= 1"),
     K("train.global_batch_size", 32, int, "sequences per optimizer step (= micro batch × microbatches × data)",
       lambda v: v >= 1, "an integer >= 1"),
@@ -376,9 +388,7 @@ KEYS = (
 
 def get(config, key: str):
     """The value of a dotted key."""
-    for part in key.split("."):
-        config = config[part]
-    return config
+    return functools.reduce(lambda c, part: c[part], key.split("."), config)
 
 
 def changed(config, section: str) -> list[str]:

@@ -337,3 +337,33 @@ def wandb_history(directory) -> dict:
                 if "loss" in items:
                     out.setdefault(f.stem[len("run-"):], []).append((items["_step"], items["step"], items["loss"]))
     return out
+
+
+# two layouts that DPO's and GRPO's float64 comparisons with the formula run on: (2,2,2) 1F1B, (4,2,1) ZeRO 3
+EQUIVALENT_LAYOUTS = {
+    "1f1b_2x2x2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "pipeline.schedule": "1f1b",
+                   "train.microbatches": 4},
+    "zero3_4x2x1": {"mesh.data": 4, "mesh.tensor": 2, "train.microbatches": 2, "optim.zero_stage": 3}}
+
+
+def float64_llamas(tmp_path_factory, vocab: int):
+    """(policy dir, reference dir, policy model, reference model): two random float64 Llamas of one shape (seeds
+    0, 1; norm scales away from 1), written with a byte tokenizer (DPO's and GRPO's references)."""
+    import torch
+    import transformers
+    from jaxpar.data import ByteTokenizer
+    common = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64, tie_word_embeddings=False,
+                  rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0)
+    out = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).double()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.1) + (1.0 if "norm" in name else 0.0))
+        d = tmp_path_factory.mktemp(f"m{seed}")
+        m.save_pretrained(d)
+        ByteTokenizer.to_hf().save(str(d / "tokenizer.json"))
+        out.append((d, float64_oracle(m.eval())))
+    return out[0][0], out[1][0], out[0][1], out[1][1]

@@ -16,11 +16,10 @@ except ImportError:
     torch = transformers = None
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import (chat_tokenizer, float64_config, float64_oracle, random_hf_llama, steps_for,  # noqa: E402
-                     tiny_config)
+from helpers import (EQUIVALENT_LAYOUTS as LAYOUTS, chat_tokenizer, float64_config, float64_llamas,  # noqa: E402
+                     random_hf_llama, steps_for, tiny_config)
 from jaxpar import data, model, trainer  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
-from jaxpar.data import ByteTokenizer  # noqa: E402
 from jaxpar.formats import hf  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_dpo")
@@ -28,9 +27,6 @@ pytestmark = pytest.mark.xdist_group("test_dpo")
 V, T, ROWS = 300, 48, 8
 # float64 on both sides (transformers' float32 RMSNorm statistics and RoPE angles made float64: `float64_oracle`)
 RTOL = 1e-9
-COMMON = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=V, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5,
-              bos_token_id=0, eos_token_id=0)
 
 
 def make_pairs(seed=0, n=2 * ROWS):
@@ -67,18 +63,7 @@ def models(tmp_path_factory):
     """(policy dir, reference dir, policy model, reference model): two random float64 Llamas of one shape."""
     for name in ("torch", "transformers"):
         pytest.importorskip(name)
-    out = []
-    for seed in (0, 1):
-        torch.manual_seed(seed)
-        m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)).double()
-        with torch.no_grad():
-            for name, p in m.named_parameters():
-                p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.1) + (1.0 if "norm" in name else 0.0))
-        d = tmp_path_factory.mktemp(f"m{seed}")
-        m.save_pretrained(d)
-        ByteTokenizer.to_hf().save(str(d / "tokenizer.json"))
-        out.append((d, float64_oracle(m.eval())))
-    return out[0][0], out[1][0], out[0][1], out[1][1]
+    return float64_llamas(tmp_path_factory, V)
 
 
 def torch_dpo(policy, reference, pairs, beta, loss="sigmoid", eps=0.0):
@@ -156,9 +141,6 @@ def test_dpo_equals_the_formula_on_transformers_logprobs(models, loss, eps):
     check_against_torch(models, make_pairs(), 0.2, {}, loss, eps)
 
 
-LAYOUTS = {"1f1b_2x2x2": {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "pipeline.schedule": "1f1b",
-                          "train.microbatches": 4},
-           "zero3_4x2x1": {"mesh.data": 4, "mesh.tensor": 2, "train.microbatches": 2, "optim.zero_stage": 3}}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -41,7 +41,7 @@ def test_every_subpackage_is_installed():
 # A root module is a room of its own; a folder is one room (docs/architecture.md draws this map).
 ORDER = ("config_keys", "errors", "config", "dtypes", "layout",  # what every room may read
          "data", "cluster", "parallel", "kernels", "model", "analysis", "observe", "train",  # the rooms
-         "validate", "state", "formats", "compiled", "export", "generate", "evaluate",  # entry points
+         "validate", "state", "formats", "compiled", "export", "generate", "evaluate", "rl",  # entry points
          "plan", "trainer", "launch", "preprocess")
 
 

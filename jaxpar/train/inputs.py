@@ -15,6 +15,10 @@ def open_data(config) -> tuple:
     prepared once (process 0 first, then the others find them in the cache)."""
     B, T, seed, d = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed), config.data
     kinds = objectives.from_config(config).data_kinds
+    if "prompts" in kinds:
+        raise data.DataError(f"train.objective={config.train.objective!r} samples completions of prompts each round; "
+                             f"that loop is not built yet (issue #56): train its batches "
+                             f"(jaxpar.rl.advantages.completion_batch) with the compiled step (docs/rl.md).")
     if "images" in kinds:
         info = distributed.process_0_first(lambda: data.prepare_images(config), "jaxpar/prepare")
         m = config.model

@@ -102,6 +102,11 @@ def to_microbatches(x, m: int):
     return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
+# what an objective's batch may carry per row besides its tokens, microbatched with them: the reference's (DPO: sums
+# per pair; GRPO: per token), GRPO's sampling-time per-token log-probs and its advantages
+ROW_INPUTS = ("ref", "old", "advantages")
+
+
 def microbatched(batch, m: int, context: int = 1):
     """-> mask `[batch, seq]`, and {x, y, w, ids (, seg)} with leaves `[m, batch / m, ...]`. With context
     parallelism (`context` > 1) every sequence is laid out in the balanced order (`jaxpar/parallel/context.py`) and the
@@ -114,8 +119,8 @@ def microbatched(batch, m: int, context: int = 1):
             else gpt.segment_positions(seg)
         order = jnp.asarray(balanced_order(inputs.shape[1], context))
         xs = jax.tree.map(lambda a: a[:, order], {**xs, "pos": pos})
-    ref = {"ref": batch["ref"]} if "ref" in batch else {}  # DPO: the reference's sums per pair (not per token)
-    return mask, jax.tree.map(lambda a: to_microbatches(a, m), {**xs, **ref, "ids": ids})
+    rows = {k: batch[k] for k in ROW_INPUTS if k in batch}
+    return mask, jax.tree.map(lambda a: to_microbatches(a, m), {**xs, **rows, "ids": ids})
 
 
 def map_blocks(state, fn):

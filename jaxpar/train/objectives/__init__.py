@@ -7,10 +7,8 @@ asked, never named: its name is compared only in its own module and here (tests/
 - `dpo` (`dpo.py`): direct preference optimisation on pairs, with a reference model (a frozen copy, the adapters
   off, or precomputed), TRL's metrics.
 
-Room for RL (not implemented): a `grpo.py` whose `GRPO` reads `prompts`, samples a group of completions per prompt
-with the generation engine, scores them, and whose head is the clipped policy-gradient loss on the group-normalised
-advantages with a KL term against the reference (`reference` = copy or adapters_off, as DPO's); its settings a
-`grpo` config section; one entry in `OBJECTIVES` (docs/architecture.md: adding an objective).
+- `grpo` (`grpo.py`): the GRPO family's policy-gradient losses (dapo, grpo, dr_grpo, bnpo, gspo, cispo) on sampled
+  completions whose old and reference log-probs and advantages arrive with the batch, normalised over the whole step.
 """
 from __future__ import annotations
 
@@ -20,9 +18,10 @@ from jaxpar.model import FAMILIES
 from jaxpar.train.objectives.base import Objective
 from jaxpar.train.objectives.classify import Classify
 from jaxpar.train.objectives.dpo import DPO, ReferenceSums, pair_sums
+from jaxpar.train.objectives.grpo import GRPO, TokenLogps
 from jaxpar.train.objectives.lm import LM
 
-OBJECTIVES: dict[str, type[Objective]] = {c.name: c for c in (LM, DPO)}  # what `train.objective` names
+OBJECTIVES: dict[str, type[Objective]] = {c.name: c for c in (LM, DPO, GRPO)}  # what `train.objective` names
 DEFAULT = LM.name
 
 
@@ -67,5 +66,5 @@ def errors(config, lay) -> list[str]:
     return OBJECTIVES[name].errors(config, lay) if name in OBJECTIVES else []
 
 
-__all__ = ["Classify", "DPO", "LM", "OBJECTIVES", "Objective", "ReferenceSums", "errors", "from_config", "packing",
-           "pair_sums", "with_packing"]
+__all__ = ["Classify", "DPO", "GRPO", "LM", "OBJECTIVES", "Objective", "ReferenceSums", "errors", "from_config", "packing",
+           "pair_sums", "TokenLogps", "with_packing"]

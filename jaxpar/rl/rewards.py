@@ -1,0 +1,114 @@
+"""Reward functions, called as TRL calls them, and the built-in ones (`grpo.rewards`, `grpo.reward_weights`).
+
+A reward function takes keywords: `prompts`, `completions` (strings, or message lists for conversational records),
+`completion_ids` (lists of token ids), `max_completion_length`, and every other column of the records (e.g.
+`solution`), one value per completion; it returns one float or None (not applicable) per completion. `load` reads
+`grpo.rewards` (comma-separated `MODULE:FUNCTION` or `FILE.py:FUNCTION`); `score` calls them, `[completions,
+functions]` float64 with None as NaN.
+
+Built in (`jaxpar.rl.rewards:NAME`):
+- `exact_answer`: 1.0 when the completion's answer (inside `<answer>...</answer>` if it has one, else the whole text)
+  equals the record's `solution` under `math-verify` (parse, verify; TRL's `accuracy_reward`, except that a plain
+  number counts as an answer, not only LaTeX), None when the solution does not parse;
+- `think_format`: 1.0 for `<think>...</think>` then `<answer>...</answer>` and nothing else, else 0.0;
+- `soft_overlong`: DAPO's soft overlong punishment: 0 up to `max_completion_length` - C tokens (C = a fifth of it),
+  then falling linearly to -1 at `max_completion_length`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import re
+
+import numpy as np
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be found or that answers wrongly: one line naming it."""
+
+
+def _text(completion) -> str:
+    return completion[-1]["content"] if isinstance(completion, list) else completion
+
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def exact_answer(completions, solution, **kwargs):
+    from math_verify import parse, verify  # the `rl` extra
+    out = []
+    for c, sol in zip(completions, solution):
+        gold, text = parse(str(sol)), _text(c)
+        tagged = _ANSWER.search(text)  # the answer: inside <answer>...</answer> when the completion has one
+        out.append(float(verify(gold, parse(tagged.group(1) if tagged else text))) if gold else None)
+    return out
+
+
+_FORMAT = re.compile(r"^<think>(?:(?!<think>).)*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+
+
+def think_format(completions, **kwargs):
+    return [1.0 if _FORMAT.match(_text(c)) else 0.0 for c in completions]
+
+
+def soft_overlong(completion_ids, max_completion_length, **kwargs):
+    cache = max(max_completion_length // 5, 1)
+    start = max_completion_length - cache
+    return [0.0 if len(ids) <= start else max((start - len(ids)) / cache, -1.0) for ids in completion_ids]
+
+
+def _one(spec: str):
+    where, _, name = spec.strip().rpartition(":")
+    if not where or not name:
+        raise RewardError(f"grpo.rewards: {spec!r} is not MODULE:FUNCTION or FILE.py:FUNCTION (e.g. "
+                          f"jaxpar.rl.rewards:exact_answer).")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise RewardError(f"grpo.rewards: {spec!r}: no file {where}; give a path to a Python file.")
+            spec_ = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(spec_)
+            spec_.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as e:
+        raise RewardError(f"grpo.rewards: {spec!r}: cannot import {where} ({e}); check the module's name and "
+                          f"PYTHONPATH.") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardError(f"grpo.rewards: {spec!r}: {where} has no function {name!r}.")
+    return name, fn
+
+
+def load(rewards: str, weights: str = "") -> tuple[list, np.ndarray]:
+    """`grpo.rewards` and `grpo.reward_weights` -> ([(name, function)], weights `[functions]`: 1 each if none)."""
+    fns = [_one(s) for s in rewards.split(",") if s.strip()]
+    if not fns:
+        raise RewardError("grpo.rewards is empty: name at least one reward function, e.g. "
+                          "--config.grpo.rewards=jaxpar.rl.rewards:exact_answer.")
+    w = [float(x) for x in weights.split(",") if x.strip()] if weights.strip() else [1.0] * len(fns)
+    if len(w) != len(fns):
+        raise RewardError(f"grpo.reward_weights has {len(w)} weights for {len(fns)} reward functions; give one "
+                          f"per function or none.")
+    return fns, np.asarray(w, np.float64)
+
+
+def score(fns, prompts, completions, completion_ids, records, **extra) -> np.ndarray:
+    """Every function on every completion (records[i]: completion i's record, its columns as keywords) -> `[N, F]`
+    float64, None as NaN; a function that raises or returns another number of values is one line naming it."""
+    columns = {k: [r.get(k) for r in records] for k in records[0] if k != "prompt"} if records else {}
+    out = np.full((len(completions), len(fns)), np.nan)
+    for j, (name, fn) in enumerate(fns):
+        try:
+            got = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
+                          **extra))
+        except Exception as e:  # noqa: BLE001 - the user's function: said in one line with its record
+            raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} (on the round's first "
+                              f"record {str(records[0])[:120] if records else ''}).") from None
+        if len(got) != len(completions):
+            raise RewardError(f"reward function {name!r} returned {len(got)} values for {len(completions)} "
+                              f"completions; return one float or None per completion.")
+        out[:, j] = [np.nan if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in got]
+    return out

@@ -1,0 +1,50 @@
+"""One GRPO round's samples, as the loop will take them: G completions of each prompt from the generation engine on
+the training params (no copy), scored, their advantages, and the batch the objective trains on.
+
+`sample`: prompt p's completions are requests of stream 0..G-1 with the seed `seed`, so a round's samples depend on
+neither the batch nor the layout; `round_batch`: the batch with the sampling pass's model log-probs as `old`
+(`Completion.model_logprobs`), a completion that ended by length truncated; `with_old_logps`: `old` from the training
+step's own forward on the same params (`objectives.TokenLogps`), as TRL recomputes them: the engine's decode differs
+from the training forward in the last float32 bit on some tokens (measured: up to 5e-7), which at epsilon 0 would
+count as clipping; the training forward's make the ratio of an unchanged policy exactly 1.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from jaxpar.generate.engine import Request
+from jaxpar.rl import advantages as adv
+from jaxpar.rl import rewards
+from jaxpar.train.objectives import TokenLogps
+
+
+def sample(engine, prompts, group: int, max_new_tokens: int, seed: int, stop_ids=(), **sampling) -> list:
+    """`group` completions of every prompt (token ids), prompt p's at rows p * group .. p * group + group - 1."""
+    if group < 2:
+        raise ValueError(f"grpo.num_generations={group}: a group needs at least 2 completions to compare.")
+    reqs = [Request(prompt=list(p), max_new_tokens=max_new_tokens, seed=seed, stream=g, stop_ids=tuple(stop_ids),
+                    **sampling) for p in prompts for g in range(group)]
+    return engine.generate(reqs)
+
+
+def round_batch(prompts, records, completions, fns, weights, group: int, scale: str, seq: int, texts=None,
+                mask_truncated: bool = False, max_completion_length: int = 0):
+    """(the objective's batch, the rewards per function `[N, F]`, the advantages): `records[p]` prompt p's record,
+    `texts` each completion's text for the reward functions (default: its token ids as text are not known: ids)."""
+    rows = [p for p in prompts for _ in range(group)]
+    recs = [r for r in records for _ in range(group)]
+    ids = [list(c.tokens) for c in completions]
+    shown = texts if texts is not None else [c.text if c.text is not None else str(c.tokens) for c in completions]
+    per_fn = rewards.score(fns, [r.get("prompt") for r in recs], shown, ids, recs,
+                           max_completion_length=max_completion_length)
+    a, _ = adv.advantages(adv.rewards_of(per_fn, weights), group, scale)
+    truncated = np.array([c.finish_reason == "length" for c in completions]) if mask_truncated else None
+    old = [np.asarray(c.model_logprobs, np.float64) for c in completions]
+    return adv.completion_batch(rows, ids, old, a, seq, truncated), per_fn, a
+
+
+def with_old_logps(steps, params, batch):
+    """`batch` with `old` the training forward's per-token log-probs under `params` (`steps`: `compiled.steps_for`;
+    `batch` placed with `steps.batch_sharding`)."""
+    rows = batch["tokens"].shape[0]
+    return {**batch, "old": steps.forward(params, batch, TokenLogps(rows))[1].astype(batch["old"].dtype)}

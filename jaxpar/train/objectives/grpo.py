@@ -1,0 +1,153 @@
+"""Group relative policy optimisation (`train.objective='grpo'`, settings `grpo.*`): the policy-gradient loss of the
+GRPO family on sampled completions, and the pass that reads a batch's per-token log-probs (`TokenLogps`).
+
+A batch holds one completion per row: `tokens` its prompt then its completion, `mask` 1 on the positions whose
+target is a completion token (0 on the prompt, the padding and, with `grpo.mask_truncated_completions`, on a
+completion cut at `grpo.max_completion_length`), `old` `[rows, seq]` the sampling policy's log-prob of each target,
+`advantages` `[rows]`, and with `grpo.beta` > 0 `ref` `[rows, seq]` the reference model's. Per completion token, with
+pi, pi_old, pi_ref the three log-probs' models, r = pi / pi_old and A the completion's advantage:
+
+    clipped (dapo, grpo, dr_grpo, bnpo):  -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
+    gspo: the same with r the sequence's ratio exp(mean over its tokens of log r) (GSPO, Zheng et al. 2025)
+    cispo: -min(r, epsilon_high) A log pi, the min not differentiated (MiniMax-M1)
+    plus beta (exp(pi_ref - pi) - (pi_ref - pi) - 1), the k3 estimate of KL(pi || pi_ref) (`grpo.beta` > 0).
+
+Normalised over the whole optimizer step (every microbatch and data shard; `total`), whatever the layout:
+`dapo`, `bnpo`, `cispo` the step's completion tokens; `grpo`, `gspo` each completion's token mean, then the mean over
+the step's completions; `dr_grpo` the step's completions x `grpo.max_completion_length`. TRL normalises `bnpo`,
+`grpo` and `dr_grpo` per micro-batch and process (then averages), which equals this only when every micro-batch holds
+the same number of tokens (bnpo) or completions; `dapo` and `cispo` are global there too (docs/rl.md).
+Metrics as TRL names them: `kl`, `entropy` (per completion token), `clip_ratio/low_mean`, `clip_ratio/high_mean`,
+`clip_ratio/region_mean` (per token; gspo per completion), `cispo_clip_ratio`; `completion_tokens`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.special import entr
+
+from jaxpar.train.objectives.base import Objective
+_CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPO(Objective):
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    max_completion_length: int = 256
+    name = "grpo"
+    section = "grpo"
+    data_kinds = ("prompts",)
+
+    @property
+    def reference(self) -> str:
+        """The reference's per-token log-probs arrive with the batch (`ref`) when the KL term is on."""
+        return "batch" if self.beta > 0 else ""
+
+    @property
+    def metric_names(self) -> tuple:
+        clips = ("cispo_clip_ratio",) if self.loss_type == "cispo" else _CLIPS
+        return ("completion_tokens", "entropy") + clips + (("kl",) if self.beta > 0 else ())
+
+    @classmethod
+    def from_config(cls, config) -> "GRPO":
+        g = config.grpo
+        eps = float(g.epsilon)
+        return cls(str(g.loss_type), eps, float(g.epsilon_high) or eps, float(g.beta), int(g.max_completion_length))
+
+    @staticmethod
+    def errors(config, lay) -> list[str]:
+        """Room for a prompt next to a whole completion; no context parallelism (the per-token inputs are not laid
+        out in its order)."""
+        errs, n, T = [], int(config.grpo.max_completion_length), int(config.model.seq_len)
+        if n >= T:
+            errs.append(f"grpo.max_completion_length={n} with model.seq_len={T}: no room is left for a prompt; "
+                        f"lower grpo.max_completion_length below {T} or raise model.seq_len.")
+        if lay.context > 1:
+            errs.append(f"train.objective='grpo' with mesh.context={lay.context}: GRPO's per-token log-probs are not "
+                        f"context-parallel yet; set mesh.context=1.")
+        return errs
+
+    def per_token(self, lp, mb):
+        """(per-token loss `[rows, seq]` (gspo, cispo: broadcast from `[rows, 1]`), the ratio r, its advantage)."""
+        w = mb["w"]
+        adv = mb["advantages"].astype(lp.dtype)[:, None]
+        log_ratio = lp - mb["old"].astype(lp.dtype)
+        if self.loss_type == "gspo":
+            log_ratio = (log_ratio * w).sum(-1, keepdims=True) / jnp.maximum(w.sum(-1, keepdims=True), 1)
+        ratio = jnp.exp(log_ratio)
+        if self.loss_type == "cispo":
+            loss = -jax.lax.stop_gradient(jnp.minimum(ratio, self.epsilon_high)) * adv * lp
+        else:
+            clipped = jnp.clip(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
+            loss = -jnp.minimum(ratio * adv, clipped * adv)
+        if self.beta > 0:
+            loss = loss + self.beta * self.kl(lp, mb)
+        return loss, ratio, adv
+
+    @staticmethod
+    def kl(lp, mb):
+        d = mb["ref"].astype(lp.dtype) - lp
+        return jnp.exp(d) - d - 1
+
+    def clip_sums(self, ratio, adv, w):
+        """Sums of TRL's clip indicators: per completion token, or per completion (gspo's ratio is per sequence)."""
+        if self.loss_type == "cispo":
+            flags = [(ratio > self.epsilon_high) & (adv > 0)]
+        else:
+            low, high = (ratio < 1 - self.epsilon) & (adv < 0), (ratio > 1 + self.epsilon_high) & (adv > 0)
+            flags = [low, high, low | high]
+        weigh = (lambda f: f.sum()) if self.loss_type == "gspo" else (lambda f: (f * w).sum())
+        return [weigh(f.astype(w.dtype)) for f in flags]
+
+    def head(self, fwd, params, x, mb):
+        lp = fwd.token_logps(params, x, mb["y"])
+        w = mb["w"].astype(lp.dtype)
+        loss, ratio, adv = self.per_token(lp, mb)
+        per_seq = (loss * w).sum(-1)
+        if self.loss_type in ("grpo", "gspo"):
+            per_seq = per_seq / jnp.maximum(w.sum(-1), 1)
+        entropy = entr(jax.nn.softmax(jax.lax.stop_gradient(fwd.logits(params, x)), -1)).sum(-1).astype(lp.dtype)
+        kl = (self.kl(lp, mb) * w).sum() if self.beta > 0 else jnp.zeros((), lp.dtype)
+        count = jnp.stack([w.sum(), jnp.asarray(w.shape[0], lp.dtype), (entropy * w).sum(), kl,
+                           *self.clip_sums(ratio, adv, w)])
+        return per_seq.sum(), count
+
+    def total(self, mask, seg):
+        if self.loss_type in ("grpo", "gspo"):
+            return jnp.asarray(mask.shape[0], mask.dtype)
+        if self.loss_type == "dr_grpo":
+            return jnp.asarray(mask.shape[0] * self.max_completion_length, mask.dtype)
+        return mask.sum()
+
+    def metrics(self, count, total) -> dict:
+        tokens = jnp.maximum(count[0], 1)
+        clip_over = jnp.maximum(count[1], 1) if self.loss_type == "gspo" else tokens
+        clips = ("cispo_clip_ratio",) if self.loss_type == "cispo" else _CLIPS
+        out = {"completion_tokens": count[0], "entropy": count[2] / tokens}
+        out |= {k: count[4 + i] / clip_over for i, k in enumerate(clips)}
+        return out | ({"kl": count[3] / tokens} if self.beta > 0 else {})
+
+
+class TokenLogps:
+    """A pass that reads each row's per-token log-probs of its targets, `[global rows, seq]` (the old policy's, or the
+    reference's): each microbatch writes its rows (`ids`), zeros elsewhere, so summing over microbatches and data
+    shards assembles them (as `dpo.ReferenceSums`)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def __hash__(self):
+        return hash(("TokenLogps", self.rows))
+
+    def __eq__(self, other):
+        return isinstance(other, TokenLogps) and other.rows == self.rows
+
+    def head(self, fwd, params, x, mb):
+        lp = fwd.token_logps(params, x, mb["y"])
+        place = (mb["ids"][:, None] == jnp.arange(self.rows)).astype(lp.dtype)
+        return jnp.zeros((), lp.dtype), jnp.einsum("br,bs->rs", place, lp)
