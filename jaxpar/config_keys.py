@@ -211,8 +211,7 @@ KEYS = (
       "1 / (2 beta))^2)", choices=("sigmoid", "ipo")),
     K("dpo.label_smoothing", 0.0, float, "conservative DPO: the probability that a pair's preference is flipped "
       "(sigmoid loss only)", lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
-    K("dpo.dropout", False, bool, "dropout in DPO's policy and reference passes (the same masks in both): off by "
-      "default, as TRL's `disable_dropout=True`; the model's and LoRA's dropout rates apply when on"),
+    K("dpo.dropout", False, bool, "dropout in DPO's policy and reference passes (the same masks): TRL's default off"),
     K("dpo.precompute_reference", False, bool, "compute the reference model's log-probs of every pair once, before "
       "training, and keep them with the prepared data (TRL's `precompute_ref_log_probs`): no reference weights "
       "during training"),
@@ -386,8 +385,7 @@ KEYS = (
 )
 
 
-def get(config, key: str):
-    """The value of a dotted key."""
+def get(config, key: str):  # the value of a dotted key
     return functools.reduce(lambda c, part: c[part], key.split("."), config)
 
 
