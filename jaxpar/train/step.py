@@ -256,15 +256,18 @@ HELD = {"copy": "params", "adapters": "adapters"}  # reference kind -> what of i
 
 
 def reference_weights(st: StepSettings, cfg: gpt.ModelConfig, params, held=None):
-    """DPO's reference, the model the run starts from, as weights: the state's frozen copy (`held`: "copy"), the
+    """DPO's reference, the model the run starts from, as weights: the state's frozen copy (`held`, kind "copy"), the
     frozen base with the state's copy of the starting adapters ("adapters"), the base with its fresh adapters zeroed
-    ("adapters_off"); for a precomputed table (at step 0) the policy itself, but with LoRA's fresh adapters zeroed."""
-    if st.reference == "copy":
+    ("adapters_off"). Without `held` (a pass over the starting weights: the precomputed tables, at step 0) the policy
+    itself, its fresh LoRA adapters zeroed."""
+    if st.reference == "copy" and held is not None:
         return held
-    if cfg.lora_rank == 0 or (st.reference == "batch" and st.start_adapters):
+    if cfg.lora_rank == 0:
         return params
     trained, frozen = gpt.split_trainable(params, cfg)
-    return gpt.merge_trainable(held if st.reference == "adapters" else jax.tree.map(jnp.zeros_like, trained), frozen)
+    if st.reference == "adapters" and held is not None:
+        return gpt.merge_trainable(held, frozen)
+    return params if st.start_adapters else gpt.merge_trainable(jax.tree.map(jnp.zeros_like, trained), frozen)
 
 
 def reference_sums(st: StepSettings, grad_fn, reference, batch, rng=None):
