@@ -161,7 +161,7 @@ def _base(src: str) -> tuple[ml_collections.ConfigDict, str, str]:
     if k == "export":  # its model and the export's own run choices (dtypes, seq_len, attention, remat, ...)
         cfg = start.model_of(src, k)
         config = base_config()
-        config.model.update({k: getattr(cfg, k) for k in config.model if hasattr(cfg, k)})
+        config.model.update({f: getattr(cfg, f) for f in config.model if hasattr(cfg, f)})
         config.model.vocab_size = cfg.vocab_real
         config.train.update(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
         config.data.tokenizer = os.path.join(src, TOKENIZER_DIR)
