@@ -96,28 +96,23 @@ def make(out: str, n_train: int, n_val: int) -> None:
 
 
 def score(model: str, data: str, limit: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-
     from jaxpar.data.chat import ChatFormat
     from jaxpar.formats import hf
+    from jaxpar.generate.engine import Engine, Request
     from jaxpar.state.runs import load_params
-    from jaxpar.model.generate import generate
 
     where = hf.directory_of(model)
     fwd, params, tok = hf.load(where) if where else load_params(model)
     chat = ChatFormat.from_dir(tok.directory)
     with open(data) as f:
         records = [json.loads(line) for line in f][:limit]
-    run = jax.jit(generate, static_argnums=(0, 3, 5, 6, 7))
+    stops = tuple(sorted(chat.stop_ids))
+    done = Engine(fwd, params).generate([Request(chat.prompt(r["messages"][:-1]).tolist(), max_new_tokens=10,
+                                                 stop_ids=stops) for r in records])  # greedy
     right, echoed, shown = 0, 0, []
-    for r in records:
+    for r, c in zip(records, done):
         prompt, answer = r["messages"][:-1], r["messages"][-1]["content"]
-        ids = chat.prompt(prompt).tolist()
-        out = jax.device_get(run(fwd, params, jnp.asarray([ids], jnp.int32), 10, jax.random.key(0), 0.0, 0,
-                                 tuple(sorted(chat.stop_ids))))[0]
-        reply = out[len(ids):].tolist()
-        reply = tok.decode(reply[:next((k for k, t in enumerate(reply) if t in chat.stop_ids), len(reply))])
+        reply = tok.decode(c.tokens[:-1] if c.finish_reason == "stop" else c.tokens)
         right += reply == answer
         echoed += reply == prompt[-1]["content"].split()[-1]  # the word of the instruction, unchanged
         if len(shown) < 3:

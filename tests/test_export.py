@@ -19,7 +19,7 @@ from jaxpar import export, trainer
 from jaxpar.state import runs
 from jaxpar.formats import start
 from jaxpar.data import ByteTokenizer
-from jaxpar.model.generate import generate
+from jaxpar.generate.engine import Engine, Request
 from jaxpar import model as gpt
 from jaxpar.model import ModelConfig, init_params
 from jaxpar.train.step import model_config
@@ -117,11 +117,10 @@ def test_load_export_round_trips(which, request):
 
 def test_greedy_generation_from_the_export_equals_the_run(tensor_run):
     wd, out = tensor_run
-    gen = jax.jit(generate, static_argnums=(0, 3, 5, 6))
     outs = []
     for fwd, params, tok in (runs.load_params(str(wd)), export.load_export(str(out))):
-        prompt = jnp.asarray([tok.encode("to be or")], jnp.int32)
-        outs.append(np.asarray(gen(fwd, params, prompt, 6, jax.random.key(0), 0.0, 0)))
+        prompt = [int(t) for t in tok.encode("to be or")]
+        outs.append(np.asarray([prompt + Engine(fwd, params).generate([Request(prompt, max_new_tokens=6)])[0].tokens]))
     np.testing.assert_array_equal(outs[0], outs[1])
     # sample.py loads an export too
     r = subprocess.run([sys.executable, "sample.py", f"--workdir={out}", "--prompt=to be or", "--new_tokens=6",

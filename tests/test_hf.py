@@ -165,13 +165,13 @@ def test_greedy_decoding_equals_transformers_generate_and_the_cli_samples(models
     import subprocess
     import sys
 
-    from jaxpar.model.generate import generate
+    from jaxpar.generate.engine import Engine, Request
 
     model, single, _ = models["llama"]
     fwd, params, _ = hf.load(str(single))
     prompt = TOKENS[:2, :5]
-    ours = jax.jit(generate, static_argnums=(0, 3, 5, 6))(fwd, params, jnp.asarray(prompt), 8, jax.random.key(0),
-                                                           0.0, 0)
+    ours = [p.tolist() + c.tokens for p, c in zip(prompt, Engine(fwd, params).generate(
+        [Request(prompt=p.tolist(), max_new_tokens=8) for p in prompt]))]
     with torch.no_grad():
         theirs = model.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=8, min_new_tokens=8,
                                 do_sample=False)

@@ -14,7 +14,7 @@ from jaxpar import model as gpt
 from jaxpar import trainer
 from jaxpar.config import ConfigError
 from jaxpar.validate import validate
-from jaxpar.model.generate import generate
+from jaxpar.generate.engine import Engine, Request
 from helpers import BATCHES, VOCAB, microbatches_for, pipe_config
 from helpers import losses
 
@@ -55,7 +55,8 @@ def test_cached_decoding_equals_the_uncached_forward(arch):
     fwd, params = gpt.Forward(cfg), gpt.init_params(cfg, jax.random.key(1))
     assert cfg.kv_heads == (2 if arch == "llama" else 8)
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 5)), jnp.int32)
-    out = jax.jit(generate, static_argnums=(0, 3, 5, 6))(fwd, params, prompt, 8, jax.random.key(0), 0.0, 0)
+    got = Engine(fwd, params).generate([Request(prompt=p.tolist(), max_new_tokens=8) for p in np.asarray(prompt)])
+    out = jnp.concatenate([prompt, jnp.asarray([c.tokens for c in got], jnp.int32)], axis=1)
     assert fwd.init_cache(2, 13).k.shape == (cfg.layers, 2, 13, cfg.kv_heads, cfg.head_dim)
 
     # uncached: the whole sequence at once; by causality its logits at position i - 1 are those of out[:, :i]

@@ -30,8 +30,8 @@ VIT_FIELDS = ("image_size", "patch_size", "channels", "num_classes")  # a langua
 IMAGE_KEYS = ("image_mean", "image_std")  # a ViT run's preprocessing (`hf.RUN_WINS`: the run's when it sets them)
 
 
-def kind(init_from: str) -> str:
-    """"" (fresh weights), "hf", "export" or "run".
+def kind(init_from: str, what: str = "--config.init_from=") -> str:
+    """"" (fresh weights), "hf", "export" or "run". `what`: how the error names the value (a generator's SRC: "").
 
     Raises:
       ConfigError: `init_from` names no starting point (one line naming what was looked for).
@@ -44,7 +44,7 @@ def kind(init_from: str) -> str:
         return "export"
     if is_run(init_from):
         return "run"
-    raise ConfigError(f"--config.init_from={init_from}: neither a jaxpar export (no {CONFIG_FILE}) nor a run "
+    raise ConfigError(f"{what}{init_from}: neither a jaxpar export (no {CONFIG_FILE}) nor a run "
                       f"directory (no config.json and checkpoints/); give an export (`python -m jaxpar.export`), a "
                       f"train.py workdir with a checkpoint, or hf:DIR (a Hugging Face directory).")
 

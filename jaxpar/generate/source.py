@@ -31,7 +31,7 @@ from jaxpar.config_keys import MESH_AXES
 from jaxpar.data.chat import ChatFormat
 from jaxpar.data.common import DataError
 from jaxpar.errors import ConfigError
-from jaxpar.export import CONFIG_FILE, TOKENIZER_DIR, load_export, read_export_config
+from jaxpar.export import TOKENIZER_DIR, load_export
 from jaxpar.formats import hf, hub, start
 from jaxpar.state import runs
 from jaxpar.state.checkpoint import Checkpointer
@@ -70,26 +70,46 @@ def _on_mesh(config, mesh: dict, vocab: int):
     return steps_for(config, vocab, jax.devices()[:n] if 0 < n <= jax.device_count() else None)
 
 
+def kind(src: str) -> tuple[str, str]:
+    """(SRC, a Hub name `hf:ORG/NAME[@REV]` fetched into the Hugging Face cache as `hf:DIR`; its kind: hf | export |
+    run, as `formats.start.kind` decides for `init_from`).
+
+    Raises:
+      ConfigError: SRC is none of them (one line naming what was looked for)."""
+    name = hub.model_name(src)
+    src = hf.PREFIX + hub.fetch(name)[0] if name else src
+    k = start.kind(src, what="")
+    if not k:
+        raise ConfigError("an empty SRC: give a run directory, an export or hf:DIR.")
+    return src, k
+
+
+def _hf_config(src: str):
+    """The run config of `hf:DIR` (`formats.start.apply`), its context as `model.seq_len`."""
+    config = base_config()
+    config.init_from = src
+    config = start.apply(config, say=False)
+    config.model.seq_len = config.model.max_positions
+    return config
+
+
 def load(src: str, mesh: dict | None = None) -> Source:
     """SRC (see the module docstring) -> Source.
 
     Raises:
       FileNotFoundError, ValueError (hf.HFError, ConfigError): SRC is none of the kinds, or does not fit `mesh`."""
-    name = hub.model_name(src)
-    where = hf.directory_of("hf:" + hub.fetch(name)[0] if name else src)
-    if where is not None:
+    src, k = kind(src)
+    if k == "hf":
+        where = hf.directory_of(src)
         if not mesh or all(v == 1 for v in mesh.values()):
             fwd, params, tok = hf.load(where)
             return Source(fwd, params, tok, _chat(tok, where), None, None)
-        config = base_config()
-        config.init_from = hf.PREFIX + where
-        config = hf.apply(config, say=False)
-        config.model.seq_len = config.model.max_positions
+        config = _hf_config(src)
         steps = _on_mesh(config, mesh, int(config.model.vocab_size))
         params = hf.load_params(where, steps.cfg, steps.state_shardings["params"], steps.layer_order)
         tok = data.load_tokenizer(config.data.tokenizer)
         return Source(steps.fwd, params, tok, _chat(tok, where), steps, config)
-    if os.path.isfile(os.path.join(src, CONFIG_FILE)):
+    if k == "export":
         fwd, params, tok = load_export(src)
         if not mesh or all(v == 1 for v in mesh.values()):
             return Source(fwd, params, tok, _chat(tok, src), None, None)
@@ -133,31 +153,21 @@ def _typed(old, text: str, arg: str):
     return text
 
 
-def _base(src: str) -> tuple[ml_collections.ConfigDict, str]:
-    """(the config SRC describes, its kind: run | export | hf), before overrides."""
-    name = hub.model_name(src)  # hf:ORG/NAME[@REV]: into the Hugging Face cache
-    if name or hf.directory_of(src) is not None:
+def _base(src: str) -> tuple[ml_collections.ConfigDict, str, str]:
+    """(the config SRC describes, SRC (a Hub name as `hf:DIR`), its kind: run | export | hf), before overrides."""
+    src, k = kind(src)
+    if k == "hf":
+        return _hf_config(src), src, k
+    if k == "export":  # its model and the export's own run choices (dtypes, seq_len, attention, remat, ...)
+        cfg = start.model_of(src, k)
         config = base_config()
-        config.init_from = "hf:" + hub.fetch(name)[0] if name else src
-        config = hf.apply(config, say=False)
-        config.model.seq_len = config.model.max_positions
-        return config, "hf"
-    if os.path.isfile(os.path.join(src, CONFIG_FILE)):
-        cfg = read_export_config(src)
-        config = base_config()
-        config.model.update({k: getattr(cfg, k) for k in config.model if hasattr(cfg, k)})
+        config.model.update({f: getattr(cfg, f) for f in config.model if hasattr(cfg, f)})
         config.model.vocab_size = cfg.vocab_real
         config.train.update(param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype)
         config.data.tokenizer = os.path.join(src, TOKENIZER_DIR)
         config.init_from = src
-        return config, "export"
-    return runs.read_config(src), "run"
-
-
-def _tokenizer_dir(config, src: str, kind: str) -> str:
-    if kind == "hf":
-        return hf.directory_of(config.init_from)
-    return os.path.join(src, TOKENIZER_DIR if kind == "export" else "tokenizer")
+        return config, src, k
+    return runs.read_config(src), src, k
 
 
 def on_layout(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
@@ -170,20 +180,20 @@ def on_layout(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
       FileNotFoundError / ValueError: SRC is none of the four, or its files are incomplete.
     """
     src, _, at = src.partition("@") if not src.startswith("hf:") else (src, "", "")
-    config, kind = _base(src)
+    config, src, k = _base(src)
     config = apply_overrides(config, overrides)
     devices = list(jax.devices() if devices is None else devices)
     lay = Layout.from_config(config, len(devices))
     n = lay.batch_split * int(config.train.microbatches)
     config.train.global_batch_size = -(-max(rows, 1) // n) * n
     config = gpt.derived(config)
-    tok_dir = _tokenizer_dir(config, src, kind)
+    tok_dir = hf.directory_of(src) if k == "hf" else os.path.join(src, TOKENIZER_DIR)
     tok = data.load_tokenizer(tok_dir)
     steps = steps_for(config, int(config.model.vocab_size) or tok.vocab_size, devices)
     placed = lambda params: Source(steps.fwd, params, tok, _chat(tok, tok_dir), steps, config)  # noqa: E731
-    if kind == "hf":
+    if k == "hf":
         return placed(hf.load_params(tok_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order))
-    if kind == "export":
+    if k == "export":
         return placed(start.place(src, steps, steps.init(0))["params"])
     ckpt = Checkpointer(src, 1, 1, async_save=False, read_only=True)
     try:
