@@ -72,6 +72,7 @@ def test_flops_count_the_classifier_once_per_image():
     ({"mesh.context": 2, "mesh.data": 1}, "model.arch='vit' with mesh.context=2"),
     ({"model.experts": 4}, "model.arch='vit' with model.experts=4"),
     ({"lora.rank": 8}, "model.arch='vit' with lora.rank=8"),
+    ({"eval.tasks": "arc_easy"}, "model.arch='vit' with eval.tasks='arc_easy'"),
 ])
 def test_bad_vit_settings_are_refused_in_one_line(over, words):
     with pytest.raises(ConfigError) as e:

@@ -39,8 +39,9 @@ class Tasks:
         self.limit = float(e.tasks_limit) or None
         self.fewshot = None if int(e.tasks_fewshot) < 0 else int(e.tasks_fewshot)
         self.batch, self.chat = int(config.train.global_batch_size), bool(e.tasks_chat)
-        self.manager, self.tokenizer = None, data.load_tokenizer(os.path.join(workdir, "tokenizer"))
+        self.manager, self.tokenizer = None, None
         if self.names:
+            self.tokenizer = data.load_tokenizer(os.path.join(workdir, "tokenizer"))
             try:
                 import lm_eval  # noqa: F401
             except ImportError:

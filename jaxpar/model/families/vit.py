@@ -147,7 +147,9 @@ class ViT(Family):
                    (int(config.lora.rank) > 0, f"lora.rank={config.lora.rank}", "lora.rank=0 (LoRA is wired for "
                                                                                  "the language families)"),
                    (config.data.packing not in ("concat", "auto"), f"data.packing={config.data.packing!r}",
-                    "data.packing='concat'")]
+                    "data.packing='concat'"),
+                   (bool(str(config.eval.tasks).strip()), f"eval.tasks={config.eval.tasks!r}",
+                    "eval.tasks='' (lm-eval's tasks score language models)")]
         errs += [f"model.arch='vit' with {what}: not supported for vision transformers; set {fix}." for bad, what, fix
                  in refused if bad]
         needs = [("PIL", "Pillow")] + [("sklearn", "scikit-learn")] * ("digits" in str(config.data.sources).split())
