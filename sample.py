@@ -2,7 +2,7 @@
 `python sample.py --workdir DIR --chat TEXT [--system TEXT]` (the tokenizer's chat template with the generation
 prompt; the reply up to the end-of-turn token).
 
-DIR is a run directory (its config, tokenizer and latest checkpoint are loaded, on the run's layout), an export
+DIR is a run directory (its config, tokenizer and latest checkpoint are loaded onto one device), an export
 written by `python -m jaxpar.export` (it holds model_config.json), or `hf:DIR`, a Hugging Face directory (or
 `hf:ORG/NAME[@REVISION]`, a Hub model, fetched into the Hugging Face cache). A thin caller of the generation engine
 (`jaxpar/generate`); for files of prompts use `python -m jaxpar.generate`.
@@ -49,8 +49,7 @@ def main(argv):
     room = src.fwd.cfg.max_positions - len(ids)
     if room < 1:
         sys.exit(f"error: the prompt has {len(ids)} tokens; the model's max_positions is {src.fwd.cfg.max_positions}.")
-    engine = (Engine.on_steps(src.steps, src.params, src.config, tokenizer=src.tokenizer, slots=_NUM.value)
-              if src.steps is not None else Engine(src.fwd, src.params, tokenizer=src.tokenizer, slots=_NUM.value))
+    engine = Engine.of_source(src, slots=_NUM.value)
     reqs = [Request(ids, max_new_tokens=min(_NEW.value, room), temperature=_TEMP.value, top_k=_TOPK.value,
                     seed=_SEED.value, stream=j, stop_ids=stops) for j in range(_NUM.value)]
     for c in engine.generate(reqs):

@@ -82,8 +82,7 @@ def run(args, mesh) -> int:
     src = source.load(args.model, mesh)
     context = src.fwd.cfg.max_positions
     reqs = requests_of(todo, args, src, context)
-    engine = (Engine.on_steps(src.steps, src.params, src.config, tokenizer=src.tokenizer, slots=args.slots)
-              if src.steps is not None else Engine(src.fwd, src.params, tokenizer=src.tokenizer, slots=args.slots))
+    engine = Engine.of_source(src, slots=args.slots)
     return _write(engine, todo, reqs, args, skip, len(lines))
 
 

@@ -102,6 +102,13 @@ class Engine:
         return cls(steps.fwd, params, mesh=steps.mesh, rules=step_rules(config),
                    zero3=steps.layout.zero_stage == 3, layer_order=steps.layer_order, **kw)
 
+    @classmethod
+    def of_source(cls, src, **kw) -> "Engine":
+        """An engine over a loaded SRC (`source.load`): on its steps' mesh when it has them, else on one device."""
+        if src.steps is not None:
+            return cls.on_steps(src.steps, src.params, src.config, tokenizer=src.tokenizer, **kw)
+        return cls(src.fwd, src.params, tokenizer=src.tokenizer, **kw)
+
     # ---- generation --------------------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None) -> list:

@@ -111,9 +111,7 @@ IDENTITY_FIELDS = ("arch", "vocab_real", "seq_len", "max_positions", "layers", "
                    "rope_high_freq_factor", "rope_original_max_len", "experts", "experts_per_token", "expert_mlp",
                    "shared_experts", "router", "router_norm_topk", "first_dense_layers", "moe_every", "image_size",
                    "patch_size", "channels", "num_classes")
-MOE_FIELDS = ("experts", "experts_per_token", "expert_mlp", "shared_experts", "router", "router_norm_topk",
-              "capacity_factor", "aux_loss", "router_z_loss", "router_bias_rate", "first_dense_layers", "moe_every",
-              "moe_impl", "grouped_matmul", "expert_buffer_factor")
+MOE_FIELDS = families.base.MOE_KEYS  # the mixture-of-experts fields, written once (`families/base.py`)
 SHAPE_FIELDS = ("vocab_size",) + IDENTITY_FIELDS  # what fixes every parameter's shape and value
 # the adapters' fields: a LoRA run's state, never an export's model (exports fold the adapters in)
 LORA_FIELDS = ("lora_rank", "lora_targets", "lora_alpha", "lora_rslora", "lora_dropout", "base_dtype")

@@ -15,6 +15,7 @@ from jaxpar.model import derived
 from jaxpar.plan import cost, memory
 from jaxpar.plan.hardware import GiB, Cluster
 from jaxpar.plan.space import Layout, Space, apply, candidates
+from jaxpar.train import objectives
 
 __all__ = ["plan", "Plan", "Candidate", "vocab_of"]
 
@@ -72,7 +73,8 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
     recompute, cannot fit) until
     `compile_top` layouts fit or 2 x compile_top + 4 compiles ran; compiled layouts are re-timed with their compiled
     data-parallel collectives. `devices`: fake CPU devices to compile on (None: no compiles)."""
-    config = derived(config)  # a ViT's sequence: its patches and the class token
+    # a ViT's sequence: its patches and the class token; `data.packing=auto` judged from the records once
+    config = objectives.with_packing(derived(config))
     model = cost.Model.from_config(config, vocab_of(config))
     capacity = cluster.device.memory * mem_fraction
     space = dataclasses.replace(space, gpus_per_node=cluster.gpus_per_node)

@@ -48,16 +48,17 @@ def check_made_by(workdir: str, made_by: dict, start: int) -> None:
 
     Raises:
       DataError: one line naming what differs and the fix."""
-    path = os.path.join(workdir, DIR, MADE_BY)
-    tables = [f for f in os.listdir(os.path.dirname(path)) if f.endswith(".npy")] if os.path.isdir(
-        os.path.dirname(path)) else []
-    if not tables:
+    folder = os.path.join(workdir, DIR)
+    if not (os.path.isdir(folder) and any(f.endswith(".npy") for f in os.listdir(folder))):
         return
-    saved = json.load(open(path)) if os.path.isfile(path) else {}
+    saved = {}
+    if os.path.isfile(os.path.join(folder, MADE_BY)):
+        with open(os.path.join(folder, MADE_BY)) as f:
+            saved = json.load(f)
     keys = [k for k in made_by if start == 0 or k == "data"]
     diff = [f"{k}: tables {saved.get(k)!r} vs now {made_by[k]!r}" for k in keys if saved.get(k) != made_by[k]]
     if diff:
-        raise DataError(f"{os.path.dirname(path)} holds reference log-probs (dpo.precompute_reference) made from other "
+        raise DataError(f"{folder} holds reference log-probs (dpo.precompute_reference) made from other "
                         f"starting weights or data ({'; '.join(diff)}); move that folder away, or use a new run "
                         f"directory.")
 

@@ -27,7 +27,7 @@ def init_state(cfg: gpt.ModelConfig, optimizer, seed: int, ls_cfg=loss_scale.Los
     steps with a non-finite loss or grads), first_nonfinite (int32, the first such step, or -1) and spikes (the
     loss-spike statistics, `jaxpar/train/spikes.py`, kept whether `train.skip_spikes` is on or not); with
     `reference` (DPO's reference model as weights of its own), reference: a frozen copy of the starting params
-    ("params"), or of their LoRA adapters alone ("adapters": the base is the policy's, frozen)."""
+    ("copy"), or of their LoRA adapters alone ("adapters": the base is the policy's, frozen)."""
     key = jax.random.key(seed)
     params = fresh_params(cfg, seed) if params is None else params
     i32 = lambda v: jnp.full((), v, jnp.int32)
@@ -38,7 +38,7 @@ def init_state(cfg: gpt.ModelConfig, optimizer, seed: int, ls_cfg=loss_scale.Los
 
 
 def reference_part(tree: dict, cfg: gpt.ModelConfig, reference: str) -> dict:
-    """What of a params-shaped tree the state's frozen reference holds: all of it ("params"), or the LoRA adapters
+    """What of a params-shaped tree the state's frozen reference holds: all of it ("copy"), or the LoRA adapters
     ("adapters")."""
     return gpt.trainable(tree, cfg) if reference == "adapters" else tree
 

@@ -252,9 +252,6 @@ def mean_loss_and_grads(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Sha
     return lsum / total, jax.tree.map(lambda g: g / scale, grads), stats, obj.metrics(count, total)
 
 
-HELD = {"copy": "params", "adapters": "adapters"}  # reference kind -> what of it the state holds (`init_state`)
-
-
 def reference_weights(st: StepSettings, cfg: gpt.ModelConfig, params, held=None):
     """DPO's reference, the model the run starts from, as weights: the state's frozen copy (`held`, kind "copy"), the
     frozen base with the state's copy of the starting adapters ("adapters"), the base with its fresh adapters zeroed
@@ -317,7 +314,7 @@ def build_steps(st: StepSettings, cfg: gpt.ModelConfig, mesh) -> Steps:
     optimizer = make_optimizer(st.optim, cfg)
     lr_at = schedule(st.optim)
     lo = st.layout
-    held = HELD.get(st.reference, "")  # what of the reference the state holds
+    held = st.reference if st.reference in ("copy", "adapters") else ""  # the kinds the state holds weights of
     sh = shardings(cfg, optimizer, st.rules, mesh, lo.zero_stage, lo.offload, reference=held)
     dev = lambda tree, group=None: on_device(tree, sh, lo.offload, group)  # host-resident state to the device
     grad_fn = strategy(st, fwd, sh, mesh)

@@ -40,13 +40,18 @@ def from_config(config) -> Objective:
 def with_packing(config):
     """`config` with `data.packing=auto` resolved for its objective (`data.with_packing`; an unknown
     `train.objective` is left to `validate`)."""
-    known = _images(config) or config.train.objective in OBJECTIVES
-    return data.with_packing(config, from_config(config).packing if known else "")
+    return data.with_packing(config, _needs(config))
 
 
 def packing(config) -> str:
-    """`data.packing` as `with_packing` resolves it."""
-    return with_packing(config).data.packing
+    """`data.packing` as `with_packing` resolves it (no copy of the config)."""
+    return data.packing(config, _needs(config))
+
+
+def _needs(config) -> str:
+    """The packing the config's objective needs whatever the records (`Objective.packing`)."""
+    known = _images(config) or config.train.objective in OBJECTIVES
+    return from_config(config).packing if known else ""
 
 
 def errors(config, lay) -> list[str]:
