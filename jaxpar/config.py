@@ -1,4 +1,4 @@
-"""The config: `base_config()` (every key at its default, from the table in `jaxpar/config_keys.py`), and the small
+"""The config: `base_config()` (every key at its default, from the table in `jaxpar/config_keys/`), and the small
 facts every room reads (`mlp_width`, `padded_vocab`, `mesh_shape`, `step_rules`). Imports nothing of jaxpar but that
 table and the error class, so every room may import it. The rules that need their owners (model, kernels, loss
 scale, schedules) are `jaxpar/validate.py`, which only entry points import.

@@ -1,5 +1,5 @@
 """`validate(config, num_devices)`: every rule on every key, in one place, before anything is compiled or written:
-each key's type and range (from the key table, `jaxpar/config_keys.py`), the model's shape against the layout, the
+each key's type and range (from the key table, `jaxpar/config_keys/`), the model's shape against the layout, the
 kernels, loss scaling, float64 reference runs and the pipeline schedule. Each failure is one line naming the key, the numbers and the fix (`ConfigError`). Imports the
 owners of the rules; only entry points (trainer, planner, report, tools) import it.
 """

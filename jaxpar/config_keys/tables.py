@@ -1,87 +1,10 @@
-"""Every config key, written once: its default, type, allowed range and one-line meaning (`KEYS`).
-
-`config.base_config()` is built from this table, `validate` checks each key's type and range from it (`key_errors`;
-the rules between keys stay in `validate`), and the key table of docs/config.md is generated from it
-(`python -m jaxpar.config` rewrites it; `tests/test_docs.py` fails when the two differ). Imports nothing of
-jaxpar.
-"""
+"""The keys of the model and its layout (`MODEL`: the top level, mesh, model) and of the run (`RUN`: train, optim,
+pipeline, data, xla, checkpoint, log, eval, dist)."""
 from __future__ import annotations
 
-import dataclasses
-import functools
-import numbers
-from typing import Callable
+from jaxpar.config_keys.key import _INF, _NONEMPTY, DEFAULT_RULES, DTYPES, OFFLOAD, REMAT_POLICIES, ROUTERS, K
 
-# Logical axis -> mesh axis (None: replicated). Megatron's tensor-parallel pattern: heads and MLP width are split
-# (column-parallel in, row-parallel out), the vocabulary is split (vocab-parallel embedding and logits); the batch is
-# split over data (and over expert: every parameter but the experts treats those devices as data replicas); the
-# stacked layers over stage (the pipeline); the routed experts of a MoE layer over expert.
-DEFAULT_RULES = (
-    ("batch", ("data", "expert")),
-    ("vocab", "tensor"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),  # llama's KV heads: split when tensor divides them, else replicated (see validate)
-    ("mlp", "tensor"),
-    ("kv", None),
-    ("embed", None),
-    ("qkv", None),
-    ("seq", None),
-    ("act_seq", None),  # the residual stream's sequence (norms, dropout, adds); "tensor" with model.sequence_parallel
-    ("layers", "stage"),
-    ("experts", "expert"),  # a MoE layer's routed experts (expert parallelism)
-    ("router", None),  # the router's expert dimension (its weight is small: replicated)
-    ("lora_rank", None),  # a LoRA adapter's rank axis (replicated: each adapter is sharded like its base matmul)
-    ("patch", None),  # ViT: a patch's rows and columns, its channels, its classes (small: replicated)
-    ("channels", None),
-    ("classes", None),
-)
-# added after configs with their own `rules` were written: defaulted if absent
-NEW_RULES = ("experts", "router", "lora_rank", "patch", "channels", "classes")
-
-# order of the device grid: tensor last = neighbouring devices, then context (its K/V all-gathers) and expert (its
-# all-to-all) within a node where they fit
-MESH_AXES = ("data", "stage", "expert", "context", "tensor")
-ROUTERS = ("softmax", "sigmoid")
-GRPO_LOSSES, REWARD_SCALES = ("dapo", "grpo", "dr_grpo", "bnpo", "gspo", "cispo"), ("group", "batch", "none")
-REMAT_POLICIES = ("none", "selective", "full", "dots", "attention", "offload")
-OFFLOAD = ("none", "optimizer", "params")
-DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs (validate._check_float64)
-_INF = float("inf")
-_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "True or False"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Key:
-    name: str  # dotted: section.key ("name" for a top-level key)
-    default: object
-    kind: type | None  # int, float (ints accepted), bool, str; None: checked in validate (rules, step lists)
-    meaning: str  # one line, Markdown (the docs' table)
-    test: Callable | None = None  # the allowed range, on a value of the right kind
-    allowed: str = ""  # what `test` allows, in words (messages)
-    choices: tuple | None = None  # the allowed values
-
-    def error(self, v) -> str | None:
-        """One line when `v` is not allowed, naming the key, the value, what is allowed and the fix; else None."""
-        if self.choices is not None:
-            return None if v in self.choices and type(v) is type(self.default) else \
-                f"{self.name}={v!r}: pick one of {self.choices}."
-        if self.kind is bool:
-            return None if isinstance(v, bool) else (f"{self.name}={v!r} must be True or False; set "
-                                                     f"--config.{self.name}=True or --config.{self.name}=False.")
-        if self.kind is str and not self.test:
-            return None if isinstance(v, str) else (f"{self.name}={v!r} must be a string; set "
-                                                    f"--config.{self.name}='...' (default {self.default!r}).")
-        kind = {int: numbers.Integral, float: numbers.Real, str: str}.get(self.kind)
-        if kind is None or (isinstance(v, kind) and not isinstance(v, bool) and (self.test is None or self.test(v))):
-            return None
-        return (f"{self.name}={v!r} must be {self.allowed or _KINDS[self.kind]}; set --config.{self.name} to such a "
-                f"value (default {self.default!r}).")
-
-
-K = Key
-_NONEMPTY = lambda v: bool(v.strip())
-
-KEYS = (
+MODEL = (
     # top level
     K("name", "jaxpar", str, "the run's name (in messages and the planner's output; the workdir defaults to "
       "`runs/<config file name>`)"),
@@ -185,47 +108,9 @@ KEYS = (
       "(i + 1) % moe_every == 0 (Qwen's `decoder_sparse_step`)", lambda v: v >= 1, "an integer >= 1"),
     K("model.sequence_parallel", False, bool, "Megatron sequence parallelism: the residual stream split on the "
       "sequence over `tensor`"),
-    # lora
-    K("lora.rank", 0, int, "LoRA adapters' rank r; 0: off (full fine-tuning): [finetune](finetune.md)",
-      lambda v: v >= 0, "an integer >= 0 (0: no adapters)"),
-    K("lora.alpha", 16.0, float, "LoRA's alpha: the adapters' output scaled by alpha / r (alpha / sqrt(r) with "
-      "`rslora`)", lambda v: 0 < v < _INF, "a finite number > 0"),
-    K("lora.dropout", 0.0, float, "dropout on the adapters' input (PEFT's `lora_dropout`)",
-      lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    K("lora.targets", "auto", str, "the projections that get adapters, by their Hugging Face names, comma-separated "
-      "(`q_proj`, ..., `down_proj`, which also name Qwen3-MoE's experts; GPT-2's `c_attn`, `c_proj`, `c_fc`; "
-      "Mixtral's experts `w1`, `w2`, `w3`), `all-linear`, or `auto` (PEFT's default: `q_proj,v_proj`; GPT-2 "
-      "`c_attn`)"),
-    K("lora.rslora", False, bool, "rank-stabilised LoRA: scale alpha / sqrt(r) (PEFT's `use_rslora`)"),
-    K("lora.adapter", "", str, "a PEFT adapter directory (or `hf:ORG/NAME[@REVISION]`, a Hub adapter) to start the "
-      "adapters from (its `r`, `lora_alpha`, targets "
-      "and rslora replace the keys above)"),
-    K("lora.base_dtype", "", str, "the frozen base weights' dtype (`bfloat16` halves their memory); `\"\"`: "
-      "`train.param_dtype`. The adapters and their AdamW moments keep `train.param_dtype`",
-      choices=("",) + DTYPES),
-    # dpo
-    K("dpo.beta", 0.1, float, "DPO's beta: the implicit reward is beta x (log pi - log pi_ref) of a response; the "
-      "strength of the pull to the reference model: [finetune](finetune.md#dpo)", lambda v: 0 < v < _INF,
-      "a finite number > 0"),
-    K("dpo.loss", "sigmoid", str, "`sigmoid` (DPO: -log sigmoid of the reward margin) or `ipo` ((margin / beta - "
-      "1 / (2 beta))^2)", choices=("sigmoid", "ipo")),
-    K("dpo.label_smoothing", 0.0, float, "conservative DPO: the probability that a pair's preference is flipped "
-      "(sigmoid loss only)", lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
-    K("dpo.dropout", False, bool, "dropout in DPO's policy and reference passes (the same masks): TRL's default off"),
-    K("dpo.precompute_reference", False, bool, "compute the reference model's log-probs of every pair once, before "
-      "training, and keep them with the prepared data (TRL's `precompute_ref_log_probs`): no reference weights "
-      "during training"),
-    # grpo ([rl](rl.md))
-    K("grpo.loss_type", "dapo", str, "the policy loss and its normalisation ([rl](rl.md#losses))", choices=GRPO_LOSSES),
-    K("grpo.epsilon", 0.2, float, "the ratio's lower clip 1 - epsilon", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-    K("grpo.epsilon_high", 0.0, float, "upper clip 1 + epsilon_high (cispo: the cap); 0: epsilon", lambda v: v >= 0),
-    K("grpo.beta", 0.0, float, "the k3 KL-to-reference weight; 0: no reference", lambda v: 0 <= v < _INF, ">= 0"),
-    K("grpo.max_completion_length", 256, int, "tokens per completion at most", lambda v: v >= 1, "an integer >= 1"),
-    K("grpo.mask_truncated_completions", False, bool, "completions cut at max_completion_length: out of the loss"),
-    K("grpo.num_generations", 8, int, "G: completions per prompt", lambda v: v >= 2, "an integer >= 2"),
-    K("grpo.rewards", "", str, "`MODULE:FUNCTION` or `FILE.py:FUNCTION`, comma-separated ([rl](rl.md#rewards))"),
-    K("grpo.reward_weights", "", str, "a weight per reward function, comma-separated (`\"\"`: 1 each)"),
-    K("grpo.scale_rewards", "group", str, "advantages / the rewards' std: group, batch or none", choices=REWARD_SCALES),
+)
+
+RUN = (
     # train
     K("train.objective", "lm", str, "what trains: [finetune](finetune.md), [rl](rl.md)", choices=("lm", "dpo", "grpo")),
     K("train.steps", 1000, int, "optimizer steps to run to", lambda v: v >= 1, "an integer >= 1"),
@@ -383,18 +268,3 @@ KEYS = (
     K("dist.init_timeout_s", 300.0, float, "seconds for every process to join at start-up",
       lambda v: 0 < v < _INF, "a number of seconds > 0"),
 )
-
-
-def get(config, key: str):  # the value of a dotted key
-    return functools.reduce(lambda c, part: c[part], key.split("."), config)
-
-
-def changed(config, section: str) -> list[str]:
-    """The keys of `section` whose values differ from their defaults (names without the section)."""
-    return [k.name.split(".", 1)[1] for k in KEYS if k.name.startswith(section + ".")
-            and get(config, k.name) != k.default]
-
-
-def key_errors(config) -> list[str]:
-    """One line for each key whose value has the wrong type or lies outside its range (`Key.error`)."""
-    return [e for k in KEYS if (e := k.error(get(config, k.name))) is not None]

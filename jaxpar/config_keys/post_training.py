@@ -1,0 +1,48 @@
+"""The keys of post-training: LoRA adapters, DPO and GRPO (their guides: docs/finetune.md, docs/rl.md)."""
+from __future__ import annotations
+
+from jaxpar.config_keys.key import _INF, DTYPES, GRPO_LOSSES, REWARD_SCALES, K
+
+POST_TRAINING = (
+    # lora
+    K("lora.rank", 0, int, "LoRA adapters' rank r; 0: off (full fine-tuning): [finetune](finetune.md)",
+      lambda v: v >= 0, "an integer >= 0 (0: no adapters)"),
+    K("lora.alpha", 16.0, float, "LoRA's alpha: the adapters' output scaled by alpha / r (alpha / sqrt(r) with "
+      "`rslora`)", lambda v: 0 < v < _INF, "a finite number > 0"),
+    K("lora.dropout", 0.0, float, "dropout on the adapters' input (PEFT's `lora_dropout`)",
+      lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    K("lora.targets", "auto", str, "the projections that get adapters, by their Hugging Face names, comma-separated "
+      "(`q_proj`, ..., `down_proj`, which also name Qwen3-MoE's experts; GPT-2's `c_attn`, `c_proj`, `c_fc`; "
+      "Mixtral's experts `w1`, `w2`, `w3`), `all-linear`, or `auto` (PEFT's default: `q_proj,v_proj`; GPT-2 "
+      "`c_attn`)"),
+    K("lora.rslora", False, bool, "rank-stabilised LoRA: scale alpha / sqrt(r) (PEFT's `use_rslora`)"),
+    K("lora.adapter", "", str, "a PEFT adapter directory (or `hf:ORG/NAME[@REVISION]`, a Hub adapter) to start the "
+      "adapters from (its `r`, `lora_alpha`, targets "
+      "and rslora replace the keys above)"),
+    K("lora.base_dtype", "", str, "the frozen base weights' dtype (`bfloat16` halves their memory); `\"\"`: "
+      "`train.param_dtype`. The adapters and their AdamW moments keep `train.param_dtype`",
+      choices=("",) + DTYPES),
+    # dpo
+    K("dpo.beta", 0.1, float, "DPO's beta: the implicit reward is beta x (log pi - log pi_ref) of a response; the "
+      "strength of the pull to the reference model: [finetune](finetune.md#dpo)", lambda v: 0 < v < _INF,
+      "a finite number > 0"),
+    K("dpo.loss", "sigmoid", str, "`sigmoid` (DPO: -log sigmoid of the reward margin) or `ipo` ((margin / beta - "
+      "1 / (2 beta))^2)", choices=("sigmoid", "ipo")),
+    K("dpo.label_smoothing", 0.0, float, "conservative DPO: the probability that a pair's preference is flipped "
+      "(sigmoid loss only)", lambda v: 0 <= v < 0.5, "a number in [0, 0.5)"),
+    K("dpo.dropout", False, bool, "dropout in DPO's policy and reference passes (the same masks): TRL's default off"),
+    K("dpo.precompute_reference", False, bool, "compute the reference model's log-probs of every pair once, before "
+      "training, and keep them with the prepared data (TRL's `precompute_ref_log_probs`): no reference weights "
+      "during training"),
+    # grpo ([rl](rl.md))
+    K("grpo.loss_type", "dapo", str, "the policy loss and its normalisation ([rl](rl.md#losses))", choices=GRPO_LOSSES),
+    K("grpo.epsilon", 0.2, float, "the ratio's lower clip 1 - epsilon", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    K("grpo.epsilon_high", 0.0, float, "upper clip 1 + epsilon_high (cispo: the cap); 0: epsilon", lambda v: v >= 0),
+    K("grpo.beta", 0.0, float, "the k3 KL-to-reference weight; 0: no reference", lambda v: 0 <= v < _INF, ">= 0"),
+    K("grpo.max_completion_length", 256, int, "tokens per completion at most", lambda v: v >= 1, "an integer >= 1"),
+    K("grpo.mask_truncated_completions", False, bool, "completions cut at max_completion_length: out of the loss"),
+    K("grpo.num_generations", 8, int, "G: completions per prompt", lambda v: v >= 2, "an integer >= 2"),
+    K("grpo.rewards", "", str, "`MODULE:FUNCTION` or `FILE.py:FUNCTION`, comma-separated ([rl](rl.md#rewards))"),
+    K("grpo.reward_weights", "", str, "a weight per reward function, comma-separated (`\"\"`: 1 each)"),
+    K("grpo.scale_rewards", "group", str, "advantages / the rewards' std: group, batch or none", choices=REWARD_SCALES),
+)
