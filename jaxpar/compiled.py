@@ -44,9 +44,9 @@ def steps_for(config, vocab: int, devices=None, layout=None) -> Steps:
 def abstract_batch(config, steps: Steps) -> dict:
     """A global batch of `jax.ShapeDtypeStruct`s with the steps' batch sharding (nothing allocated)."""
     B, T, m = int(config.train.global_batch_size), int(config.model.seq_len), config.model
-    images = "images" in objectives.from_config(config).data_kinds
-    shapes = data.image_batch_shapes(B, m.image_size, m.channels) if images else \
-        data.batch_shapes(B, T, objectives.packing(config), ref_dtype(config))
+    obj = objectives.from_config(config)
+    shapes = data.image_batch_shapes(B, m.image_size, m.channels) if "images" in obj.data_kinds else \
+        obj.batch_shapes(config, data.batch_shapes(B, T, objectives.packing(config), ref_dtype(config)))
     return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding) for k, (shape, dt) in shapes.items()}
 
 

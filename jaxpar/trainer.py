@@ -32,7 +32,9 @@ from jaxpar.config import ConfigError  # noqa: F401 (trainer.ConfigError: what a
 from jaxpar.evaluate import during as lm_tasks
 from jaxpar.state.resume import check_resume, fingerprint, latest_checkpoint
 from jaxpar.train import objectives
+from jaxpar.train.feed import TokenFeed, reference_of, to_global
 from jaxpar.train.inputs import open_data, say_packing
+from jaxpar.rl.rounds import Rounds
 from jaxpar.plan import target
 from jaxpar.generate import cache as kv_cache
 from jaxpar.train.step import model_config
@@ -108,6 +110,8 @@ def run(config, workdir: str, devices=None) -> dict:
     hub.resolve_once_per_host(named, workdir, weights=True, pins=pins, datasets=False)  # (datasets: fetched above)
     check_hf_weights(config, workdir, layout.tensor)  # before data preparation, which can take hours
     info, (train_data, val_data), vocab = open_data(config)
+    if "prompts" in objectives.from_config(config).data_kinds:
+        Rounds.check(config)  # the reward functions, before anything compiles
     say_packing(train_data, val_data)
     config, resolved = target.resolve(config, vocab, layout, devices)  # `auto` as the cost model prices it here
     if resolved and jax.process_index() == 0:
@@ -123,13 +127,24 @@ def run(config, workdir: str, devices=None) -> dict:
     ckpt = Checkpointer.from_config(workdir, config)
     try:
         abstract = steps.abstract_state()
-        state, start = starting_point.initial_state(config, steps, ckpt, train_data, abstract)
+        feed = feed_for(config, workdir, steps, info, (train_data, val_data), abstract)
+        state, start = starting_point.initial_state(config, steps, ckpt, feed, abstract)
         if ref_dtype(config) is not None:  # DPO's reference sums, computed from the starting weights, kept in workdir
             precompute_reference(config, workdir, steps, state, start, info, (train_data, val_data))
-        loop = Loop(config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, start)
+        loop = Loop(config, workdir, steps, ckpt, devices, fp, feed, start)
         return loop.run(state, start)
     finally:
         ckpt.close()
+
+
+def feed_for(config, workdir: str, steps, info, splits, abstract):
+    """The loop's batches: an RL objective's rounds sampled from its prompts (`rl.rounds.Rounds`), else the prepared
+    data's rows (`train.feed.TokenFeed`, its evaluation step compiled now, before the step watchdog is armed)."""
+    if "prompts" in steps.objective.data_kinds:
+        return Rounds(config, steps, info, splits, workdir, jax.process_index() == 0)
+    eval_step = steps.evaluate.lower(abstract["params"], abstract_batch(config, steps),
+                                     *reference_of(abstract)).compile()
+    return TokenFeed(config, steps, *splits, eval_step, ref_dtype(config), int(config.train.steps))
 
 
 def precompute_reference(config, workdir: str, steps, state, start: int, info, splits) -> None:
@@ -202,31 +217,15 @@ def write_run_files(config, workdir: str, info, start: int) -> None:
 AHEAD = 2
 
 
-def to_global(rows: dict, steps, global_batch: int, ref=None) -> dict:
-    """This process's rows of a batch -> the global batch on the steps' sharding (`ref`: the dtype of DPO's
-    precomputed reference sums)."""
-    rows = rows if ref is None or "ref" not in rows else {**rows, "ref": rows["ref"].astype(ref)}
-    return {k: data.to_global(v, steps.batch_sharding, global_batch) for k, v in rows.items()}
-
-
-def reference_of(state) -> tuple:
-    """The evaluation step's extra argument: DPO's frozen reference weights when the state holds them."""
-    return (state["reference"],) if "reference" in state else ()
-
-
 class Loop:
     """The train loop of one run: steps, and at their cadences logs, evaluation and checkpoints; SIGTERM stops it at
     a step boundary with a checkpoint; the step watchdog is armed while it runs."""
 
-    def __init__(self, config, workdir, steps, ckpt, devices, fp, train_data, val_data, abstract, start):
-        self.config, self.steps, self.ckpt, self.fp = config, steps, ckpt, fp
-        self.train_data, self.val_data = train_data, val_data
-        self.B, self.T = int(config.train.global_batch_size), int(config.model.seq_len)
-        self.total, self.ref_dtype = int(config.train.steps), ref_dtype(config)
-        self.rows = data.process_rows(steps.batch_sharding, self.B)
+    def __init__(self, config, workdir, steps, ckpt, devices, fp, feed, start):
+        self.config, self.steps, self.ckpt, self.fp, self.feed = config, steps, ckpt, fp, feed
+        self.total = int(config.train.steps)
         self.spikes_said = 0  # spikes skipped when last said (`run` starts it at the resumed state's count)
         self.flops_tok = gpt.flops_per_token(steps.cfg)
-        self.per_row = steps.cfg.family.tokens_per_item(steps.cfg)  # tokens per counted row (a ViT: per image)
         self.peak, self.ndev = throughput.peak_flops(devices[0].device_kind), len(devices)
         is_main = jax.process_index() == 0
         self.writer = monitor.writer_for(config, workdir, is_main)
@@ -239,34 +238,7 @@ class Loop:
             self.console.print(
                 f"jaxpar: mesh {dict(steps.mesh.shape)} on {self.ndev} {devices[0].platform} devices, "
                 f"{counts['total']:,} params{trained}, start step {start}, workdir {workdir}")
-        # compiled before the step watchdog is armed, so that a first evaluation's compile never counts as a stall
-        batch = abstract_batch(config, steps)
-        self.eval_step = steps.evaluate.lower(abstract["params"], batch, *reference_of(abstract)).compile()
         self.lm_tasks = lm_tasks.Tasks(config, steps, workdir)  # eval.tasks: lm-eval's, their data read now
-        # read ahead while the devices run
-        self.next_rows = data.Prefetch(train_data.rows, int(config.data.prefetch), self.total)
-
-    def batch_at(self, source, i):
-        return self.to_global(source(i, *self.rows))
-
-    def to_global(self, rows: dict) -> dict:
-        return to_global(rows, self.steps, self.B, self.ref_dtype)
-
-    def evaluate(self, state) -> dict:
-        """{"val_loss": the mean loss over the weighted tokens (DPO: the pairs) of the `eval.batches` validation
-        batches, and the objective's metrics over them, `val_` before their names}.
-
-        Raises:
-          DataError: those batches hold no weighted token (a mean over nothing is no loss).
-        """
-        tot, n = 0.0, 0.0
-        for i in range(int(self.config.eval.batches)):
-            s, c = self.eval_step(state["params"], self.batch_at(self.val_data.val_batch, i), *reference_of(state))
-            tot, n = tot + float(s), n + np.asarray(c, np.float64)
-        if np.ravel(n)[0] <= 0:  # (checked when the data was prepared: `Batches.check_loss_tokens`)
-            raise data.no_loss_tokens(self.config.eval.batches)
-        metrics = self.steps.objective.metrics(n, np.ravel(n)[0]) if np.ndim(n) else {}
-        return {"val_loss": tot / np.ravel(n)[0]} | {f"val_{k}": float(v) for k, v in metrics.items()}
 
     def run(self, state, start: int) -> dict:
         self.spikes_said = int(jax.device_get(state["spikes"]["skipped"]))
@@ -281,7 +253,7 @@ class Loop:
             watchdog.disarm()
             preemption.close()
             self.profiler.stop()
-            self.next_rows.close()
+            self.feed.close()
             self.console.close()
             self.writer.close()
 
@@ -289,13 +261,12 @@ class Loop:
         c, last, clock, self.ahead = self.config, {}, throughput.Interval(), collections.deque()
         for step in range(start, self.total):
             self.profiler.maybe_start(step)
-            rows = self.next_rows(step, *self.rows)
-            state, m = self.steps.train(state, self.to_global(rows))
+            state, m = self.steps.train(state, self.feed.batch(step, state))
             self.ahead.append(m["loss"])
             if len(self.ahead) > AHEAD:  # the host stays at most AHEAD steps ahead of the devices
                 jax.block_until_ready(self.ahead.popleft())
             self.profiler.maybe_stop(step, block_on=m["loss"])
-            clock.add(self.train_data.tokens_in(rows) * self.per_row * self.B // len(next(iter(rows.values()))))
+            clock.add(self.feed.tokens)
             if step == start:  # the first step compiles: its time is no training time
                 jax.block_until_ready(m["loss"])
                 clock.restart()
@@ -318,9 +289,8 @@ class Loop:
             if save_now:
                 watchdog.phase("checkpoint save")
                 with clock.pause():
-                    self.ckpt.save(done, self.steps.to_canonical(state), {
-                        "fingerprint": self.fp, "step": done, "samples": self.train_data.samples_before(done)},
-                        force=True)
+                    self.ckpt.save(done, self.steps.to_canonical(state),
+                                   {"fingerprint": self.fp, "step": done, **self.feed.save(done)}, force=True)
             if stop_now:
                 watchdog.phase("checkpoint save")
                 self.ckpt.wait()
@@ -340,8 +310,7 @@ class Loop:
         m = {k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in jax.device_get(m).items()} | health
         if self.config.train.compute_dtype != "float16":  # loss scaling is fp16's alone
             m.pop("loss_scale", None)
-        m.update(self.train_data.tokens_by_source(done), data_wait_s=self.next_rows.waited_s / max(clock.steps, 1))
-        self.next_rows.waited_s = 0.0
+        m.update(self.feed.log(done, clock.steps, self.writer))
         rates = clock.rates()
         if rates:
             tps = rates["tokens_per_s"]
@@ -350,7 +319,7 @@ class Loop:
         m.update(throughput.device_memory_bytes() or {})
         if eval_now:
             watchdog.phase("evaluation")
-            m.update(self.evaluate(state))
+            m.update(self.feed.evaluate(state))
         m.update(self.lm_tasks(done, state["params"]))  # eval/<task>/<metric> when eval.tasks are due
         self.writer.write(done, m)
         self.console.update(done, m)

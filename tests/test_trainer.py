@@ -12,6 +12,7 @@ from helpers import run_config
 from jaxpar import compiled, data, trainer
 from jaxpar.analysis import throughput
 from jaxpar.cluster import preemption
+from jaxpar.train.feed import TokenFeed
 from jaxpar.train import step as step_mod
 from jaxpar.validate import validate
 from jaxpar.config import ConfigError
@@ -161,10 +162,10 @@ def test_throughput_leaves_out_saves():
 
 def test_validation_without_weighted_tokens_is_an_error(tmp_path):
     """A mean over no token is no loss: an error naming the fix, never a val_loss of 0.0."""
-    loop = types.SimpleNamespace(config=run_config(tmp_path, tmp_path), eval_step=lambda params, batch, *ref: (0.0, 0.0),
+    feed = types.SimpleNamespace(config=run_config(tmp_path, tmp_path), eval_step=lambda params, batch, *ref: (0.0, 0.0),
                                  batch_at=lambda source, i: None, val_data=types.SimpleNamespace(val_batch=None))
     with pytest.raises(DataError, match=r"validation batches \(eval.batches\) hold no token the loss counts"):
-        trainer.Loop.evaluate(loop, {"params": {}})
+        TokenFeed.evaluate(feed, {"params": {}})
 
 
 def test_the_host_stays_a_bounded_number_of_steps_ahead(corpus, tmp_path, monkeypatch):
@@ -174,9 +175,9 @@ def test_the_host_stays_a_bounded_number_of_steps_ahead(corpus, tmp_path, monkey
     Bounded from below (never further ahead) and from above (a host that waited for each step it just dispatched
     would run nothing ahead)."""
     waited, dispatched = [], []
-    real, real_batch = jax.block_until_ready, trainer.Loop.to_global
+    real, real_batch = jax.block_until_ready, TokenFeed.to_global
     monkeypatch.setattr(jax, "block_until_ready", lambda x: waited.append((x, len(dispatched))) or real(x))
-    monkeypatch.setattr(trainer.Loop, "to_global", lambda self, rows: dispatched.append(1) or real_batch(self, rows))
+    monkeypatch.setattr(TokenFeed, "to_global", lambda self, rows: dispatched.append(1) or real_batch(self, rows))
     c = run_config(corpus, tmp_path, **{"train.steps": 8, "mesh.data": 8})
     c.log.update(every_steps=100)
     trainer.run(c, str(tmp_path / "run"))

@@ -44,5 +44,13 @@ POST_TRAINING = (
     K("grpo.num_generations", 8, int, "G: completions per prompt", lambda v: v >= 2, "an integer >= 2"),
     K("grpo.rewards", "", str, "`MODULE:FUNCTION` or `FILE.py:FUNCTION`, comma-separated ([rl](rl.md#rewards))"),
     K("grpo.reward_weights", "", str, "a weight per reward function, comma-separated (`\"\"`: 1 each)"),
+    K("grpo.map_records", "", str, "`MODULE:FUNCTION` or `FILE.py:FUNCTION` turning a record into a prompt record "
+      "([rl](rl.md#prompts))"),
+    K("grpo.num_iterations", 1, int, "μ: optimizer steps on each round's completions", lambda v: v >= 1, "an integer >= 1"),
+    K("grpo.temperature", 1.0, float, "sampling temperature of the completions", lambda v: 0 < v < _INF, "a number > 0"),
+    K("grpo.top_p", 1.0, float, "sampling: nucleus mass", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    K("grpo.top_k", 0, int, "sampling: the k likeliest tokens; 0: all", lambda v: v >= 0, "an integer >= 0"),
+    K("grpo.log_completions", 4, int, "completions written with their rewards per log step (completions.jsonl)",
+      lambda v: v >= 0, "an integer >= 0"),
     K("grpo.scale_rewards", "group", str, "advantages / the rewards' std: group, batch or none", choices=REWARD_SCALES),
 )

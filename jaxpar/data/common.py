@@ -1,10 +1,12 @@
-"""Shared pieces of `jaxpar.data`: `DataError`, hashing, atomic JSON writes, the cache file lock, and the images'
-per-channel settings (`channel_values`)."""
+"""Shared pieces of `jaxpar.data`: `DataError`, hashing, atomic JSON writes, the cache file lock, the images'
+per-channel settings (`channel_values`), and a user's function named in the config (`user_function`)."""
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -71,3 +73,27 @@ def channel_values(value, channels: int, key: str, default: float = 0.5) -> np.n
         raise DataError(f"{key}={value!r} has {len(values)} values; model.channels={channels} needs {channels} "
                         f"(comma-separated) or one for all.")
     return np.asarray(values, np.float32)
+
+
+def user_function(spec: str, key: str, example: str):
+    """(name, function) of `spec`, `MODULE:FUNCTION` (importable) or `FILE.py:FUNCTION` (a path), which config key
+    `key` names. Raises ValueError in one line naming the key, the spec and the fix (`example`: a good one)."""
+    where, _, name = spec.strip().rpartition(":")
+    if not where or not name:
+        raise ValueError(f"{key}: {spec!r} is not MODULE:FUNCTION or FILE.py:FUNCTION (e.g. {example}).")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise ValueError(f"{key}: {spec!r}: no file {where}; give a path to a Python file.")
+            found = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ImportError as e:
+        raise ValueError(f"{key}: {spec!r}: cannot import {where} ({e}); check the module's name and "
+                         f"PYTHONPATH.") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{key}: {spec!r}: {where} has no function {name!r}.")
+    return name, fn

@@ -141,16 +141,16 @@ def place(directory: str, steps, state) -> dict:
     return steps.from_canonical(canon)
 
 
-def initial_state(config, steps, ckpt, train_data, abstract) -> tuple[dict, int]:
-    """(state in this layout, first step): the latest checkpoint's, the data order continued; else a fresh state
-    (params from `init_from`'s export when fine-tuning)."""
+def initial_state(config, steps, ckpt, feed, abstract) -> tuple[dict, int]:
+    """(state in this layout, first step): the latest checkpoint's, the feed's order continued (`train.feed.Feed`);
+    else a fresh state (params from `init_from`'s export when fine-tuning)."""
     latest = ckpt.latest_step()
     if latest is not None:
         state, meta = ckpt.restore(latest, abstract)
         state = steps.from_canonical(state)
         start = int(state["step"])
         # continue the order, whatever the batch size
-        train_data.resume_at(start, samples_consumed(meta, start, int(config.train.global_batch_size)))
+        feed.resume_at(start, samples_consumed(meta, start, int(config.train.global_batch_size)))
         return state, start
     hf_dir = hf.directory_of(config.init_from)
     if hf_dir is not None:  # weights straight onto this layout's shardings; fresh optimizer state, step 0

@@ -106,6 +106,12 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(scalars, step)
 
+    def table(self, name: str, rows: list, step: int) -> None:
+        """Rows of one kind (dicts with the same keys: GRPO's logged completions) as a W&B table at `step`, when W&B
+        is on (metrics.jsonl and TensorBoard hold numbers only)."""
+        if self._wandb is not None and rows:
+            self._wandb.table(name, rows, step)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -160,6 +166,13 @@ class WandbRun:
         self.logged += 1
         with open(self.count_path, "w") as f:
             f.write(f"{self.logged}\n")
+
+    def table(self, name: str, rows: list, step: int) -> None:
+        import wandb
+
+        columns = list(rows[0])
+        text = lambda v: v if isinstance(v, (int, float)) else json.dumps(v)  # noqa: E731 (messages, rewards)
+        self.log({name: wandb.Table(columns=columns, data=[[text(r[c]) for c in columns] for r in rows])}, step)
 
     def close(self) -> None:
         self.run.finish()

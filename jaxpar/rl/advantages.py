@@ -12,7 +12,8 @@ import numpy as np
 from jaxpar.config_keys import REWARD_SCALES as SCALES
 
 
-def _nanstd(x, axis=None):
+def nanstd(x, axis=None):
+    """The unbiased standard deviation of the non-NaN values (NaN with fewer than two), keeping the reduced axes."""
     n = np.sum(~np.isnan(x), axis=axis, keepdims=True)
     var = np.nanmean((x - np.nanmean(x, axis=axis, keepdims=True)) ** 2, axis=axis, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -34,8 +35,8 @@ def advantages(rewards, group: int, scale: str = "group"):
     grouped = r.reshape(-1, group)
     with np.errstate(invalid="ignore"):
         mean = np.repeat(np.nanmean(grouped, axis=1), group)
-    std = np.repeat(_nanstd(grouped, axis=1)[:, 0], group) if scale != "batch" else \
-        np.broadcast_to(_nanstd(r).ravel(), r.shape)
+    std = np.repeat(nanstd(grouped, axis=1)[:, 0], group) if scale != "batch" else \
+        np.broadcast_to(nanstd(r).ravel(), r.shape)
     adv = r - mean
     if scale != "none":
         adv = adv / (std + 1e-4)

@@ -16,16 +16,15 @@ Built in (`jaxpar.rl.rewards:NAME`):
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import os
 import re
 
 import numpy as np
 
+from jaxpar.data.common import DataError, user_function
 
-class RewardError(ValueError):
+
+class RewardError(DataError):
     """A reward function that cannot be found or that answers wrongly: one line naming it."""
 
 
@@ -60,26 +59,10 @@ def soft_overlong(completion_ids, max_completion_length, **kwargs):
 
 
 def _one(spec: str):
-    where, _, name = spec.strip().rpartition(":")
-    if not where or not name:
-        raise RewardError(f"grpo.rewards: {spec!r} is not MODULE:FUNCTION or FILE.py:FUNCTION (e.g. "
-                          f"jaxpar.rl.rewards:exact_answer).")
     try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise RewardError(f"grpo.rewards: {spec!r}: no file {where}; give a path to a Python file.")
-            spec_ = importlib.util.spec_from_file_location(os.path.basename(where)[:-3], where)
-            module = importlib.util.module_from_spec(spec_)
-            spec_.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ImportError as e:
-        raise RewardError(f"grpo.rewards: {spec!r}: cannot import {where} ({e}); check the module's name and "
-                          f"PYTHONPATH.") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise RewardError(f"grpo.rewards: {spec!r}: {where} has no function {name!r}.")
-    return name, fn
+        return user_function(spec, "grpo.rewards", "jaxpar.rl.rewards:exact_answer")
+    except ValueError as e:
+        raise RewardError(str(e)) from None
 
 
 def load(rewards: str, weights: str = "") -> tuple[list, np.ndarray]:

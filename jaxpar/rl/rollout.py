@@ -1,4 +1,4 @@
-"""One GRPO round's samples, as the loop will take them: G completions of each prompt from the generation engine on
+"""One GRPO round's samples, as the loop (`rounds.py`) takes them: G completions of each prompt from the generation engine on
 the training params (no copy), scored, their advantages, and the batch the objective trains on.
 
 `sample`: prompt p's completions are requests of stream 0..G-1 with the seed `seed`, so a round's samples depend on
@@ -10,6 +10,7 @@ count as clipping; the training forward's make the ratio of an unchanged policy 
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jaxpar.generate.engine import Request
@@ -18,12 +19,14 @@ from jaxpar.rl import rewards
 from jaxpar.train.objectives import TokenLogps
 
 
-def sample(engine, prompts, group: int, max_new_tokens: int, seed: int, stop_ids=(), **sampling) -> list:
-    """`group` completions of every prompt (token ids), prompt p's at rows p * group .. p * group + group - 1."""
+def sample(engine, prompts, group: int, max_new_tokens: int, seed, stop_ids=(), **sampling) -> list:
+    """`group` completions of every prompt (token ids), prompt p's at rows p * group .. p * group + group - 1, as the
+    streams 0 .. group - 1 of its seed (`seed`: one for all, or one per prompt)."""
     if group < 2:
         raise ValueError(f"grpo.num_generations={group}: a group needs at least 2 completions to compare.")
-    reqs = [Request(prompt=list(p), max_new_tokens=max_new_tokens, seed=seed, stream=g, stop_ids=tuple(stop_ids),
-                    **sampling) for p in prompts for g in range(group)]
+    seeds = [seed] * len(prompts) if np.ndim(seed) == 0 else list(seed)
+    reqs = [Request(prompt=list(p), max_new_tokens=max_new_tokens, seed=int(s), stream=g, stop_ids=tuple(stop_ids),
+                    **sampling) for p, s in zip(prompts, seeds) for g in range(group)]
     return engine.generate(reqs)
 
 
@@ -47,4 +50,5 @@ def with_old_logps(steps, params, batch):
     """`batch` with `old` the training forward's per-token log-probs under `params` (`steps`: `compiled.steps_for`;
     `batch` placed with `steps.batch_sharding`)."""
     rows = batch["tokens"].shape[0]
-    return {**batch, "old": steps.forward(params, batch, TokenLogps(rows))[1].astype(batch["old"].dtype)}
+    old = steps.forward(params, batch, TokenLogps(rows))[1].astype(batch["mask"].dtype)
+    return {**batch, "old": jax.device_put(old, steps.batch_sharding)}

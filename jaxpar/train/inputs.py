@@ -1,12 +1,13 @@
 """A run's data, opened for training: the sources prepared once (process 0 first, the others then find them in the
 cache) and read as the objective's data (`Objective.data_kinds`: images, preference pairs, documents and
-conversations) into train and validation batches (`open_data`); what packing did, said once (`say_packing`)."""
+conversations; RL's prompt records) into train and validation batches (`open_data`); what packing did, said once (`say_packing`)."""
 from __future__ import annotations
 
 import jax
 
 from jaxpar import data
 from jaxpar.cluster import distributed
+from jaxpar.data import prompts
 from jaxpar.train import objectives
 
 
@@ -15,10 +16,12 @@ def open_data(config) -> tuple:
     prepared once (process 0 first, then the others find them in the cache)."""
     B, T, seed, d = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed), config.data
     kinds = objectives.from_config(config).data_kinds
-    if "prompts" in kinds:
-        raise data.DataError(f"train.objective={config.train.objective!r} samples completions of prompts each round; "
-                             f"that loop is not built yet (issue #56): train its batches "
-                             f"(jaxpar.rl.advantages.completion_batch) with the compiled step (docs/rl.md).")
+    if "prompts" in kinds:  # RL: prompt records, sampled from each round (`jaxpar/rl/rounds.py`)
+        if jax.process_count() > 1:
+            raise data.DataError(f"train.objective={config.train.objective!r} runs in one process for now (its rounds "
+                                 f"are sampled by one host); run it on one host's devices.")
+        info, splits = distributed.process_0_first(lambda: prompts.read(config), "jaxpar/prepare")
+        return info, splits, data.model_vocab(config, info.vocab_size)
     if "images" in kinds:
         info = distributed.process_0_first(lambda: data.prepare_images(config), "jaxpar/prepare")
         m = config.model
@@ -36,7 +39,7 @@ def open_data(config) -> tuple:
 
 def say_packing(train_data, val_data) -> None:
     """With `data.packing = "bfd"`: how the sequences went into rows, and how many were cut or left out."""
-    if not train_data.packed or jax.process_index() != 0:
+    if not getattr(train_data, "packed", None) or jax.process_index() != 0:
         return
     for split, d in (("train", train_data), ("val", val_data)):
         c = d.packing_counts()

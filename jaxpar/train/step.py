@@ -253,7 +253,7 @@ def mean_loss_and_grads(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Sha
 
 
 def reference_weights(st: StepSettings, cfg: gpt.ModelConfig, params, held=None):
-    """DPO's reference, the model the run starts from, as weights: the state's frozen copy (`held`, kind "copy"), the
+    """The objective's reference (DPO's, GRPO's), the model the run starts from, as weights: the state's frozen copy (`held`, kind "copy"), the
     frozen base with the state's copy of the starting adapters ("adapters"), the base with its fresh adapters zeroed
     ("adapters_off"). Without `held` (a pass over the starting weights: the precomputed tables, at step 0) the policy
     itself, its fresh LoRA adapters zeroed."""
@@ -268,18 +268,19 @@ def reference_weights(st: StepSettings, cfg: gpt.ModelConfig, params, held=None)
 
 
 def reference_sums(st: StepSettings, grad_fn, reference, batch, rng=None):
-    """DPO: the reference model's (`reference`: its weights) sums of the batch's response log-probs per pair,
-    `[global batch, pairs_per_row(seq), 2]` (`objectives.ReferenceSums`); `rng`: its dropout's (the policy's)."""
+    """The reference model's (`reference`: its weights) inputs of the objective (`Objective.reference_head`: DPO's
+    sums of the response log-probs per pair, GRPO's per-token log-probs), assembled over the global batch; `rng`: its
+    dropout's (the policy's)."""
     xs = microbatched(batch, st.layout.microbatches, st.layout.context)[1]
     return jax.lax.stop_gradient(
-        grad_fn.loss(reference, xs, objectives.ReferenceSums(batch["tokens"].shape[0]), rng)[1])
+        grad_fn.loss(reference, xs, st.objective.reference_head(batch["tokens"].shape[0]), rng)[1])
 
 
 def with_reference(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, held, params, batch, rng=None):
-    """DPO: the batch with its reference sums (`ref`) from a pass of the reference (`reference_weights`; `held`: the
-    state's frozen part of it), with the policy's dropout (`rng`), unless they came with the batch
-    (`dpo.precompute_reference`)."""
-    if st.reference in ("", "batch"):
+    """The batch with its reference's inputs (`ref`) from a pass of the reference (`reference_weights`; `held`: the
+    state's frozen part of it), with the policy's dropout (`rng`), unless they came with the batch (DPO's
+    `dpo.precompute_reference`; a batch that carries `ref` of its own)."""
+    if st.reference in ("", "batch") or "ref" in batch:
         return batch
     return {**batch, "ref": reference_sums(st, grad_fn, reference_weights(st, cfg, params, held), batch, rng)}
 

@@ -30,6 +30,24 @@ class Objective:
         """The objective with its settings (`config[section]`)."""
         return cls()
 
+    def reference_head(self, rows: int):
+        """The pass that reads the reference's inputs of a batch of `rows` rows (`ref`), when its reference is weights
+        ("copy", "adapters_off", "adapters"): an object with `head`, like an objective's."""
+        raise NotImplementedError
+
+    def batch_shapes(self, config, default: dict) -> dict:
+        """{name: (shape, dtype)} of a global batch of its steps; `default` the data's (`data.batch_shapes`)."""
+        return default
+
+    @staticmethod
+    def starting_model(config) -> str:
+        """The reference kind that is the model the run starts from, as weights: under LoRA the frozen base with the
+        starting `lora.adapter`'s adapters ("adapters") or, with fresh adapters, the base alone ("adapters_off"); else
+        a frozen copy of the starting weights ("copy")."""
+        if int(config.lora.rank) > 0:
+            return "adapters" if config.lora.adapter else "adapters_off"
+        return "copy"
+
     @staticmethod
     def errors(config, lay) -> list[str]:
         """Its own rules on a run config that names it, one line each (`jaxpar/validate.py` adds them)."""

@@ -51,9 +51,11 @@ class DPO(Objective):
         frozen copy of `lora.adapter`'s, no second copy of the base) or, with fresh adapters, the base alone
         (`adapters_off`: PEFT's fresh adapters add nothing); else a frozen copy of the starting weights (`copy`)."""
         d = config.dpo
-        lora = "adapters" if config.lora.adapter else "adapters_off"
-        reference = "batch" if d.precompute_reference else lora if int(config.lora.rank) > 0 else "copy"
+        reference = "batch" if d.precompute_reference else cls.starting_model(config)
         return cls(float(d.beta), str(d.loss), float(d.label_smoothing), reference, bool(d.dropout))
+
+    def reference_head(self, rows: int):
+        return ReferenceSums(rows)
 
     @staticmethod
     def errors(config, lay) -> list[str]:

@@ -3,7 +3,8 @@ GRPO family on sampled completions, and the pass that reads a batch's per-token 
 
 A batch holds one completion per row: `tokens` its prompt then its completion, `mask` 1 on the positions whose
 target is a completion token (0 on the prompt, the padding and, with `grpo.mask_truncated_completions`, on a
-completion cut at `grpo.max_completion_length`), `old` `[rows, seq]` the sampling policy's log-prob of each target,
+completion cut at `grpo.max_completion_length`), `old` `[rows, seq]` the old policy's log-prob of each target (absent with one pass per round,
+`grpo.num_iterations` = 1: the policy's own, not differentiated, as TRL takes them),
 `advantages` `[rows]`, and with `grpo.beta` > 0 `ref` `[rows, seq]` the reference model's. Per completion token, with
 pi, pi_old, pi_ref the three log-probs' models, r = pi / pi_old and A the completion's advantage:
 
@@ -26,6 +27,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.scipy.special import entr
 
 from jaxpar.train.objectives.base import Objective
@@ -39,14 +41,13 @@ class GRPO(Objective):
     epsilon_high: float = 0.2
     beta: float = 0.0
     max_completion_length: int = 256
+    num_generations: int = 8  # G: a step's rows are its prompts x G completions
+    num_iterations: int = 1  # mu: optimizer passes per round; 1: the old policy is the policy itself (no `old`)
+    reference: str = ""  # with beta > 0 the model the run starts from (`Objective.starting_model`)
     name = "grpo"
     section = "grpo"
     data_kinds = ("prompts",)
-
-    @property
-    def reference(self) -> str:
-        """The reference's per-token log-probs arrive with the batch (`ref`) when the KL term is on."""
-        return "batch" if self.beta > 0 else ""
+    dropout = False  # the policy's passes and the old policy's are the same model (TRL's `disable_dropout`)
 
     @property
     def metric_names(self) -> tuple:
@@ -56,8 +57,20 @@ class GRPO(Objective):
     @classmethod
     def from_config(cls, config) -> "GRPO":
         g = config.grpo
-        eps = float(g.epsilon)
-        return cls(str(g.loss_type), eps, float(g.epsilon_high) or eps, float(g.beta), int(g.max_completion_length))
+        eps, beta = float(g.epsilon), float(g.beta)
+        return cls(str(g.loss_type), eps, float(g.epsilon_high) or eps, beta, int(g.max_completion_length),
+                   int(g.num_generations), int(g.num_iterations), cls.starting_model(config) if beta > 0 else "")
+
+    def reference_head(self, rows: int):
+        return TokenLogps(rows)
+
+    def batch_shapes(self, config, default: dict) -> dict:
+        """A round's batch: the step's prompts x G rows of prompt and completion, their loss mask, advantages and,
+        with mu > 1, the old policy's per-token log-probs."""
+        rows, T = int(config.train.global_batch_size) * self.num_generations, int(config.model.seq_len)
+        f = np.float64 if config.train.compute_dtype == "float64" else np.float32
+        out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows,), f)}
+        return out | ({"old": ((rows, T), f)} if self.num_iterations > 1 else {})
 
     @staticmethod
     def errors(config, lay) -> list[str]:
@@ -76,7 +89,8 @@ class GRPO(Objective):
         """(per-token loss `[rows, seq]` (gspo, cispo: broadcast from `[rows, 1]`), the ratio r, its advantage)."""
         w = mb["w"]
         adv = mb["advantages"].astype(lp.dtype)[:, None]
-        log_ratio = lp - mb["old"].astype(lp.dtype)
+        old = mb["old"].astype(lp.dtype) if "old" in mb else jax.lax.stop_gradient(lp)  # mu = 1: the policy's own
+        log_ratio = lp - old
         if self.loss_type == "gspo":
             log_ratio = (log_ratio * w).sum(-1, keepdims=True) / jnp.maximum(w.sum(-1, keepdims=True), 1)
         ratio = jnp.exp(log_ratio)

@@ -1,0 +1,207 @@
+"""GRPO's rounds, as the train loop takes its batches (`Rounds`, a `train.feed.Feed`).
+
+Round r (steps r mu .. r mu + mu - 1, mu = `grpo.num_iterations`) takes the next `train.global_batch_size` prompts of
+the epochs' orders (`data.prompts.Prompts.take`), samples `grpo.num_generations` (G) completions of each with the
+generation engine on the training state's params in place (`rollout.sample`: prompt p of the round samples with the
+seed (train.seed, r, p), so a round depends on neither the layout nor a restart), scores them with `grpo.rewards`,
+and trains on them mu times: with mu = 1 the old policy is the policy itself (no `old` in the batch: the ratio is
+exactly 1), with mu > 1 the old policy's per-token log-probs come from the training forward before the first pass
+(`rollout.with_old_logps`). A checkpoint inside a round keeps the round's batch beside it (`rollouts/step-S.npz`),
+so a resume continues the same round exactly; at a round's start nothing is kept: the round is sampled again, the
+same.
+
+Metrics under TRL's names, averaged over the rounds since the last log: `reward`, `reward_std`,
+`rewards/<function>/mean|std`, `frac_reward_zero_std`, `completions/mean_length|min_length|max_length`,
+`completions/clipped_ratio`, `completions/mean_terminated_length|min_terminated_length|max_terminated_length`;
+`num_tokens` (prompt and completion tokens sampled since the run began). `grpo.log_completions` completions of each
+log step's round go to WORKDIR/completions.jsonl (prompt, completion, rewards, advantage), and to a W&B table when
+W&B is on. Evaluation: the held-out prompts' greedy completions, `val_reward` and `val_rewards/<function>/mean`.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import jax
+import numpy as np
+
+from jaxpar import data
+from jaxpar.data.prompts import stop_ids
+from jaxpar.generate.engine import Engine, Request
+from jaxpar.rl import advantages as adv
+from jaxpar.rl import rewards, rollout
+from jaxpar.train.feed import Feed
+
+DIR = "rollouts"
+COMPLETIONS = "completions.jsonl"
+
+
+def _round_seed(seed: int, r: int, p: int) -> int:
+    return int(np.random.SeedSequence([seed, r, p]).generate_state(1)[0] >> 1)  # an int32 seed
+
+
+def _std(x) -> float:
+    return adv.nanstd(np.asarray(x, np.float64)).item()
+
+
+class Rounds(Feed):
+    def __init__(self, config, steps, info, prompts, workdir: str, is_main: bool):
+        g = config.grpo
+        self.config, self.steps, self.train, self.val = config, steps, prompts[0], prompts[1]
+        self.workdir, self.is_main = workdir, is_main
+        self.fns, self.weights = rewards.load(g.rewards, g.reward_weights)
+        self.G, self.mu, self.B = int(g.num_generations), int(g.num_iterations), int(config.train.global_batch_size)
+        self.T, self.seed, self.room = int(config.model.seq_len), int(config.train.seed), int(g.max_completion_length)
+        self.sampling = {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k)}
+        self.float = np.float64 if config.train.compute_dtype == "float64" else np.float32
+        self.tokenizer, self.stops = data.load_tokenizer(info.tokenizer_dir), stop_ids(info, config)
+        self.round, self.host, self.placed, self.num_tokens = -1, None, None, 0
+        self.seen, self.shown = collections.defaultdict(list), []
+
+    @staticmethod
+    def check(config) -> None:
+        """The reward functions found and their weights matched, before anything compiles (`rewards.RewardError`)."""
+        rewards.load(config.grpo.rewards, config.grpo.reward_weights)
+
+    # ---- the rounds --------------------------------------------------------------------------------------------
+
+    def batch(self, step: int, state) -> dict:
+        r = step // self.mu
+        if r != self.round:
+            self.host, stats = self.sample(r, state["params"])
+            self.round, self.placed = r, self.place(self.host)
+            if self.mu > 1:  # the old policy: these params, before the round's first pass
+                self.placed = rollout.with_old_logps(self.steps, state["params"], self.placed)
+                self.host["old"] = np.asarray(jax.device_get(self.placed["old"]))
+            for k, v in stats.items():
+                self.seen[k].append(v)
+        self.tokens = int(self.host["tokens_counted"])
+        return self.placed
+
+    def place(self, host: dict) -> dict:
+        keys = ("tokens", "mask", "advantages") + (("old",) if "old" in host and self.mu > 1 else ())
+        rows = {k: host[k].astype(self.float) if host[k].dtype.kind == "f" else host[k] for k in keys}
+        return jax.device_put(rows, self.steps.batch_sharding)
+
+    def sample(self, r: int, params) -> tuple[dict, dict]:
+        """Round r's batch (host arrays) and its metrics."""
+        picked = self.train.take(r * self.B, self.B, self.seed)
+        recs = [self.train.records[i] for i in picked]
+        done = self.generate(params, [self.train.ids[i] for i in picked], r)
+        shown = self.shown_completions(recs, done)
+        g = self.config.grpo
+        batch, per_fn, a = rollout.round_batch(
+            [self.train.ids[i] for i in picked], recs, done, self.fns, self.weights, self.G, g.scale_rewards, self.T,
+            texts=shown, mask_truncated=bool(g.mask_truncated_completions), max_completion_length=self.room)
+        total = adv.rewards_of(per_fn, self.weights)
+        zero_std = adv.advantages(total, self.G, g.scale_rewards)[1]
+        lengths = np.array([len(c.tokens) for c in done])
+        counted = int(sum(len(self.train.ids[i]) for i in picked) * self.G + lengths.sum())
+        self.num_tokens += counted
+        self.keep_shown(r, recs, shown, per_fn, a)
+        batch = {k: v for k, v in batch.items() if k != "old"}  # (the engine's: the training forward's replace them)
+        return batch | {"tokens_counted": np.asarray(counted)}, self.stats(per_fn, total, zero_std, lengths, done)
+
+    def generate(self, params, prompts, r: int) -> list:
+        engine = Engine.on_steps(self.steps, params, self.config, tokenizer=self.tokenizer,
+                                 slots=len(prompts) * self.G)
+        seeds = [_round_seed(self.seed, r, k) for k in range(len(prompts))]
+        return rollout.sample(engine, prompts, self.G, self.room, seeds, self.stops, **self.sampling)
+
+    def shown_completions(self, recs, done) -> list:
+        """Each completion as the reward functions see it: its text, or an assistant message after a conversation."""
+        texts = [c.text for c in done]
+        return [[{"role": "assistant", "content": t}] if isinstance(recs[k // self.G].get("prompt"), list) else t
+                for k, t in enumerate(texts)]
+
+    def stats(self, per_fn, total, zero_std, lengths, done) -> dict:
+        with np.errstate(invalid="ignore"):
+            out = {"reward": np.nanmean(total), "reward_std": _std(total),
+                   "frac_reward_zero_std": float(np.mean(zero_std))}
+            for j, (name, _) in enumerate(self.fns):
+                out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = np.nanmean(per_fn[:, j]), _std(per_fn[:, j])
+        cut = np.array([c.finish_reason == "length" for c in done])
+        ended = lengths[~cut] if (~cut).any() else np.zeros(1)
+        return out | {"completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+                      "completions/max_length": lengths.max(), "completions/clipped_ratio": cut.mean(),
+                      "completions/mean_terminated_length": ended.mean(),
+                      "completions/min_terminated_length": ended.min(),
+                      "completions/max_terminated_length": ended.max()}
+
+    def keep_shown(self, r: int, recs, shown, per_fn, a) -> None:
+        """The first `grpo.log_completions` completions of the round, for the log."""
+        n = min(int(self.config.grpo.log_completions), len(shown))
+        names = [name for name, _ in self.fns]
+        self.shown = [{"round": r, "prompt": recs[k // self.G].get("prompt"), "completion": shown[k],
+                       "rewards": {f: (None if np.isnan(v) else float(v)) for f, v in zip(names, per_fn[k])},
+                       "advantage": float(a[k])} for k in range(n)]
+
+    # ---- the loop's asks ---------------------------------------------------------------------------------------
+
+    def log(self, done: int, steps: int, writer=None) -> dict:
+        out = {k: float(np.mean(v)) for k, v in self.seen.items()} | {"num_tokens": self.num_tokens}
+        self.seen.clear()
+        if self.is_main and self.shown:
+            rows = [{"step": done, **row} for row in self.shown]
+            with open(os.path.join(self.workdir, COMPLETIONS), "a") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
+            if writer is not None:
+                writer.table("completions", rows, done)
+        return out
+
+    def evaluate(self, state) -> dict:
+        """The held-out prompts' greedy completions (the first `eval.batches` x `train.global_batch_size`): their
+        mean reward and each function's."""
+        n = min(len(self.val), int(self.config.eval.batches) * self.B)
+        if n == 0:
+            return {}
+        recs, ids = self.val.records[:n], self.val.ids[:n]
+        engine = Engine.on_steps(self.steps, state["params"], self.config, tokenizer=self.tokenizer, slots=min(n, 64))
+        done = engine.generate([Request(prompt=list(p), max_new_tokens=self.room, stop_ids=self.stops) for p in ids])
+        shown = [[{"role": "assistant", "content": c.text}] if isinstance(r.get("prompt"), list) else c.text
+                 for r, c in zip(recs, done)]
+        per_fn = rewards.score(self.fns, [r.get("prompt") for r in recs], shown, [c.tokens for c in done], recs,
+                               max_completion_length=self.room)
+        with np.errstate(invalid="ignore"):
+            out = {"val_reward": float(np.nanmean(adv.rewards_of(per_fn, self.weights)))}
+            return out | {f"val_rewards/{name}/mean": float(np.nanmean(per_fn[:, j]))
+                          for j, (name, _) in enumerate(self.fns)}
+
+    def save(self, done: int) -> dict:
+        """The round's batch beside a checkpoint inside it (and the tokens counted so far, always)."""
+        if self.is_main:
+            os.makedirs(os.path.join(self.workdir, DIR), exist_ok=True)
+            kept = self.host if done % self.mu and self.host is not None else {}
+            path = os.path.join(self.workdir, DIR, f"step-{done}.npz")
+            np.savez(path + ".tmp.npz", num_tokens=self.num_tokens, round=self.round, **kept)
+            os.replace(path + ".tmp.npz", path)
+            self.prune(int(self.config.checkpoint.keep))
+        return {"samples": (self.round + 1) * self.B}
+
+    def prune(self, keep: int) -> None:
+        folder = os.path.join(self.workdir, DIR)
+        steps = sorted(int(f[5:-4]) for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".npz"))
+        for s in steps[:-max(keep, 1) - 1]:
+            os.remove(os.path.join(folder, f"step-{s}.npz"))
+
+    def resume_at(self, start: int, samples: int) -> None:
+        """Continue from the checkpoint of step `start`: its tokens counted and, inside a round, the round's batch.
+
+        Raises:
+          FileNotFoundError: the round's batch of a checkpoint inside a round is missing (one line, the fix)."""
+        path = os.path.join(self.workdir, DIR, f"step-{start}.npz")
+        if not os.path.isfile(path):
+            if start % self.mu:
+                raise FileNotFoundError(f"{path} is missing: the checkpoint of step {start} lies inside a round of "
+                                        f"grpo.num_iterations={self.mu} steps and its sampled batch was kept there; "
+                                        f"restore the file, or resume from a checkpoint at a round's start.")
+            return
+        with np.load(path) as f:
+            kept = {k: f[k] for k in f.files}
+        self.num_tokens = int(kept.pop("num_tokens"))
+        r = int(kept.pop("round"))
+        if start % self.mu and kept:
+            self.round, self.host = r, kept
+            self.placed = self.place(kept)
+

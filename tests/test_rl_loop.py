@@ -1,0 +1,130 @@
+"""GRPO's loop inside `trainer.run` (`train.objective=grpo`, `jaxpar/rl/rounds.py`): rounds sampled by the engine on
+the training params from prompt records, scored by a user's reward, trained mu times; TRL's metrics; with mu = 1 the
+ratio is exactly 1 at every step (no token clipped at epsilon 0); the same seed gives the same run, and a resume
+inside a round continues it exactly; bad input is one line before anything compiles."""
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import chat_tokenizer, random_hf_llama, tiny_config  # noqa: E402
+from jaxpar import trainer  # noqa: E402
+from jaxpar.data import DataError  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("test_rl_loop")
+
+TRL_METRICS = ("reward", "reward_std", "rewards/odd/mean", "rewards/odd/std", "frac_reward_zero_std",
+               "completions/mean_length", "completions/min_length", "completions/max_length",
+               "completions/clipped_ratio", "completions/mean_terminated_length", "num_tokens", "kl", "entropy",
+               "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+@pytest.fixture(scope="module")
+def material(tmp_path_factory):
+    """A tiny chat Llama (hf:DIR), 40 conversational prompt records, and a reward on the completion's token ids."""
+    root = tmp_path_factory.mktemp("rl")
+    chat_tokenizer(root / "base")
+    from jaxpar.data import BPETokenizer
+    random_hf_llama(root / "base", BPETokenizer.from_file(root / "base" / "tokenizer.json"))
+    with open(root / "prompts.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+                                "solution": str(2 * i)}) + "\n")
+    (root / "reward.py").write_text("def odd(completion_ids, solution, **kw):\n"
+                                    "    assert len(solution) == len(completion_ids)\n"
+                                    "    return [sum(i % 2 for i in c) / len(c) for c in completion_ids]\n")
+    return root
+
+
+def grpo_config(root, **over):
+    c = tiny_config(**{"mesh.data": 2, "model.seq_len": 48, "train.global_batch_size": 4, "train.objective": "grpo",
+                       "grpo.num_generations": 4, "grpo.max_completion_length": 8, "grpo.rewards":
+                       f"{root}/reward.py:odd", "grpo.beta": 0.04, "grpo.epsilon": 0.0, "train.steps": 4,
+                       "optim.lr": 3e-3, **over})
+    c.init_from = f"hf:{root}/base"
+    c.data.update(sources=f"{root}/prompts.jsonl", cache_dir=f"{root}/cache", val_fraction=0.2)
+    c.log.update(every_steps=1, progress=False)
+    c.eval.update(every_steps=4, batches=1)
+    c.checkpoint.update(every_steps=3, keep=3, async_save=False)
+    return c
+
+
+def rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return {r["step"]: r for r in map(json.loads, f)}
+
+
+TIMING = ("tokens_per_s", "step_time_s", "tflops_per_device", "mfu", "data_wait_s")
+
+
+def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path):
+    """4 steps on (data=2), mu = 1, epsilon 0: every TRL metric logged; no token clipped at any step (the ratio of the
+    policy to itself is exactly 1); the k3 KL exactly 0 at step 1 (the reference is the starting model) and > 0
+    after updates; completions.jsonl holds the logged completions with their rewards; the held-out reward."""
+    work = tmp_path / "run"
+    trainer.run(grpo_config(material), str(work), jax.devices()[:2])
+    got = rows(work)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step, r in got.items():
+        assert all(k in r for k in TRL_METRICS), sorted(set(TRL_METRICS) - set(r))
+        assert [r[f"clip_ratio/{k}_mean"] for k in ("low", "high", "region")] == [0.0] * 3, (step, r)
+        assert r["completion_tokens"] == 16 * r["completions/mean_length"]  # 4 prompts x G = 4 completions
+    assert got[1]["kl"] == 0.0 and got[4]["kl"] > 0
+    assert got[1]["frac_reward_zero_std"] < 1 and got[1]["reward_std"] > 0  # a learning signal to follow
+    assert got[1]["num_tokens"] < got[2]["num_tokens"] < got[4]["num_tokens"]
+    assert "val_reward" in got[4] and 0 <= got[4]["val_reward"] <= 1
+    with open(work / "completions.jsonl") as f:
+        logged = [json.loads(line) for line in f]
+    assert len(logged) == 4 * 4 and logged[0]["prompt"][0]["role"] == "user"
+    assert logged[0]["completion"][0]["role"] == "assistant" and set(logged[0]["rewards"]) == {"odd"}
+
+
+def test_same_seed_same_run_and_a_resume_inside_a_round_is_exact(material, tmp_path):
+    """mu = 2 (two optimizer steps per round, the old policy's log-probs from the training forward): two runs of one
+    seed log the same metrics; a run stopped at step 3 (a checkpoint inside round 1, its batch kept beside it) and
+    resumed to step 4 logs step 4 as the uninterrupted run does, and ends with the same params."""
+    over = {"grpo.num_iterations": 2, "grpo.epsilon": 0.2}
+    whole, parted = tmp_path / "whole", tmp_path / "parted"
+    trainer.run(grpo_config(material, **over), str(whole), jax.devices()[:2])
+    trainer.run(grpo_config(material, **over, **{"train.steps": 3}), str(parted), jax.devices()[:2])
+    assert os.path.isfile(parted / "rollouts" / "step-3.npz")
+    trainer.run(grpo_config(material, **over), str(parted), jax.devices()[:2])
+    a, b = rows(whole), rows(parted)
+    for step in (1, 2, 3, 4):  # (the 3-step run evaluates at its end: val_* at step 3)
+        same = lambda r: {k: v for k, v in r.items() if k not in TIMING and not k.startswith("val_")}  # noqa: E731
+        assert same(a[step]) == same(b[step]), step
+    assert "reward" in a[1] and "reward" not in a[2] and "reward" in a[3]  # a round each two steps, logged once
+    from jaxpar.state.runs import load_params
+    pa, pb = load_params(str(whole))[1], load_params(str(parted))[1]
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
+
+
+@pytest.mark.parametrize("case", ["unknown_reward", "wrong_length", "no_room", "text_source", "no_prompt"])
+def test_bad_rl_input_is_one_line(material, tmp_path, case):
+    """An unknown reward function, a prompt with no room left for a completion, a source that is not records, a
+    record without a prompt: one line before anything compiles or is written; a reward that returns the wrong number
+    of values: one line naming it at the first round, no checkpoint written."""
+    (tmp_path / "short.py").write_text("def short(completions, **kw):\n    return [1.0]\n")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"question": "hi"}) + "\n")
+    (tmp_path / "text.txt").write_text("some text\n")
+    over, want = {
+        "unknown_reward": ({"grpo.rewards": "jaxpar.rl.rewards:exactly"}, "jaxpar.rl.rewards has no function"),
+        "wrong_length": ({"grpo.rewards": f"{tmp_path}/short.py:short"}, "reward function 'short' returned 1 values "
+                                                                         "for 16 completions"),
+        "no_room": ({"grpo.max_completion_length": 40}, "prompts.jsonl, line 1: the prompt has"),
+        "text_source": ({"data.sources": str(tmp_path / "text.txt")}, "is read as text"),
+        "no_prompt": ({"data.sources": str(tmp_path / "bad.jsonl")}, "bad.jsonl, line 1: a prompt record needs "
+                                                                    "`prompt`")}[case]
+    c = grpo_config(material)
+    for k, v in over.items():
+        c[k.split(".")[0]][k.split(".")[1]] = v
+    with pytest.raises(DataError) as e:
+        trainer.run(c, str(tmp_path / "run"), jax.devices()[:2])
+    assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
+    from jaxpar.state.resume import latest_checkpoint
+    assert latest_checkpoint(str(tmp_path / "run"))[0] is None
+    assert case == "wrong_length" or not (tmp_path / "run" / "checkpoints").exists()  # (the others: before compiling)
