@@ -83,7 +83,7 @@ def report_for(config, vocab: int = 0, devices=None, resolve=None) -> dict:
     t0 = time.perf_counter()
     compiled = steps.train.lower(abstract, abstract_batch(config, steps)).compile()
     compile_s = time.perf_counter() - t0
-    tokens = int(config.train.global_batch_size) * int(config.model.seq_len)
+    tokens = objectives.from_config(config).rows(config) * int(config.model.seq_len)
     rep = report.compile_report(compiled, abstract_state=abstract,
                                 flops_per_step=gpt.flops_per_token(steps.cfg) * tokens, keep_hlo=True)
     rep["compile_s"] = compile_s  # lowering + compiling (a persistent-cache hit skips the compiling)

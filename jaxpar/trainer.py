@@ -68,7 +68,7 @@ def dry_run(config, workdir: str) -> dict:
     collective of the compiled step by kind with its bytes and executions per step (loop trip counts applied);
     WORKDIR/train_step.hlo.txt is the optimized HLO it was read from."""
     needs_data = (config.data.tokenizer == "bpe" and not int(config.model.vocab_size)  # the vocabulary trains on it
-                  or config.data.packing == "auto")  # (`data.packing`: the sources' first records tell it)
+                  or config.data.packing == "auto" and not objectives.from_config(config).packing)  # (the records')
     resolved = hub.resolve_once_per_host(config, workdir, weights=False, datasets=needs_data)[0]
     # `auto` as the target (mesh.device, or the devices present) runs it
     rep = report_for(resolved, resolve=target.resolve)

@@ -264,12 +264,14 @@ def validate(config, num_devices: int) -> Layout:
     B, M = int(tr.global_batch_size), int(tr.microbatches)
     errs = key_errors(config) + _check_kinds(config)  # each key's type and range (the key table), then the rest
     n = lay.batch_split * M
-    if M >= 1 and B % n:
+    rows = objectives.from_config(config).rows(config) if not errs and tr.objective in objectives.OBJECTIVES else B
+    if M >= 1 and rows % n:
         split = f"mesh.data={d}" + (f" x mesh.expert={lay.expert}" if lay.expert > 1 else "")
+        what = f"train.global_batch_size={B}" if rows == B else \
+            f"a step's {rows} rows (train.global_batch_size={B} x {rows // B} each: grpo.num_generations)"
         errs.append(
-            f"train.global_batch_size={B} is not divisible by {split} x train.microbatches={M} = {n}; "
-            f"use a batch that is a multiple of {n} (the nearest: {nearest_multiples(B, n)}) or change the "
-            f"layout.")
+            f"{what} is not divisible by {split} x train.microbatches={M} = {n}; use a batch that is a multiple of "
+            f"{n} (the nearest: {nearest_multiples(rows, n)}) or change the layout.")
     errs += check_model(m, t, mlp_width(config)) + check_experts(m, lay) + check_grouped(m, tr.compute_dtype)
     family = FAMILIES.get(m.arch)
     errs += check_context(m, lay.context, t) if family is None or family.context_parallel else []

@@ -27,6 +27,7 @@ from jaxpar.layout import Layout
 from jaxpar.model.layers import KVCache
 from jaxpar.parallel.logical import mesh_axes, spec
 from jaxpar.parallel.sharding import param_specs
+from jaxpar.train import objectives
 
 CACHE_NAMES = (None, "batch", "seq", "kv_heads", "kv")  # the cache's logical axes (its layer axis is never split)
 
@@ -115,12 +116,12 @@ def decode_params(params, cfg, rules, mesh, zero3: bool, layer_order=None):
 
 
 def dry_run_entry(config, num_devices: int) -> dict:
-    """What `train.py --dry_run` reports of generation on the run's layout: the KV cache of a decode batch of
-    `train.global_batch_size` rows of `model.seq_len` positions ({"rows", "positions", "total", "per_device"}
-    bytes)."""
+    """What `train.py --dry_run` reports of generation on the run's layout: the KV cache of a decode batch of a
+    step's rows (`train.global_batch_size`; GRPO's completions: x `grpo.num_generations`) of `model.seq_len`
+    positions ({"rows", "positions", "total", "per_device"} bytes)."""
     config = gpt.derived(peft.apply(start.apply(config, say=False)))
     layout = Layout.from_config(config, num_devices)
     cfg = gpt.config_from(config, int(config.model.vocab_size) or 256, layout.tensor)
-    rows, positions = int(config.train.global_batch_size), int(config.model.seq_len)
+    rows, positions = objectives.from_config(config).rows(config), int(config.model.seq_len)  # (GRPO: x G)
     return {"rows": rows, "positions": positions,
             **cache_bytes(cfg, rows, positions, layout, step_rules(config))}

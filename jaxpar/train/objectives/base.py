@@ -35,6 +35,10 @@ class Objective:
         ("copy", "adapters_off", "adapters"): an object with `head`, like an objective's."""
         raise NotImplementedError
 
+    def rows(self, config) -> int:
+        """The rows of a step's global batch (what microbatches and data shards split): `train.global_batch_size`."""
+        return int(config.train.global_batch_size)
+
     def batch_shapes(self, config, default: dict) -> dict:
         """{name: (shape, dtype)} of a global batch of its steps; `default` the data's (`data.batch_shapes`)."""
         return default

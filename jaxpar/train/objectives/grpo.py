@@ -47,6 +47,7 @@ class GRPO(Objective):
     name = "grpo"
     section = "grpo"
     data_kinds = ("prompts",)
+    packing = "bfd"  # a row is one whole prompt and completion, padded (never cut): what `data.packing=auto` becomes
     dropout = False  # the policy's passes and the old policy's are the same model (TRL's `disable_dropout`)
 
     @property
@@ -64,10 +65,14 @@ class GRPO(Objective):
     def reference_head(self, rows: int):
         return TokenLogps(rows)
 
+    def rows(self, config) -> int:
+        """A step's `train.global_batch_size` prompts x G completions, a row each."""
+        return int(config.train.global_batch_size) * self.num_generations
+
     def batch_shapes(self, config, default: dict) -> dict:
-        """A round's batch: the step's prompts x G rows of prompt and completion, their loss mask, advantages and,
-        with mu > 1, the old policy's per-token log-probs."""
-        rows, T = int(config.train.global_batch_size) * self.num_generations, int(config.model.seq_len)
+        """A round's batch: a row per completion, its prompt then itself; their loss mask, advantages and, with
+        mu > 1, the old policy's per-token log-probs."""
+        rows, T = self.rows(config), int(config.model.seq_len)
         f = np.float64 if config.train.compute_dtype == "float64" else np.float32
         out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows,), f)}
         return out | ({"old": ((rows, T), f)} if self.num_iterations > 1 else {})
