@@ -103,6 +103,23 @@ def test_same_seed_same_run_and_a_resume_inside_a_round_is_exact(material, tmp_p
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
 
 
+def test_an_expert_parallel_moe_run_has_ratio_one(material, tmp_path):
+    """A mixture of experts (4 experts, 2 per token) on (expert 2), mu = 2: the round sampled on the expert-parallel
+    layout, the old policy's log-probs from the training forward before the first pass, which routes every token as
+    that pass does: no token clipped at epsilon 0 in the first pass (the ratio exactly 1); in the second, after an
+    update, the ratio moved."""
+    from jaxpar.data import BPETokenizer
+    moe = tmp_path / "moe"
+    chat_tokenizer(moe)
+    random_hf_llama(moe, BPETokenizer.from_file(moe / "tokenizer.json"), experts=4, experts_per_token=2, expert_mlp=32)
+    c = grpo_config(material, **{"mesh.data": 1, "mesh.expert": 2, "train.steps": 2, "grpo.num_iterations": 2})
+    c.init_from = f"hf:{moe}"
+    trainer.run(c, str(tmp_path / "run"), jax.devices()[:2])
+    first, second = rows(tmp_path / "run")[1], rows(tmp_path / "run")[2]
+    assert [first[f"clip_ratio/{k}_mean"] for k in ("low", "high", "region")] == [0.0] * 3, first
+    assert first["completion_tokens"] > 0 and second["clip_ratio/region_mean"] > 0
+
+
 @pytest.mark.parametrize("case", ["unknown_reward", "wrong_length", "no_room", "text_source", "no_prompt"])
 def test_bad_rl_input_is_one_line(material, tmp_path, case):
     """An unknown reward function, a prompt with no room left for a completion, a source that is not records, a
