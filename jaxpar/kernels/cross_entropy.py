@@ -117,8 +117,24 @@ def token_log_probs(h, w, targets, vocab_real: int, chunk: int):
         z, ids = _masked_logits(hc, w, vocab_real)
         return jnp.where(ids == yc[..., None], z, 0.0).sum(-1) - jax.nn.logsumexp(z, axis=-1)
 
+    return _by_chunks(one, h, targets, c)
+
+
+def token_entropy(h, w, vocab_real: int, chunk: int):
+    """Each position's entropy (nats) of the predicted distribution, not differentiated (GRPO's metric): h
+    `[batch, seq, embed]`, w `[embed, vocab]` -> `[batch, seq]` (at least float32), by chunks of `chunk` positions."""
+    def one(hc, _):
+        z, _ = _masked_logits(jax.lax.stop_gradient(hc), jax.lax.stop_gradient(w), vocab_real)
+        logp = jax.nn.log_softmax(z, axis=-1)
+        return -jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0).sum(-1)
+
+    return _by_chunks(one, h, h[..., 0], chunk_size(h.shape[1], chunk))
+
+
+def _by_chunks(one, h, y, c: int):
+    """`one(h chunk, y chunk) -> [batch, c]` over the sequence's chunks of `c` positions -> `[batch, seq]`."""
     n = h.shape[1] // c
     if n == 1:
-        return one(h, targets)
-    out = jax.lax.map(lambda a: one(*a), (_chunks(h, n), _chunks(targets, n)))  # [n, batch, c]
-    return jnp.moveaxis(out, 0, 1).reshape(targets.shape)
+        return one(h, y)
+    out = jax.lax.map(lambda a: one(*a), (_chunks(h, n), _chunks(y, n)))  # [n, batch, c]
+    return jnp.moveaxis(out, 0, 1).reshape(y.shape)

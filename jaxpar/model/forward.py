@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.kernels.cross_entropy import cross_entropy, token_log_probs
+from jaxpar.kernels.cross_entropy import cross_entropy, token_entropy, token_log_probs
 from jaxpar.model.config import ModelConfig, has_dropout
 from jaxpar.model.families.vit import logits as vit_logits, loss as vit_loss
 from jaxpar.model.layers import KVCache, at_least_f32, dropout, segment_positions
@@ -145,10 +145,17 @@ class Forward:
     def token_logps(self, params, x, targets):
         """Each position's log-probability of its target under the model: x `[batch, seq, embed]` (the last layer's
         output), targets `[batch, seq]` int32 -> `[batch, seq]` float32 (`kernels.cross_entropy.token_log_probs`)."""
-        cfg = self.cfg
+        return token_log_probs(*self._head_inputs(params, x), targets, self.cfg.vocab_real, self.cfg.loss_chunk)
+
+    def token_entropy(self, params, x):
+        """Each position's entropy of its next-token distribution, not differentiated: `[batch, seq]` float32, by
+        chunks of positions (`kernels.cross_entropy.token_entropy`: the logits never whole)."""
+        return token_entropy(*self._head_inputs(params, x), self.cfg.vocab_real, self.cfg.loss_chunk)
+
+    def _head_inputs(self, params, x):
+        """(the final norm's output `[batch, seq, embed]`, the LM head's weight `[embed, vocab]`)."""
         h = constrain(nnx.merge(self.norm_def, params["ln_f"])(x), ("batch", "seq", "embed"))
-        w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
-        return token_log_probs(h, w, targets, cfg.vocab_real, cfg.loss_chunk)
+        return h, params["wte"].T if self.cfg.tie_embeddings else params["lm_head"]
 
     def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None,
              positions=None):

@@ -28,7 +28,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.special import entr
 
 from jaxpar.train.objectives.base import Objective
 _CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -125,12 +124,12 @@ class GRPO(Objective):
 
     def head(self, fwd, params, x, mb):
         lp = fwd.token_logps(params, x, mb["y"])
+        entropy = fwd.token_entropy(params, x).astype(lp.dtype)
         w = mb["w"].astype(lp.dtype)
         loss, ratio, adv = self.per_token(lp, mb)
         per_seq = (loss * w).sum(-1)
         if self.loss_type in ("grpo", "gspo"):
             per_seq = per_seq / jnp.maximum(w.sum(-1), 1)
-        entropy = entr(jax.nn.softmax(jax.lax.stop_gradient(fwd.logits(params, x)), -1)).sum(-1).astype(lp.dtype)
         kl = (self.kl(lp, mb) * w).sum() if self.beta > 0 else jnp.zeros((), lp.dtype)
         count = jnp.stack([w.sum(), jnp.asarray(w.shape[0], lp.dtype), (entropy * w).sum(), kl,
                            *self.clip_sums(ratio, adv, w)])
