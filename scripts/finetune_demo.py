@@ -58,11 +58,6 @@ def preference(word: str) -> dict:
 
 
 def make(out: str, n_train: int, n_val: int) -> None:
-    import torch
-    import transformers
-
-    from jaxpar.data import BPETokenizer
-
     pool = words(n_train + n_val, seed=0)
     random.Random(1).shuffle(pool)
     os.makedirs(out, exist_ok=True)
@@ -80,7 +75,19 @@ def make(out: str, n_train: int, n_val: int) -> None:
         for w in pool[:n_train]:
             if w != w[::-1]:
                 f.write(json.dumps(preference(w)) + "\n")
-    base = os.path.join(out, "base")
+    vocab = write_base(os.path.join(out, "base"))
+    print(json.dumps({"out": out, "train": n_train, "val": n_val, "vocab": vocab}))
+
+
+def write_base(base: str, max_positions: int = 128) -> int:
+    """A tiny random-weight Llama checkpoint in DIR `base` as Hugging Face writes one: a byte-level tokenizer (the
+    256 bytes, end-of-text and ChatML's special tokens, no merge), a ChatML chat template, `eos_token` the end of a
+    turn. -> its vocabulary's size."""
+    import torch
+    import transformers
+
+    from jaxpar.data import BPETokenizer
+
     tok = BPETokenizer.train(["Reverse the word"], 257 + len(SPECIAL), SPECIAL)  # bytes and the specials, no merge
     tok.save(base)
     with open(os.path.join(base, "tokenizer_config.json"), "w") as f:
@@ -88,22 +95,34 @@ def make(out: str, n_train: int, n_val: int) -> None:
                    "eos_token": "<|im_end|>", "bos_token": BPETokenizer.EOT}, f)
     eos = tok.hf.token_to_id("<|im_end|>")
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=tok.vocab_size, max_position_embeddings=128,
-                                   tie_word_embeddings=False, bos_token_id=0, eos_token_id=eos)
+                                   num_key_value_heads=2, vocab_size=tok.vocab_size,
+                                   max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=0,
+                                   eos_token_id=eos)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(base)
-    print(json.dumps({"out": out, "train": n_train, "val": n_val, "vocab": tok.vocab_size}))
+    return tok.vocab_size
 
 
-def score(model: str, data: str, limit: int) -> dict:
+def load(model: str):
+    """MODEL (a run directory, an export, or hf:DIR) -> (forward, params, tokenizer, its ChatFormat)."""
     from jaxpar.data.chat import ChatFormat
     from jaxpar.formats import hf
-    from jaxpar.generate.engine import Engine, Request
     from jaxpar.state.runs import load_params
 
     where = hf.directory_of(model)
     fwd, params, tok = hf.load(where) if where else load_params(model)
-    chat = ChatFormat.from_dir(tok.directory)
+    return fwd, params, tok, ChatFormat.from_dir(tok.directory)
+
+
+def reply_text(tok, completion) -> str:
+    """A completion's reply: its tokens decoded, the end-of-turn token it stopped at left out."""
+    return tok.decode(completion.tokens[:-1] if completion.finish_reason == "stop" else completion.tokens)
+
+
+def score(model: str, data: str, limit: int) -> dict:
+    from jaxpar.generate.engine import Engine, Request
+
+    fwd, params, tok, chat = load(model)
     with open(data) as f:
         records = [json.loads(line) for line in f][:limit]
     stops = tuple(sorted(chat.stop_ids))
@@ -112,7 +131,7 @@ def score(model: str, data: str, limit: int) -> dict:
     right, echoed, shown = 0, 0, []
     for r, c in zip(records, done):
         prompt, answer = r["messages"][:-1], r["messages"][-1]["content"]
-        reply = tok.decode(c.tokens[:-1] if c.finish_reason == "stop" else c.tokens)
+        reply = reply_text(tok, c)
         right += reply == answer
         echoed += reply == prompt[-1]["content"].split()[-1]  # the word of the instruction, unchanged
         if len(shown) < 3:
