@@ -77,10 +77,27 @@ def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path)
     assert got[1]["frac_reward_zero_std"] < 1 and got[1]["reward_std"] > 0  # a learning signal to follow
     assert got[1]["num_tokens"] < got[2]["num_tokens"] < got[4]["num_tokens"]
     assert "val_reward" in got[4] and 0 <= got[4]["val_reward"] <= 1
+    with open(work / "checkpoints" / "4" / "state" / "_METADATA") as f:  # beta > 0, full fine-tuning: a frozen copy
+        assert "reference" in f.read()
     with open(work / "completions.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert len(logged) == 4 * 4 and logged[0]["prompt"][0]["role"] == "user"
     assert logged[0]["completion"][0]["role"] == "assistant" and set(logged[0]["rewards"]) == {"odd"}
+
+
+def test_lora_grpo_keeps_no_reference_copy_and_starts_at_kl_zero(material, tmp_path):
+    """LoRA (fresh rank-4 adapters, beta > 0): the reference is the base with the adapters off, no weights copied into
+    the state; the KL is exactly 0 at step 1 (fresh adapters add nothing) and > 0 once they trained."""
+    c = grpo_config(material, **{"train.steps": 2, "optim.lr": 3e-2})
+    c.lora.update(rank=4, alpha=8.0, targets="all-linear")
+    trainer.run(c, str(tmp_path / "run"), jax.devices()[:2])
+    got = rows(tmp_path / "run")
+    assert got[1]["kl"] == 0.0 and got[2]["kl"] > 0, (got[1]["kl"], got[2]["kl"])
+    from jaxpar.state.resume import latest_checkpoint
+    assert latest_checkpoint(str(tmp_path / "run"))[0] == 2
+    with open(tmp_path / "run" / "checkpoints" / "2" / "state" / "_METADATA") as f:  # the state's tree, as saved
+        tree = f.read()
+    assert "opt_state" in tree and "reference" not in tree
 
 
 def test_same_seed_same_run_and_a_resume_inside_a_round_is_exact(material, tmp_path):
