@@ -8,8 +8,8 @@ answer's digits and the end-of-turn token, so 8 new tokens leave room; a prompt 
 holds prompt and completion. The validation split is val.jsonl, the held-out problems `score` reports.
 
 The control run: `--config.grpo.rewards=scripts/rl_demo.py:shuffled_answer --workdir runs/rl_demo_grpo_control`
-(the same rewards, permuted among the round's completions). (data, tensor) = (4, 2) on 8 fake CPU devices, as the
-SFT run.
+(the same rewards, permuted among the round's completions). (data, tensor) = (4, 2) on 8 fake CPU devices: the
+completions are generated tensor-parallel on the training mesh. lr and steps are not measured yet.
 """
 from jaxpar.config import base_config
 
