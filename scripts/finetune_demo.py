@@ -11,10 +11,15 @@
                     echoed ("lamp" -> "lamp"), as noisy labels leave a model answering either way
         DIR/prefs_train.jsonl   preference pairs for DPO, TRL's conversational form: "Reverse the word: lamp",
                     chosen "pmal", rejected "lamp" (palindromes left out; the held-out words of val.jsonl not used)
+        DIR/prompts_train.jsonl, DIR/prompts_val.jsonl   the GRPO quickstart's prompts (docs/rl.md), TRL's
+                    conversational form: {"prompt": [... "Reverse the word: lamp"], "solution": "pmal"}, the words
+                    of train.jsonl and val.jsonl
     python scripts/finetune_demo.py score --model hf:DIR/base --data DIR/val.jsonl
     python scripts/finetune_demo.py score --model runs/finetune_demo --data DIR/val.jsonl
         the exact-match accuracy of the greedy replies (the chat template, the KV cache, the reply up to the
         end-of-turn token) and the fraction that echo the instruction's word, printed as JSON
+    --config.grpo.rewards=scripts/finetune_demo.py:shuffled_match
+        the GRPO quickstart's control reward (`shuffled_match`)
 """
 import argparse
 import json
@@ -22,6 +27,7 @@ import os
 import random
 import string
 import sys
+import zlib
 
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
@@ -57,6 +63,26 @@ def preference(word: str) -> dict:
     return {"prompt": prompt, "chosen": reply(word[::-1]), "rejected": reply(word)}
 
 
+def prompt_record(word: str, system: bool) -> dict:
+    """A GRPO prompt record (TRL's conversational form): the reverse instruction and its checkable `solution`."""
+    messages = conversation(word, system)["messages"]
+    return {"prompt": messages[:-1], "solution": messages[-1]["content"]}
+
+
+def shuffled_match(completions, completion_ids, solution, **kwargs):
+    """The GRPO quickstart's control reward (`--config.grpo.rewards=scripts/finetune_demo.py:shuffled_match`): the
+    exact-match rewards of a round's completions, permuted among them, so a reward says nothing of the completion it
+    is given to (its mean stays the true one). The permutation's seed is the round's completion ids (a checksum): the
+    same round, the same permutation (the same seed gives the same run); another round, another."""
+    import numpy as np
+
+    from jaxpar.rl.rewards import exact_match
+
+    right = exact_match(completions, solution)
+    seed = zlib.crc32(json.dumps([list(map(int, ids)) for ids in completion_ids]).encode())
+    return [right[i] for i in np.random.default_rng(seed).permutation(len(right))]
+
+
 def make(out: str, n_train: int, n_val: int) -> None:
     pool = words(n_train + n_val, seed=0)
     random.Random(1).shuffle(pool)
@@ -75,6 +101,10 @@ def make(out: str, n_train: int, n_val: int) -> None:
         for w in pool[:n_train]:
             if w != w[::-1]:
                 f.write(json.dumps(preference(w)) + "\n")
+    for name, ws in (("train", pool[:n_train]), ("val", pool[n_train:])):
+        with open(os.path.join(out, f"prompts_{name}.jsonl"), "w") as f:
+            for k, w in enumerate(ws):
+                f.write(json.dumps(prompt_record(w, system=k % 4 == 0)) + "\n")
     vocab = write_base(os.path.join(out, "base"))
     print(json.dumps({"out": out, "train": n_train, "val": n_val, "vocab": vocab}))
 

@@ -10,6 +10,8 @@ Built in (`jaxpar.rl.rewards:NAME`):
 - `exact_answer`: 1.0 when the completion's answer (inside `<answer>...</answer>` if it has one, else the whole text)
   equals the record's `solution` under `math-verify` (parse, verify; TRL's `accuracy_reward`, except that a plain
   number counts as an answer, not only LaTeX), None when the solution does not parse;
+- `exact_match`: 1.0 when the completion's answer (as above) equals the record's `solution` as a string, both
+  stripped of surrounding white space, else 0.0 (words, code output: what math-verify would read as symbols);
 - `think_format`: 1.0 for `<think>...</think>` then `<answer>...</answer>` and nothing else, else 0.0;
 - `soft_overlong`: DAPO's soft overlong punishment: 0 up to `max_completion_length` - C tokens (C = a fifth of it),
   then falling linearly to -1 at `max_completion_length`.
@@ -39,10 +41,19 @@ def exact_answer(completions, solution, **kwargs):
     from math_verify import parse, verify  # the `rl` extra
     out = []
     for c, sol in zip(completions, solution):
-        gold, text = parse(str(sol)), _text(c)
-        tagged = _ANSWER.search(text)  # the answer: inside <answer>...</answer> when the completion has one
-        out.append(float(verify(gold, parse(tagged.group(1) if tagged else text))) if gold else None)
+        gold = parse(str(sol))
+        out.append(float(verify(gold, parse(_answer(c)))) if gold else None)
     return out
+
+
+def _answer(completion) -> str:
+    text = _text(completion)
+    tagged = _ANSWER.search(text)  # the answer: inside <answer>...</answer> when the completion has one
+    return tagged.group(1) if tagged else text
+
+
+def exact_match(completions, solution, **kwargs):
+    return [float(_answer(c).strip() == str(sol).strip()) for c, sol in zip(completions, solution)]
 
 
 _FORMAT = re.compile(r"^<think>(?:(?!<think>).)*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
