@@ -61,12 +61,17 @@ def rows(workdir):
 TIMING = ("tokens_per_s", "step_time_s", "tflops_per_device", "mfu", "data_wait_s")
 
 
-def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path):
+def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path, monkeypatch):
     """4 steps on (data=2), mu = 1, epsilon 0: every TRL metric logged; no token clipped at any step (the ratio of the
     policy to itself is exactly 1); the k3 KL exactly 0 at step 1 (the reference is the starting model) and > 0
-    after updates; completions.jsonl holds the logged completions with their rewards; the held-out reward."""
+    after updates; completions.jsonl holds the logged completions with their rewards, W&B a table of them per log;
+    the held-out reward."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
     work = tmp_path / "run"
-    trainer.run(grpo_config(material), str(work), jax.devices()[:2])
+    c = grpo_config(material)
+    c.log.wandb_project = "grpo"
+    trainer.run(c, str(work), jax.devices()[:2])
     got = rows(work)
     assert sorted(got) == [1, 2, 3, 4]
     for step, r in got.items():
@@ -83,6 +88,12 @@ def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path)
         logged = [json.loads(line) for line in f]
     assert len(logged) == 4 * 4 and logged[0]["prompt"][0]["role"] == "user"
     assert logged[0]["completion"][0]["role"] == "assistant" and set(logged[0]["rewards"]) == {"odd"}
+    from helpers import wandb_records
+    tables = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+              for f in (work / "wandb").glob("offline-run-*/run-*.wandb") for rec in wandb_records(f)
+              if rec.WhichOneof("record_type") == "history"]
+    tables = [(t["step"], t["completions/nrows"]) for t in tables if t.get("completions/_type") == "table-file"]
+    assert tables == [(1, 4), (2, 4), (3, 4), (4, 4)], tables
 
 
 def test_lora_grpo_keeps_no_reference_copy_and_starts_at_kl_zero(material, tmp_path):
