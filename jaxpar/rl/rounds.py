@@ -5,10 +5,10 @@ the epochs' orders (`data.prompts.Prompts.take`), samples `grpo.num_generations`
 generation engine on the training state's params in place (`rollout.sample`: prompt p of the round samples with the
 seed (train.seed, r, p), so its random numbers depend on neither the layout nor a restart), scores them with
 `grpo.rewards`, and trains on them mu times: with mu = 1 the old policy is the policy itself (no `old` in the batch:
-the ratio is exactly 1), with mu > 1 the old policy's per-token log-probs come from the training forward before the first pass
-(`rollout.with_old_logps`). A checkpoint inside a round keeps the round's batch beside it (`rollouts/step-S.npz`),
-so a resume continues the same round exactly; at a round's start nothing is kept: the round is sampled again, the
-same.
+the ratio is exactly 1), with mu > 1 the old policy's per-token log-probs come from the training forward before the
+first pass (`rollout.with_old_logps`). A checkpoint inside a round keeps the round's batch beside it
+(`rollouts/step-S.npz`), so a resume continues the same round exactly; at a round's start nothing is kept: the round
+is sampled again, the same.
 
 Metrics under TRL's names, averaged over the rounds since the last log: `reward`, `reward_std`,
 `rewards/<function>/mean|std`, `frac_reward_zero_std`, `completions/mean_length|min_length|max_length`,
