@@ -4,6 +4,7 @@ ratio is exactly 1 at every step (no token clipped at epsilon 0); the same seed 
 inside a round continues it exactly; bad input is one line before anything compiles."""
 import json
 import os
+import shutil
 import sys
 
 import jax
@@ -113,19 +114,33 @@ def test_lora_grpo_keeps_no_reference_copy_and_starts_at_kl_zero(material, tmp_p
 
 def test_same_seed_same_run_and_a_resume_inside_a_round_is_exact(material, tmp_path):
     """mu = 2 (two optimizer steps per round, the old policy's log-probs from the training forward): two runs of one
-    seed log the same metrics; a run stopped at step 3 (a checkpoint inside round 1, its batch kept beside it) and
-    resumed to step 4 logs step 4 as the uninterrupted run does, and ends with the same params."""
+    seed log the same metrics; a run killed after step 3 (a checkpoint inside round 1, its batch and its metrics not
+    logged yet kept beside it) and resumed logs step 4 as the uninterrupted run does, and ends with the same
+    params."""
     over = {"grpo.num_iterations": 2, "grpo.epsilon": 0.2}
-    whole, parted = tmp_path / "whole", tmp_path / "parted"
-    trainer.run(grpo_config(material, **over), str(whole), jax.devices()[:2])
-    trainer.run(grpo_config(material, **over, **{"train.steps": 3}), str(parted), jax.devices()[:2])
-    assert os.path.isfile(parted / "rollouts" / "step-3.npz")
-    trainer.run(grpo_config(material, **over), str(parted), jax.devices()[:2])
-    a, b = rows(whole), rows(parted)
-    for step in (1, 2, 3, 4):  # (the 3-step run evaluates at its end: val_* at step 3)
-        same = lambda r: {k: v for k, v in r.items() if k not in TIMING and not k.startswith("val_")}  # noqa: E731
-        assert same(a[step]) == same(b[step]), step
-    assert "reward" in a[1] and "reward" not in a[2] and "reward" in a[3]  # a round each two steps, logged once
+    whole, parted, again = tmp_path / "whole", tmp_path / "parted", tmp_path / "again"
+    def config(**more):  # logs every 2 steps, checkpoints every 3: a job killed after step 3 stops between logs
+        c = grpo_config(material, **over, **more)
+        c.log.every_steps = 2
+        return c
+
+    trainer.run(config(), str(whole), jax.devices()[:2])
+    trainer.run(config(), str(again), jax.devices()[:2])
+    shutil.copytree(whole, parted)  # killed after step 3's checkpoint: what steps 4 wrote is gone
+    shutil.rmtree(parted / "checkpoints" / "4")
+    os.remove(parted / "rollouts" / "step-4.npz")
+    for name in ("metrics.jsonl", "completions.jsonl"):
+        kept = [line for line in open(parted / name) if json.loads(line)["step"] <= 3]
+        (parted / name).write_text("".join(kept))
+    trainer.run(config(), str(parted), jax.devices()[:2])
+    a, b, c = rows(whole), rows(parted), rows(again)
+    assert sorted(a) == sorted(b) == sorted(c) == [2, 4]
+    same = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
+    for step in (2, 4):  # step 4's averages hold round 1's metrics, sampled at step 3 before the kill
+        assert same(a[step]) == same(b[step]) == same(c[step]), step
+    assert "reward" in a[2] and "reward" in a[4]
+    logged = lambda w: [json.loads(line)["step"] for line in open(w / "completions.jsonl")]  # noqa: E731
+    assert logged(whole) == logged(parted) == [2] * 4 + [4] * 4
     from jaxpar.state.runs import load_params
     pa, pb = load_params(str(whole))[1], load_params(str(parted))[1]
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))

@@ -142,19 +142,22 @@ class Forward:
         return cross_entropy(h, w, targets, mask, cfg.vocab_real, cfg.loss_chunk)
 
     @jax.named_scope("head")
-    def token_logps(self, params, x, targets):
+    def token_logps(self, params, x, targets, temperature: float = 1.0):
         """Each position's log-probability of its target under the model: x `[batch, seq, embed]` (the last layer's
-        output), targets `[batch, seq]` int32 -> `[batch, seq]` float32 (`kernels.cross_entropy.token_log_probs`)."""
-        return token_log_probs(*self._head_inputs(params, x), targets, self.cfg.vocab_real, self.cfg.loss_chunk)
+        output), targets `[batch, seq]` int32 -> `[batch, seq]` float32 (`kernels.cross_entropy.token_log_probs`);
+        `temperature`: of the distribution softmax(logits / temperature) (GRPO's sampling temperature, as TRL)."""
+        return token_log_probs(*self._head_inputs(params, x, temperature), targets, self.cfg.vocab_real,
+                               self.cfg.loss_chunk)
 
-    def token_entropy(self, params, x):
+    def token_entropy(self, params, x, temperature: float = 1.0):
         """Each position's entropy of its next-token distribution, not differentiated: `[batch, seq]` float32, by
         chunks of positions (`kernels.cross_entropy.token_entropy`: the logits never whole)."""
-        return token_entropy(*self._head_inputs(params, x), self.cfg.vocab_real, self.cfg.loss_chunk)
+        return token_entropy(*self._head_inputs(params, x, temperature), self.cfg.vocab_real, self.cfg.loss_chunk)
 
-    def _head_inputs(self, params, x):
-        """(the final norm's output `[batch, seq, embed]`, the LM head's weight `[embed, vocab]`)."""
+    def _head_inputs(self, params, x, temperature: float = 1.0):
+        """(the final norm's output `[batch, seq, embed]` / temperature, the LM head's weight `[embed, vocab]`)."""
         h = constrain(nnx.merge(self.norm_def, params["ln_f"])(x), ("batch", "seq", "embed"))
+        h = h if temperature == 1.0 else h / jnp.asarray(temperature, h.dtype)
         return h, params["wte"].T if self.cfg.tie_embeddings else params["lm_head"]
 
     def loss(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None,

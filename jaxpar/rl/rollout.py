@@ -1,12 +1,12 @@
-"""One GRPO round's samples, as the loop (`rounds.py`) takes them: G completions of each prompt from the generation engine on
-the training params (no copy), scored, their advantages, and the batch the objective trains on.
+"""One GRPO round's samples, as the loop (`rounds.py`) takes them: G completions of each prompt from the generation
+engine on the training params (no copy), scored, their advantages, and the batch the objective trains on.
 
 `sample`: prompt p's completions are requests of stream 0..G-1 with the seed `seed`, so a round's samples depend on
 neither the batch nor the layout; `round_batch`: the batch with the sampling pass's model log-probs as `old`
 (`Completion.model_logprobs`), a completion that ended by length truncated; `with_old_logps`: `old` from the training
-step's own forward on the same params (`objectives.TokenLogps`), as TRL recomputes them: the engine's decode differs
-from the training forward in the last float32 bit on some tokens (measured: up to 5e-7), which at epsilon 0 would
-count as clipping; the training forward's make the ratio of an unchanged policy exactly 1.
+step's own forward on the same params (`objectives.TokenLogps`, at the sampling temperature), as TRL recomputes them:
+the engine's decode differs from the training forward in the last float32 bit on some tokens (measured: up to 5e-7),
+which at epsilon 0 would count as clipping; the training forward's make the ratio of an unchanged policy exactly 1.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import numpy as np
 from jaxpar.generate.engine import Request
 from jaxpar.rl import advantages as adv
 from jaxpar.rl import rewards
-from jaxpar.train.objectives import TokenLogps
 
 
 def sample(engine, prompts, group: int, max_new_tokens: int, seed, stop_ids=(), **sampling) -> list:
@@ -50,5 +49,5 @@ def with_old_logps(steps, params, batch):
     """`batch` with `old` the training forward's per-token log-probs under `params` (`steps`: `compiled.steps_for`;
     `batch` placed with `steps.batch_sharding`)."""
     rows = batch["tokens"].shape[0]
-    old = steps.forward(params, batch, TokenLogps(rows))[1].astype(batch["mask"].dtype)
+    old = steps.forward(params, batch, steps.objective.reference_head(rows))[1].astype(batch["mask"].dtype)
     return {**batch, "old": jax.device_put(old, steps.batch_sharding)}

@@ -75,7 +75,7 @@ class Rounds(Feed):
                 self.placed = rollout.with_old_logps(self.steps, state["params"], self.placed)
                 self.host["old"] = np.asarray(jax.device_get(self.placed["old"]))
             for k, v in stats.items():
-                self.seen[k].append(v)
+                self.seen[k].append(float(v))
         self.tokens = int(self.host["tokens_counted"])
         return self.placed
 
@@ -174,7 +174,8 @@ class Rounds(Feed):
             os.makedirs(os.path.join(self.workdir, DIR), exist_ok=True)
             kept = self.host if done % self.mu and self.host is not None else {}
             path = os.path.join(self.workdir, DIR, f"step-{done}.npz")
-            np.savez(path + ".tmp.npz", num_tokens=self.num_tokens, round=self.round, **kept)
+            pending = json.dumps({"seen": self.seen, "shown": self.shown})  # (metrics not logged yet)
+            np.savez(path + ".tmp.npz", num_tokens=self.num_tokens, round=self.round, pending=pending, **kept)
             os.replace(path + ".tmp.npz", path)
             self.prune(int(self.config.checkpoint.keep))
         return {"samples": (self.round + 1) * self.B}
@@ -189,11 +190,11 @@ class Rounds(Feed):
         """Continue from the checkpoint of step `start`: its tokens counted and, inside a round, the round's batch.
 
         Raises:
-          FileNotFoundError: the round's batch of a checkpoint inside a round is missing (one line, the fix)."""
+          DataError: the round's batch of a checkpoint inside a round is missing (one line, the fix)."""
         path = os.path.join(self.workdir, DIR, f"step-{start}.npz")
         if not os.path.isfile(path):
             if start % self.mu:
-                raise FileNotFoundError(f"{path} is missing: the checkpoint of step {start} lies inside a round of "
+                raise data.DataError(f"{path} is missing: the checkpoint of step {start} lies inside a round of "
                                         f"grpo.num_iterations={self.mu} steps and its sampled batch was kept there; "
                                         f"restore the file, or resume from a checkpoint at a round's start.")
             return
@@ -201,6 +202,9 @@ class Rounds(Feed):
             kept = {k: f[k] for k in f.files}
         self.num_tokens = int(kept.pop("num_tokens"))
         r = int(kept.pop("round"))
+        pending = json.loads(str(kept.pop("pending")))
+        self.seen.update({k: list(v) for k, v in pending["seen"].items()})
+        self.shown = pending["shown"]
         if start % self.mu and kept:
             self.round, self.host = r, kept
             self.placed = self.place(kept)

@@ -43,6 +43,7 @@ class GRPO(Objective):
     num_generations: int = 8  # G: a step's rows are its prompts x G completions
     num_iterations: int = 1  # mu: optimizer passes per round; 1: the old policy is the policy itself (no `old`)
     reference: str = ""  # with beta > 0 the model the run starts from (`Objective.starting_model`)
+    temperature: float = 1.0  # the sampling temperature: every log-prob is of softmax(logits / temperature), as TRL
     name = "grpo"
     section = "grpo"
     data_kinds = ("prompts",)
@@ -59,10 +60,11 @@ class GRPO(Objective):
         g = config.grpo
         eps, beta = float(g.epsilon), float(g.beta)
         return cls(str(g.loss_type), eps, float(g.epsilon_high) or eps, beta, int(g.max_completion_length),
-                   int(g.num_generations), int(g.num_iterations), cls.starting_model(config) if beta > 0 else "")
+                   int(g.num_generations), int(g.num_iterations), cls.starting_model(config) if beta > 0 else "",
+                   float(g.temperature))
 
     def reference_head(self, rows: int):
-        return TokenLogps(rows)
+        return TokenLogps(rows, self.temperature)
 
     def rows(self, config) -> int:
         """A step's `train.global_batch_size` prompts x G completions, a row each."""
@@ -123,8 +125,8 @@ class GRPO(Objective):
         return [weigh(f.astype(w.dtype)) for f in flags]
 
     def head(self, fwd, params, x, mb):
-        lp = fwd.token_logps(params, x, mb["y"])
-        entropy = fwd.token_entropy(params, x).astype(lp.dtype)
+        lp = fwd.token_logps(params, x, mb["y"], self.temperature)
+        entropy = fwd.token_entropy(params, x, self.temperature).astype(lp.dtype)
         w = mb["w"].astype(lp.dtype)
         loss, ratio, adv = self.per_token(lp, mb)
         per_seq = (loss * w).sum(-1)
@@ -156,16 +158,16 @@ class TokenLogps:
     reference's): each microbatch writes its rows (`ids`), zeros elsewhere, so summing over microbatches and data
     shards assembles them (as `dpo.ReferenceSums`)."""
 
-    def __init__(self, rows: int):
-        self.rows = rows
+    def __init__(self, rows: int, temperature: float = 1.0):
+        self.rows, self.temperature = rows, float(temperature)
 
     def __hash__(self):
-        return hash(("TokenLogps", self.rows))
+        return hash(("TokenLogps", self.rows, self.temperature))
 
     def __eq__(self, other):
-        return isinstance(other, TokenLogps) and other.rows == self.rows
+        return isinstance(other, TokenLogps) and (other.rows, other.temperature) == (self.rows, self.temperature)
 
     def head(self, fwd, params, x, mb):
-        lp = fwd.token_logps(params, x, mb["y"])
+        lp = fwd.token_logps(params, x, mb["y"], self.temperature)
         place = (mb["ids"][:, None] == jnp.arange(self.rows)).astype(lp.dtype)
         return jnp.zeros((), lp.dtype), jnp.einsum("br,bs->rs", place, lp)
