@@ -48,8 +48,10 @@ class Prompts:
     def take(self, first: int, count: int, seed: int) -> list:
         """Indices of the `count` prompts from position `first` of the epochs' orders (a round: `first` = round x
         count)."""
-        n = len(self)
-        return [int(self.order(k // n, seed)[k % n]) for k in range(first, first + count)]
+        n, orders = len(self), {}
+        for k in range(first, first + count):  # (each epoch's order drawn once)
+            orders.setdefault(k // n, self.order(k // n, seed))
+        return [int(orders[k // n][k % n]) for k in range(first, first + count)]
 
 
 GSM8K_SYSTEM = ("Solve the problem step by step, then give the final number inside <answer></answer>, e.g. "

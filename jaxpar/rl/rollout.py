@@ -2,13 +2,16 @@
 engine on the training params (no copy), scored, their advantages, and the batch the objective trains on.
 
 `sample`: prompt p's completions are requests of stream 0..G-1 with the seed `seed`, so a round's samples depend on
-neither the batch nor the layout; `round_batch`: the batch with the sampling pass's model log-probs as `old`
-(`Completion.model_logprobs`), a completion that ended by length truncated; `with_old_logps`: `old` from the training
-step's own forward on the same params (`objectives.TokenLogps`, at the sampling temperature), as TRL recomputes them:
-the engine's decode differs from the training forward in the last float32 bit on some tokens (measured: up to 5e-7),
-which at epsilon 0 would count as clipping; the training forward's make the ratio of an unchanged policy exactly 1.
+neither the batch nor the layout; `round_batch`: the round scored (`Round`), its batch with the sampling pass's model
+log-probs as `old` (`Completion.model_logprobs`), a completion that ended by length truncated; `with_old_logps`: `old`
+from the training step's own forward on the same params (`objectives.TokenLogps`, at the sampling temperature), as TRL
+recomputes them: the engine's decode differs from the training forward in the last float32 bit on some tokens
+(measured: up to 5e-7), which at epsilon 0 would count as clipping; the training forward's make the ratio of an
+unchanged policy exactly 1.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -29,20 +32,29 @@ def sample(engine, prompts, group: int, max_new_tokens: int, seed, stop_ids=(), 
     return engine.generate(reqs)
 
 
+class Round(NamedTuple):
+    batch: dict  # the objective's batch (`advantages.completion_batch`)
+    per_function: np.ndarray  # `[N, F]` each reward function's value (NaN: None)
+    rewards: np.ndarray  # `[N]` their weighted sum (NaN: unscorable)
+    advantages: np.ndarray  # `[N]`
+    zero_std: np.ndarray  # `[N]` whether the completion's group (or batch) had rewards all alike
+
+
 def round_batch(prompts, records, completions, fns, weights, group: int, scale: str, seq: int, texts=None,
-                mask_truncated: bool = False, max_completion_length: int = 0):
-    """(the objective's batch, the rewards per function `[N, F]`, the advantages): `records[p]` prompt p's record,
-    `texts` each completion's text for the reward functions (default: its token ids as text are not known: ids)."""
+                mask_truncated: bool = False, max_completion_length: int = 0) -> Round:
+    """A round scored (`Round`): `records[p]` prompt p's record, `texts` each completion as the reward functions see
+    it (default: its text, else its token ids written out)."""
     rows = [p for p in prompts for _ in range(group)]
     recs = [r for r in records for _ in range(group)]
     ids = [list(c.tokens) for c in completions]
     shown = texts if texts is not None else [c.text if c.text is not None else str(c.tokens) for c in completions]
     per_fn = rewards.score(fns, [r.get("prompt") for r in recs], shown, ids, recs,
                            max_completion_length=max_completion_length)
-    a, _ = adv.advantages(adv.rewards_of(per_fn, weights), group, scale)
+    total = adv.rewards_of(per_fn, weights)
+    a, zero_std = adv.advantages(total, group, scale)
     truncated = np.array([c.finish_reason == "length" for c in completions]) if mask_truncated else None
     old = [np.asarray(c.model_logprobs, np.float64) for c in completions]
-    return adv.completion_batch(rows, ids, old, a, seq, truncated), per_fn, a
+    return Round(adv.completion_batch(rows, ids, old, a, seq, truncated), per_fn, total, a, zero_std)
 
 
 def with_old_logps(steps, params, batch):

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxpar import data
+from jaxpar.dtypes import at_least_f32
 from jaxpar.data.prompts import stop_ids
 from jaxpar.generate.engine import Engine, Request
 from jaxpar.rl import advantages as adv
@@ -39,6 +40,13 @@ COMPLETIONS = "completions.jsonl"
 
 def _round_seed(seed: int, r: int, p: int) -> int:
     return int(np.random.SeedSequence([seed, r, p]).generate_state(1)[0] >> 1)  # an int32 seed
+
+
+def _shown(records, done) -> list:
+    """Each completion as the reward functions see it (`records[i]`: completion i's record): its text, or an
+    assistant message after a conversational prompt (TRL's form)."""
+    return [[{"role": "assistant", "content": c.text}] if isinstance(r.get("prompt"), list) else c.text
+            for r, c in zip(records, done)]
 
 
 def _std(x) -> float:
@@ -54,7 +62,7 @@ class Rounds(Feed):
         self.G, self.mu, self.B = int(g.num_generations), int(g.num_iterations), int(config.train.global_batch_size)
         self.T, self.seed, self.room = int(config.model.seq_len), int(config.train.seed), int(g.max_completion_length)
         self.sampling = {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k)}
-        self.float = np.float64 if config.train.compute_dtype == "float64" else np.float32
+        self.float = np.dtype(at_least_f32(config.train.compute_dtype))
         self.tokenizer, self.stops = data.load_tokenizer(info.tokenizer_dir), stop_ids(info, config)
         self.round, self.host, self.placed, self.num_tokens = -1, None, None, 0
         self.seen, self.shown = collections.defaultdict(list), []
@@ -73,7 +81,6 @@ class Rounds(Feed):
             self.round, self.placed = r, self.place(self.host)
             if self.mu > 1:  # the old policy: these params, before the round's first pass
                 self.placed = rollout.with_old_logps(self.steps, state["params"], self.placed)
-                self.host["old"] = np.asarray(jax.device_get(self.placed["old"]))
             for k, v in stats.items():
                 self.seen[k].append(float(v))
         self.tokens = int(self.host["tokens_counted"])
@@ -87,21 +94,19 @@ class Rounds(Feed):
     def sample(self, r: int, params) -> tuple[dict, dict]:
         """Round r's batch (host arrays) and its metrics."""
         picked = self.train.take(r * self.B, self.B, self.seed)
-        recs = [self.train.records[i] for i in picked]
-        done = self.generate(params, [self.train.ids[i] for i in picked], r)
-        shown = self.shown_completions(recs, done)
+        recs, prompts = [self.train.records[i] for i in picked], [self.train.ids[i] for i in picked]
+        done = self.generate(params, prompts, r)
+        shown = _shown([recs[k // self.G] for k in range(len(done))], done)
         g = self.config.grpo
-        batch, per_fn, a = rollout.round_batch(
-            [self.train.ids[i] for i in picked], recs, done, self.fns, self.weights, self.G, g.scale_rewards, self.T,
-            texts=shown, mask_truncated=bool(g.mask_truncated_completions), max_completion_length=self.room)
-        total = adv.rewards_of(per_fn, self.weights)
-        zero_std = adv.advantages(total, self.G, g.scale_rewards)[1]
+        rnd = rollout.round_batch(prompts, recs, done, self.fns, self.weights, self.G, g.scale_rewards, self.T,
+                                  texts=shown, mask_truncated=bool(g.mask_truncated_completions),
+                                  max_completion_length=self.room)
         lengths = np.array([len(c.tokens) for c in done])
-        counted = int(sum(len(self.train.ids[i]) for i in picked) * self.G + lengths.sum())
+        counted = int(sum(len(p) for p in prompts) * self.G + lengths.sum())
         self.num_tokens += counted
-        self.keep_shown(r, recs, shown, per_fn, a)
-        batch = {k: v for k, v in batch.items() if k != "old"}  # (the engine's: the training forward's replace them)
-        return batch | {"tokens_counted": np.asarray(counted)}, self.stats(per_fn, total, zero_std, lengths, done)
+        self.keep_shown(r, recs, shown, rnd.per_function, rnd.advantages)
+        batch = {k: v for k, v in rnd.batch.items() if k != "old"}  # (the engine's: the training forward replaces)
+        return batch | {"tokens_counted": np.asarray(counted)}, self.stats(rnd, lengths, done)
 
     def generate(self, params, prompts, r: int) -> list:
         engine = Engine.on_steps(self.steps, params, self.config, tokenizer=self.tokenizer,
@@ -109,13 +114,8 @@ class Rounds(Feed):
         seeds = [_round_seed(self.seed, r, k) for k in range(len(prompts))]
         return rollout.sample(engine, prompts, self.G, self.room, seeds, self.stops, **self.sampling)
 
-    def shown_completions(self, recs, done) -> list:
-        """Each completion as the reward functions see it: its text, or an assistant message after a conversation."""
-        texts = [c.text for c in done]
-        return [[{"role": "assistant", "content": t}] if isinstance(recs[k // self.G].get("prompt"), list) else t
-                for k, t in enumerate(texts)]
-
-    def stats(self, per_fn, total, zero_std, lengths, done) -> dict:
+    def stats(self, rnd, lengths, done) -> dict:
+        per_fn, total, zero_std = rnd.per_function, rnd.rewards, rnd.zero_std
         with np.errstate(invalid="ignore"):
             out = {"reward": np.nanmean(total), "reward_std": _std(total),
                    "frac_reward_zero_std": float(np.mean(zero_std))}
@@ -159,8 +159,7 @@ class Rounds(Feed):
         recs, ids = self.val.records[:n], self.val.ids[:n]
         engine = Engine.on_steps(self.steps, state["params"], self.config, tokenizer=self.tokenizer, slots=min(n, 64))
         done = engine.generate([Request(prompt=list(p), max_new_tokens=self.room, stop_ids=self.stops) for p in ids])
-        shown = [[{"role": "assistant", "content": c.text}] if isinstance(r.get("prompt"), list) else c.text
-                 for r, c in zip(recs, done)]
+        shown = _shown(recs, done)
         per_fn = rewards.score(self.fns, [r.get("prompt") for r in recs], shown, [c.tokens for c in done], recs,
                                max_completion_length=self.room)
         with np.errstate(invalid="ignore"):
@@ -173,6 +172,8 @@ class Rounds(Feed):
         if self.is_main:
             os.makedirs(os.path.join(self.workdir, DIR), exist_ok=True)
             kept = self.host if done % self.mu and self.host is not None else {}
+            if kept and "old" in self.placed:  # (fetched from the devices only for a checkpoint inside a round)
+                kept = {**kept, "old": np.asarray(jax.device_get(self.placed["old"]))}
             path = os.path.join(self.workdir, DIR, f"step-{done}.npz")
             pending = json.dumps({"seen": self.seen, "shown": self.shown})  # (metrics not logged yet)
             np.savez(path + ".tmp.npz", num_tokens=self.num_tokens, round=self.round, pending=pending, **kept)

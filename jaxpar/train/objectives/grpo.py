@@ -3,9 +3,10 @@ GRPO family on sampled completions, and the pass that reads a batch's per-token 
 
 A batch holds one completion per row: `tokens` its prompt then its completion, `mask` 1 on the positions whose
 target is a completion token (0 on the prompt, the padding and, with `grpo.mask_truncated_completions`, on a
-completion cut at `grpo.max_completion_length`), `old` `[rows, seq]` the old policy's log-prob of each target (absent with one pass per round,
-`grpo.num_iterations` = 1: the policy's own, not differentiated, as TRL takes them),
-`advantages` `[rows]`, and with `grpo.beta` > 0 `ref` `[rows, seq]` the reference model's. Per completion token, with
+completion cut at `grpo.max_completion_length`), `old` `[rows, seq]` the old policy's log-prob of each target
+(absent with one pass per round, `grpo.num_iterations` = 1: the policy's own, not differentiated, as TRL takes
+them), `advantages` `[rows]`, and with `grpo.beta` > 0 `ref` `[rows, seq]` the reference model's (added in the step
+from the starting model, `reference_head`). Per completion token, with
 pi, pi_old, pi_ref the three log-probs' models, r = pi / pi_old and A the completion's advantage:
 
     clipped (dapo, grpo, dr_grpo, bnpo):  -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.dtypes import at_least_f32
 from jaxpar.train.objectives.base import Objective
 _CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -74,7 +76,7 @@ class GRPO(Objective):
         """A round's batch: a row per completion, its prompt then itself; their loss mask, advantages and, with
         mu > 1, the old policy's per-token log-probs."""
         rows, T = self.rows(config), int(config.model.seq_len)
-        f = np.float64 if config.train.compute_dtype == "float64" else np.float32
+        f = np.dtype(at_least_f32(config.train.compute_dtype))
         out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows,), f)}
         return out | ({"old": ((rows, T), f)} if self.num_iterations > 1 else {})
 
