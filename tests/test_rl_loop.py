@@ -219,3 +219,28 @@ def test_the_policy_log_probs_are_the_sampling_temperatures():
     for i, (p, x) in enumerate(zip([p for p in prompts for _ in range(G)], done)):
         untempered[i, len(p) - 1:len(p) - 1 + len(x.tokens)] = x.model_logprobs
     assert np.abs(untempered[mask] - sampled[mask]).max() > 1e-2
+
+
+def test_gsm8k_records_become_prompts_as_transformers_renders_them(tmp_path):
+    """`grpo.map_records=jaxpar.data.prompts:gsm8k` on records in GSM8K's form (`question`, `answer` ending in
+    `#### N`) under Qwen3's released chat template: each prompt's ids are `transformers`' `apply_chat_template` with
+    the generation prompt, the solution the number after `####` (its thousands comma dropped), and a completion
+    ends at the template's end of turn."""
+    transformers = pytest.importorskip("transformers")
+    from helpers import released_template
+    from jaxpar.data import prompts
+    chat_tokenizer(tmp_path / "tok", template=released_template("qwen3"), bos=None, eos="<|im_end|>")
+    recs = [{"question": "Janet has 3 ducks and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"},
+            {"question": "What is 1000 + 234?", "answer": "It is 1,234.\n#### 1,234"}]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    c = tiny_config(**{"model.seq_len": 256, "grpo.max_completion_length": 16, "train.objective": "grpo",
+                       "grpo.map_records": "jaxpar.data.prompts:gsm8k"})
+    c.data.update(sources=str(tmp_path / "gsm8k.jsonl"), tokenizer=str(tmp_path / "tok"), val_fraction=0.0,
+                  cache_dir=str(tmp_path / "cache"))
+    info, (train, _) = prompts.read(c)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    for rec, ids in zip(train.records, train.ids):
+        text = hf.apply_chat_template(rec["prompt"], add_generation_prompt=True, tokenize=False)
+        assert list(ids) == hf(text, add_special_tokens=False)["input_ids"]  # (what TRL does: render, tokenize)
+    assert [r["solution"] for r in train.records] == ["7", "1234"]
+    assert hf.convert_tokens_to_ids("<|im_end|>") in prompts.stop_ids(info, c)
