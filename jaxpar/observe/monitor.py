@@ -134,7 +134,8 @@ class WandbRun:
     """A Weights & Biases run (`log.wandb_project`) that gets what `MetricsWriter` writes: the numbers, at the
     same steps (per-layer lists as `key/layerI`), and the resolved config. Its id is kept in WORKDIR/wandb_id, so a
     resumed or requeued job continues the same run (`resume="allow"`); its local files go to `$WANDB_DIR` when set,
-    else to WORKDIR/wandb. `WANDB_MODE=offline` (no network) and W&B's other environment settings apply as wandb
+    else to WORKDIR/wandb (passed to `init`, not left to wandb's reading of the environment, which it caches for the
+    life of the process). `WANDB_MODE=offline` (no network) and W&B's other environment settings apply as wandb
     reads them.
 
     Every metric is plotted against `step` (the training step, `define_metric`); W&B's own `_step`, which must grow,
@@ -154,7 +155,7 @@ class WandbRun:
         name = log.wandb_name or os.path.basename(os.path.abspath(workdir))
         self.run = wandb.init(project=log.wandb_project, entity=log.wandb_entity or None, name=name,
                               tags=[str(t) for t in log.wandb_tags] or None, id=run_id, resume="allow",
-                              dir=None if os.environ.get("WANDB_DIR") else workdir, config=config)
+                              dir=os.environ.get("WANDB_DIR") or workdir, config=config)
         self.run.define_metric(self.STEP)
         self.run.define_metric("*", step_metric=self.STEP)
         self.count_path = os.path.join(workdir, self.COUNT_FILE)
