@@ -62,7 +62,8 @@ def models(tmp_path_factory):
 
 
 def hf_greedy(model, prompt, n):
-    """transformers' greedy tokens of `prompt` alone, their log-probs, and (MoE) each step's router top-2."""
+    """transformers' greedy tokens of `prompt` alone, their log-probs, and (MoE) the router top-2 of every position
+    but the last (the prompt's, then those whose logits chose each new token)."""
     with torch.no_grad():
         g = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                            pad_token_id=0, output_logits=True, return_dict_in_generate=True)
@@ -71,8 +72,8 @@ def hf_greedy(model, prompt, n):
         experts = None
         if hasattr(model.config, "num_experts"):  # the routing of the positions whose logits chose each token
             routers = model(g.sequences, output_router_logits=True).router_logits  # per layer [tokens, experts]
-            top = [torch.topk(r, 2, -1).indices[len(prompt) - 1:-1] for r in routers]
-            experts = torch.stack(top, 1).numpy()  # [new tokens, layers, k]
+            top = [torch.topk(r, 2, -1).indices[:-1] for r in routers]
+            experts = torch.stack(top, 1).numpy()  # [prompt + new tokens - 1, layers, k]
     return toks, np.asarray(lps), experts
 
 
@@ -90,10 +91,11 @@ def test_greedy_equals_transformers_and_log_probs_equal_the_training_forward(mod
         np.testing.assert_allclose(o.model_logprobs, s[len(p) - 1:], atol=1e-5)
         assert o.text == tok.decode(toks)
         if experts is not None:
-            assert o.experts.shape == (8, 2, 2)
-            np.testing.assert_array_equal(np.sort(o.experts, -1), np.sort(experts, -1))
+            assert o.experts.shape == (8, 2, 2) and o.prompt_experts.shape == (len(p) - 1, 2, 2)
+            np.testing.assert_array_equal(np.sort(o.experts, -1), np.sort(experts[len(p) - 1:], -1))
+            np.testing.assert_array_equal(np.sort(o.prompt_experts, -1), np.sort(experts[:len(p) - 1], -1))
         else:
-            assert o.experts is None
+            assert o.experts is None and o.prompt_experts is None
 
 
 def test_a_padded_batch_equals_each_row_alone_and_refilling_changes_nothing(models):
@@ -209,6 +211,7 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
         np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-5)
         if w.experts is not None:
             np.testing.assert_array_equal(g.experts, w.experts)
+            np.testing.assert_array_equal(g.prompt_experts, w.prompt_experts)
     # the KV cache is sharded as `--dry_run` prices it: rows over data x expert, KV heads over tensor
     shape = (steps.cfg.layers, 8, 64, steps.cfg.kv_heads, steps.cfg.head_dim)
     shard = engine.decoder.cache_sharding(8, 64).shard_shape(shape)

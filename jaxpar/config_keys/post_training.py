@@ -53,4 +53,6 @@ POST_TRAINING = (
     K("grpo.log_completions", 4, int, "completions written with their rewards per log step (completions.jsonl)",
       lambda v: v >= 0, "an integer >= 0"),
     K("grpo.scale_rewards", "group", str, "advantages / the rewards' std: group, batch or none", choices=REWARD_SCALES),
+    K("grpo.routing_replay", True, bool, "a mixture of experts: every pass over a round routes each token to the "
+      "experts it had when sampled ([rl](rl.md#how-a-run-goes))"),
 )

@@ -94,7 +94,8 @@ class Decoder:
 
     def _prefill(self, params, tokens, lengths, length: int):
         """Prompts `[n, t]` (right-padded), their lengths `[n]` -> (next-token logits `[n, vocab]` float32, a cache
-        of n rows of `length` positions holding them, the experts of each prompt's last token `[n, layers, k]`)."""
+        of n rows of `length` positions holding them, the experts of each prompt's last token `[n, layers, k]`, the
+        experts of every position `[n, t, layers, k]`)."""
         n = tokens.shape[0]
         with self._scope():
             cache = kv.empty(self.cfg, n, length, self.cache_sharding(n, length))
@@ -102,7 +103,8 @@ class Decoder:
             last = x[jnp.arange(n), lengths - 1]
             logits = self.fwd.logits(params, last[:, None])[:, 0]
         cache = cache._replace(pos=jnp.broadcast_to(lengths, cache.pos.shape).astype(jnp.int32))
-        return logits, cache, jnp.swapaxes(experts[:, jnp.arange(n), lengths - 1], 0, 1)
+        every = jnp.transpose(experts, (1, 2, 0, 3))
+        return logits, cache, every[jnp.arange(n), lengths - 1], every
 
     def _insert(self, carry, rows, slots):
         """Put prefilled rows (cache, logits, experts: `_prefill`'s) into slots `[n]` of the running batch's `carry`

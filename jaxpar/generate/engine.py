@@ -17,7 +17,9 @@ batching; `refill=False` waits for the whole batch), then every slot decodes `ch
 A completion holds its tokens (a stop id included), each token's log-prob under the sampling distribution (0 when
 greedy) and under the model at temperature 1 (the training forward's, `score`), why it ended (`stop` | `length`),
 for a mixture of experts the experts that chose each token (`[tokens, layers, k]`: the routing of the position whose
-logits sampled it, -1 in dense layers), and its text (with a tokenizer; cut before a stop string, without a stop id).
+logits sampled it, -1 in dense layers) and those of the prompt's positions before its last (`prompt_experts`: with
+`experts`, the routing of every position a forward pass over prompt + completion runs, what GRPO's training pass
+replays), and its text (with a tokenizer; cut before a stop string, without a stop id).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class Completion:
     finish_reason: str  # "stop" | "length"
     experts: np.ndarray | None = None  # [tokens, layers, k] int32 for a mixture of experts
     text: str | None = None
+    prompt_experts: np.ndarray | None = None  # [prompt tokens - 1, layers, k] int32 for a mixture of experts
 
 
 def check(req: Request, where: str, context: int, tokenizer=None) -> None:
@@ -82,7 +85,7 @@ class _Row:
     def __init__(self, i: int, req: Request, max_new: int):
         self.i, self.req, self.max_new = i, req, max_new
         self.tokens, self.lps, self.lpm, self.experts = [], [], [], []
-        self.finish = None
+        self.finish, self.prompt_experts = None, None
 
 
 class Engine:
@@ -139,7 +142,9 @@ class Engine:
                 for i, s in zip(take, free):
                     slot[s] = _Row(i, requests[i], news[i])
                     self._arm(rows, knobs, s, requests[i], news[i])
-                carry = self._admit(carry, [requests[i].prompt for i in take], free[:len(take)], length)
+                carry, routed = self._admit(carry, [requests[i].prompt for i in take], free[:len(take)], length)
+                for j, s in enumerate(free[:len(take)]):
+                    slot[s].prompt_experts = None if routed is None else routed[j, :len(slot[s].req.prompt) - 1]
                 self.stats["prefill_calls"] += 1
             self.stats["decode_calls"] += 1
             carry, got = self.decoder.decode(self.params, carry, {k: jnp.asarray(v) for k, v in rows.items()},
@@ -160,7 +165,8 @@ class Engine:
         knobs["top_p"][s], knobs["min_p"][s] = r.top_p, r.min_p
 
     def _admit(self, carry, prompts, slots, length: int):
-        """Prefill `prompts` (a group padded to a power of two rows and positions) into `slots`."""
+        """Prefill `prompts` (a group padded to a power of two rows and positions) into `slots`. -> (carry, the
+        experts of the group's positions `[rows, t, layers, k]` on the host, None for a dense model)."""
         n = min(bucket(len(prompts), 1), max(self.slots, len(prompts)))
         t = min(bucket(max(len(p) for p in prompts)), length)
         tokens = np.zeros((n, t), np.int32)
@@ -169,8 +175,10 @@ class Engine:
             tokens[j, :len(p)], lengths[j] = p, len(p)
         where = np.full(n, self.slots, np.int32)  # past the batch: dropped
         where[:len(slots)] = slots
-        logits, cache, experts = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths), length)
-        return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where))
+        logits, cache, experts, every = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                                             length)
+        routed = np.asarray(jax.device_get(every)) if self.cfg.experts else None
+        return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where)), routed
 
     def _collect(self, got, slot, rows, out) -> int:
         """Take a decode call's tokens into the rows; finish rows (stop id, stop string, length). -> tokens taken."""
@@ -210,7 +218,7 @@ class Engine:
             text = self.tokenizer.decode(ids)
             cut = [text.find(s) for s in row.req.stop if s in text]
             text = text[:min(cut)] if cut else text
-        return Completion(row.tokens, row.lps, row.lpm, row.finish, experts, text)
+        return Completion(row.tokens, row.lps, row.lpm, row.finish, experts, text, row.prompt_experts)
 
     # ---- scoring -----------------------------------------------------------------------------------------------
 

@@ -78,34 +78,37 @@ class Forward:
         return self.layers_and_stats(block_params, x, rng, seq_ids, first_layer, prepare, segments, positions)[0]
 
     def layers_and_stats(self, block_params, x, rng=None, seq_ids=None, first_layer=0, prepare=None, segments=None,
-                         positions=None):
+                         positions=None, routes=None):
         """`layers`, also returning the MoE layers' stats (`jaxpar/model/moe.py: STATS`, leaves `[layers of the chunk,
-        ...]`; None for a dense model)."""
+        ...]`; None for a dense model). `routes`: as in `block`."""
         cfg = self.cfg
 
         def one(x, inp):
             p, i = inp
             return self.block(prepare(p) if prepare is not None else p, x, rng, seq_ids, i, segments, stats=True,
-                              positions=positions)
+                              positions=positions, routes=routes)
 
         if cfg.remat != "none":
             one = jax.checkpoint(one, policy=_REMAT[cfg.remat], prevent_cse=False)
         n = jax.tree.leaves(block_params)[0].shape[0]
         return jax.lax.scan(one, x, (block_params, first_layer + jnp.arange(n)))
 
-    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0, segments=None, stats=False, positions=None):
+    def block(self, layer_params, x, rng=None, seq_ids=None, layer=0, segments=None, stats=False, positions=None,
+              routes=None):
         """One transformer block (params without the `layers` axis) on x `[batch, seq, embed]`; `layer` is its
         global index (int or traced int32), which keys its dropout. `segments` `[batch, seq]` int32 (packed
         documents): attention within a segment only, positions from each segment's start; `positions` `[batch, seq]`
-        int32, if given, are the tokens' (a context-parallel shard). With `stats`: (x, the MoE layer's stats or
-        None)."""
+        int32, if given, are the tokens' (a context-parallel shard); `routes` `[batch, seq, layers, k]` int32, if
+        given, the experts each token uses in each MoE layer (every layer of the model; -1: the router's own
+        choice): routing replay, `moe.route`. With `stats`: (x, the MoE layer's stats or None)."""
         cfg = self.cfg
+        replay = None if routes is None else jax.lax.dynamic_index_in_dim(routes, layer, 2, keepdims=False)
         drop = None
         if rng is not None and has_dropout(cfg):
             lk = jax.random.fold_in(rng, 1 + layer)
             drop = lambda y, site, rate: dropout(y, rate, jax.random.fold_in(lk, site), seq_ids)
         positions = None if positions is None and segments is None else _positions(positions, segments)
-        y, _, st = nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments, layer)
+        y, _, st = nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments, layer, replay)
         return (y, st) if stats else y
 
     def logits(self, params, x):
@@ -167,12 +170,12 @@ class Forward:
         return self.loss_and_stats(params, tokens, targets, mask, rng, seq_ids, prepare, segments, positions)[:2]
 
     def loss_and_stats(self, params, tokens, targets, mask, rng=None, seq_ids=None, prepare=None, segments=None,
-                       positions=None, head=None):
+                       positions=None, head=None, routes=None):
         """`loss`, and the MoE layers' stats (`layers_and_stats`). `head(params, x) -> (loss_sum, count)` replaces
-        the next-token loss (a training objective's own: `jaxpar/train/objectives/`)."""
+        the next-token loss (a training objective's own: `jaxpar/train/objectives/`); `routes`: as in `block`."""
         x = self.embed(params, tokens, rng, seq_ids, segments=segments, positions=positions)
         x, stats = self.layers_and_stats(params[_LAYERS], x, rng, seq_ids, prepare=prepare, segments=segments,
-                                         positions=positions)
+                                         positions=positions, routes=routes)
         out = self.head_loss(params, x, targets, mask) if head is None else head(params, x)
         return (*out, stats)
 

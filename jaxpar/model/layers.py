@@ -154,12 +154,13 @@ class _PreNormBlock(nnx.Module):
     `experts` the FFN is a mixture of experts (`jaxpar/model/moe.py`) in the layers `moe.is_moe_layer` names."""
     CAUSAL = True  # a decoder's attention; an encoder's (ViT) sees the whole sequence
 
-    def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None, layer=0):
+    def __call__(self, x, cfg, drop=None, cache=None, positions=None, segments=None, layer=0, replay=None):
         """x `[batch, seq, embed]` -> (same, cache, MoE stats or None; decoding, {"experts": `[b, t, k]`}).
         `drop(y, site, rate)` applies dropout keyed by site (0, 1: the residual branches; the adapters' inputs:
         `lora.site`); `positions` `[seq]` or `[batch, seq]` (default: from each row's cache fill, else 0..seq-1);
         `cache` is for decoding; `segments` `[batch, seq]` int32 keeps attention within each packed document;
-        `layer` is the block's global index (int or traced int32: which FFN a model of dense and MoE layers runs)."""
+        `layer` is the block's global index (int or traced int32: which FFN a model of dense and MoE layers runs);
+        `replay` `[batch, seq, k]` int32: the experts its MoE layer uses (routing replay, `moe.route`)."""
         if positions is None:
             positions = jnp.arange(x.shape[1]) if cache is None else cache.pos[:, None] + jnp.arange(x.shape[1])
         ad = lora.input_dropout(drop, cfg)
@@ -170,20 +171,21 @@ class _PreNormBlock(nnx.Module):
         rd = (lambda y, site: drop(y, site, cfg.dropout_resid)) if drop and cfg.dropout_resid > 0 else None
         x = checkpoint_name(constrain(x + (rd(o, 0) if rd else o), _RESIDUAL), "residual")
         h = checkpoint_name(self.ln2(x), "norm")
-        o, stats = self.ffn(h, cfg, layer, ad)
+        o, stats = self.ffn(h, cfg, layer, ad, replay)
         if cache is not None and cfg.experts:  # decoding: the experts each token used (-1 in a dense layer)
             stats = {"experts": jnp.where(moe.is_moe_layer(cfg, layer), self.moe.choices(h, cfg), -1)}
         o = constrain(o, _RESIDUAL)
         x = x + (rd(o, 1) if rd else o)
         return constrain(x, _RESIDUAL), cache, stats
 
-    def ffn(self, h, cfg, layer, ad=None):
-        """-> (FFN output, MoE stats or None); `ad`: the adapters' input dropout (`lora.input_dropout`)."""
+    def ffn(self, h, cfg, layer, ad=None, replay=None):
+        """-> (FFN output, MoE stats or None); `ad`: the adapters' input dropout (`lora.input_dropout`); `replay`:
+        the experts to use (`moe.route`)."""
         if cfg.experts == 0:
             return self.mlp(h, ad), None
         if not moe.mixed(cfg):
-            return self.moe(h, cfg)
-        return jax.lax.cond(moe.is_moe_layer(cfg, layer), lambda h: self.moe(h, cfg),
+            return self.moe(h, cfg, replay)
+        return jax.lax.cond(moe.is_moe_layer(cfg, layer), lambda h: self.moe(h, cfg, replay),
                             lambda h: (self.mlp(h, ad), moe.no_stats(cfg, h)), h)
 
 

@@ -66,11 +66,15 @@ def has_dense(cfg) -> bool:
     return cfg.experts == 0 or mixed(cfg)
 
 
-def route(logits, bias, cfg):
+def route(logits, bias, cfg, replay=None):
     """logits `[b, t, E]` float32, bias `[E]` -> (scores `[b, t, E]`, chosen experts `[b, t, k]` int32, their
-    weights `[b, t, k]`)."""
+    weights `[b, t, k]`). `replay` `[b, t, k]` int32, if given, are the experts chosen where they are >= 0 (routing
+    replay: the choices of the pass that sampled the tokens; -1, the router's own): the weights are still this
+    router's scores of them, so the router gets its gradient."""
     scores = jax.nn.softmax(logits, -1) if cfg.router == "softmax" else jax.nn.sigmoid(logits)
     _, idx = jax.lax.top_k(scores + jax.lax.stop_gradient(bias).astype(scores.dtype), cfg.experts_per_token)
+    if replay is not None:
+        idx = jnp.where(replay >= 0, replay, idx)
     w = jnp.take_along_axis(scores, idx, -1)
     if cfg.router_norm_topk:
         w = w / jnp.sum(w, -1, keepdims=True)
@@ -140,8 +144,9 @@ class MoE(nnx.Module):
         """h `[b, t, d]` (normed) -> the experts each token chooses `[b, t, k]` int32 (as `__call__` routes it)."""
         return route(self.router_logits(h), self.router_bias[...], cfg)[1]
 
-    def __call__(self, h, cfg):
-        """h `[b, t, d]` (normed) -> (out `[b, t, d]` in h's dtype, stats {name: float32}: `STATS`).
+    def __call__(self, h, cfg, replay=None):
+        """h `[b, t, d]` (normed) -> (out `[b, t, d]` in h's dtype, stats {name: float32}: `STATS`). `replay`
+        `[b, t, k]` int32: the experts to use (`route`).
 
         Under context parallelism (h: this device's piece of each sequence, `jaxpar/parallel/context.py`) routing,
         top-k and combine stay per token; the capacity positions and the sequence-wise statistics come from
@@ -152,7 +157,7 @@ class MoE(nnx.Module):
         h = constrain(h, ("batch", "seq", "embed"))
         f32 = at_least_f32(h.dtype)
         logits = self.router_logits(h)
-        scores, idx, w = route(logits, self.router_bias[...], cfg)
+        scores, idx, w = route(logits, self.router_bias[...], cfg, replay)
         order = dispatch.priority_order(idx)
         pos, counts, mine = dispatch.queue_positions(order, E, k)
         keep = pos < capacity(cfg, seq)

@@ -43,10 +43,12 @@ def advantages(rewards, group: int, scale: str = "group"):
     return np.nan_to_num(adv, nan=0.0), np.isclose(std, 0.0)
 
 
-def completion_batch(prompts, completions, old, advantages_, seq: int, truncated=None, ref=None):
+def completion_batch(prompts, completions, old, advantages_, seq: int, truncated=None, ref=None, routes=None):
     """The objective's batch: row i is prompts[i] then completions[i] (token ids), padded to `seq` + 1; `mask` 1 where
     the target is a completion token (all 0 for a `truncated` row: `grpo.mask_truncated_completions`); `old`
-    (and `ref`) each completion's per-token log-probs (sequences of its length) at those positions."""
+    (and `ref`) each completion's per-token log-probs (sequences of its length) at those positions; `routes[i]`, if
+    given, the experts `[positions, layers, k]` of the row's input positions (all but its last token), -1 on the
+    padding."""
     rows = len(completions)
     tokens = np.zeros((rows, seq + 1), np.int32)
     mask, lp_old, lp_ref = (np.zeros((rows, seq)) for _ in range(3))
@@ -62,4 +64,8 @@ def completion_batch(prompts, completions, old, advantages_, seq: int, truncated
         if ref is not None:
             lp_ref[i, at] = ref[i]
     batch = {"tokens": tokens, "mask": mask, "old": lp_old, "advantages": np.asarray(advantages_, np.float64)}
+    if routes is not None:
+        batch["routes"] = np.full((rows, seq) + np.shape(routes[0])[1:], -1, np.int32)
+        for i, r in enumerate(routes):
+            batch["routes"][i, :len(r)] = r
     return batch | ({} if ref is None else {"ref": lp_ref})

@@ -41,9 +41,10 @@ class Round(NamedTuple):
 
 
 def round_batch(prompts, records, completions, fns, weights, group: int, scale: str, seq: int, texts=None,
-                mask_truncated: bool = False, max_completion_length: int = 0) -> Round:
+                mask_truncated: bool = False, max_completion_length: int = 0, replay: bool = False) -> Round:
     """A round scored (`Round`): `records[p]` prompt p's record, `texts` each completion as the reward functions see
-    it (default: its text, else its token ids written out)."""
+    it (default: its text, else its token ids written out); with `replay` (a mixture of experts) the batch's `routes`:
+    the experts the engine routed each position to (`Completion.prompt_experts`, then `.experts`)."""
     rows = [p for p in prompts for _ in range(group)]
     recs = [r for r in records for _ in range(group)]
     ids = [list(c.tokens) for c in completions]
@@ -54,7 +55,8 @@ def round_batch(prompts, records, completions, fns, weights, group: int, scale: 
     a, zero_std = adv.advantages(total, group, scale)
     truncated = np.array([c.finish_reason == "length" for c in completions]) if mask_truncated else None
     old = [np.asarray(c.model_logprobs, np.float64) for c in completions]
-    return Round(adv.completion_batch(rows, ids, old, a, seq, truncated), per_fn, total, a, zero_std)
+    routes = [np.concatenate([c.prompt_experts, c.experts]) for c in completions] if replay else None
+    return Round(adv.completion_batch(rows, ids, old, a, seq, truncated, routes=routes), per_fn, total, a, zero_std)
 
 
 def with_old_logps(steps, params, batch):

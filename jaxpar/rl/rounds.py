@@ -6,7 +6,8 @@ generation engine on the training state's params in place (`rollout.sample`: pro
 seed (train.seed, r, p), so its random numbers depend on neither the layout nor a restart), scores them with
 `grpo.rewards`, and trains on them mu times: with mu = 1 the old policy is the policy itself (no `old` in the batch:
 the ratio is exactly 1), with mu > 1 the old policy's per-token log-probs come from the training forward before the
-first pass (`rollout.with_old_logps`). A checkpoint inside a round keeps the round's batch beside it
+first pass (`rollout.with_old_logps`). A mixture of experts replays the engine's routing in every pass over the
+round (`grpo.routing_replay`: the batch's `routes`, `Forward.block`). A checkpoint inside a round keeps the round's batch beside it
 (`rollouts/step-S.npz`), so a resume continues the same round exactly; at a round's start nothing is kept: the round
 is sampled again, the same.
 
@@ -87,7 +88,8 @@ class Rounds(Feed):
         return self.placed
 
     def place(self, host: dict) -> dict:
-        keys = ("tokens", "mask", "advantages") + (("old",) if "old" in host and self.mu > 1 else ())
+        keys = ("tokens", "mask", "advantages") + (("old",) if "old" in host and self.mu > 1 else ()) + \
+            (("routes",) if "routes" in host else ())
         rows = {k: host[k].astype(self.float) if host[k].dtype.kind == "f" else host[k] for k in keys}
         return jax.device_put(rows, self.steps.batch_sharding)
 
@@ -100,7 +102,7 @@ class Rounds(Feed):
         g = self.config.grpo
         rnd = rollout.round_batch(prompts, recs, done, self.fns, self.weights, self.G, g.scale_rewards, self.T,
                                   texts=shown, mask_truncated=bool(g.mask_truncated_completions),
-                                  max_completion_length=self.room)
+                                  max_completion_length=self.room, replay=self.steps.objective.routing_replay)
         lengths = np.array([len(c.tokens) for c in done])
         counted = int(sum(len(p) for p in prompts) * self.G + lengths.sum())
         self.num_tokens += counted

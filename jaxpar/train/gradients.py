@@ -1,7 +1,8 @@
 """Gradient strategies: the loss and its gradients over one step's microbatches, three ways, chosen once per layout.
 
 Each takes the microbatched inputs `xs` (leaves `[M, batch / M, ...]`: x, y int32 `[.., seq]`, w float32 mask,
-ids int32 global row index, optional seg int32 `[.., seq]` document segments) and offers
+ids int32 global row index, optional seg int32 `[.., seq]` document segments, optional routes int32
+`[.., seq, layers, k]`: GRPO's routing replay, `Forward.block`) and offers
 
     loss_and_grads(params, xs, norm, rng, reg_norm) -> (loss_sum, grads of norm · loss_sum + reg_norm · the MoE
         regularisers, MoE stats summed over the batch or None, the objective's count)   (at least float32)
@@ -72,7 +73,8 @@ class Accumulate:
                 s, n, st = fwd.loss_and_stats(shared(p), mb["x"], mb["y"], mb["w"], rng, mb["ids"],
                                               prepare=lambda lp: self.gather_layer(self.fetch(lp)),
                                               segments=mb.get("seg"), positions=mb.get("pos"),
-                                              head=lambda hp, x: self.objective.head(fwd, hp, x, mb))
+                                              head=lambda hp, x: self.objective.head(fwd, hp, x, mb),
+                                              routes=mb.get("routes"))
                 return s * ex["norm"] + moe.regulariser(st, fwd.cfg) * ex["reg_norm"], {"loss": s, "moe": st,
                                                                                         "count": n}
 
@@ -102,7 +104,8 @@ class Accumulate:
         def one(mb):
             return self.fwd.loss_and_stats(gather(params), mb["x"], mb["y"], mb["w"], rng, mb["ids"], prepare=prepare,
                                            segments=mb.get("seg"), positions=mb.get("pos"),
-                                           head=lambda hp, x: objective.head(self.fwd, hp, x, mb))[:2]
+                                           head=lambda hp, x: objective.head(self.fwd, hp, x, mb),
+                                           routes=mb.get("routes"))[:2]
 
         def body(acc, mb):
             return jax.tree.map(jnp.add, acc, one(mb)), None
@@ -157,7 +160,7 @@ class PipelineAutodiff:
 
         def stage(chunk, a, cid, mb):
             y, st = self.fwd.layers_and_stats(chunk, a, rng, mb["ids"], first_layer=cid * Lc, segments=mb.get("seg"),
-                                              positions=mb.get("pos"))
+                                              positions=mb.get("pos"), routes=mb.get("routes"))
             return y, moe.regulariser(st, cfg), st
 
         with activation_rules(self.rules, None, manual=self.manual):
@@ -194,7 +197,7 @@ class PipelineLoop(PipelineAutodiff):
 
         def layer(p, a, index, mb):
             y, st = self.fwd.block(p, a, rng, mb["ids"], index, segments=mb.get("seg"), stats=True,
-                                   positions=mb.get("pos"))
+                                   positions=mb.get("pos"), routes=mb.get("routes"))
             return y, moe.regulariser(st, cfg), st
 
         with activation_rules(self.rules, None, manual=self.manual):

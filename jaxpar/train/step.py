@@ -103,8 +103,9 @@ def to_microbatches(x, m: int):
 
 
 # what an objective's batch may carry per row besides its tokens, microbatched with them: the reference's (DPO: sums
-# per pair; GRPO: per token), GRPO's sampling-time per-token log-probs and its advantages
-ROW_INPUTS = ("ref", "old", "advantages")
+# per pair; GRPO: per token), GRPO's old policy's per-token log-probs, its advantages and (MoE) the experts each
+# position was routed to when sampled (`routes` `[rows, seq, layers, k]`: routing replay, `Forward.block`)
+ROW_INPUTS = ("ref", "old", "advantages", "routes")
 
 
 def microbatched(batch, m: int, context: int = 1):

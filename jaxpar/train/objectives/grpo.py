@@ -46,6 +46,7 @@ class GRPO(Objective):
     num_iterations: int = 1  # mu: optimizer passes per round; 1: the old policy is the policy itself (no `old`)
     reference: str = ""  # with beta > 0 the model the run starts from (`Objective.starting_model`)
     temperature: float = 1.0  # the sampling temperature: every log-prob is of softmax(logits / temperature), as TRL
+    routing_replay: bool = False  # a MoE model's batches carry `routes`: the experts of each position when sampled
     name = "grpo"
     section = "grpo"
     data_kinds = ("prompts",)
@@ -63,7 +64,7 @@ class GRPO(Objective):
         eps, beta = float(g.epsilon), float(g.beta)
         return cls(str(g.loss_type), eps, float(g.epsilon_high) or eps, beta, int(g.max_completion_length),
                    int(g.num_generations), int(g.num_iterations), cls.starting_model(config) if beta > 0 else "",
-                   float(g.temperature))
+                   float(g.temperature), bool(g.routing_replay) and int(config.model.experts) > 0)
 
     def reference_head(self, rows: int):
         return TokenLogps(rows, self.temperature)
@@ -73,12 +74,14 @@ class GRPO(Objective):
         return int(config.train.global_batch_size) * self.num_generations
 
     def batch_shapes(self, config, default: dict) -> dict:
-        """A round's batch: a row per completion, its prompt then itself; their loss mask, advantages and, with
-        mu > 1, the old policy's per-token log-probs."""
-        rows, T = self.rows(config), int(config.model.seq_len)
+        """A round's batch: a row per completion, its prompt then itself; their loss mask, advantages, with mu > 1
+        the old policy's per-token log-probs and, with routing replay, each position's experts in every layer."""
+        rows, T, m = self.rows(config), int(config.model.seq_len), config.model
         f = np.dtype(at_least_f32(config.train.compute_dtype))
         out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows,), f)}
-        return out | ({"old": ((rows, T), f)} if self.num_iterations > 1 else {})
+        out |= {"old": ((rows, T), f)} if self.num_iterations > 1 else {}
+        return out | ({"routes": ((rows, T, int(m.layers), int(m.experts_per_token)), np.int32)}
+                      if self.routing_replay else {})
 
     @staticmethod
     def errors(config, lay) -> list[str]:
