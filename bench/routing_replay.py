@@ -38,7 +38,8 @@ def measure(args, dtype: str) -> dict:
     params = st.init(0)["params"]
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, 500, rng.integers(8, 40))) for _ in range(args.prompts)]
-    done = rollout.sample(Engine.on_steps(st, params, c, slots=len(prompts) * args.generations), prompts,
+    done = rollout.sample(Engine.on_steps(st, params, c, slots=len(prompts) * args.generations,
+                                          prompt_experts=True), prompts,
                           args.generations, args.tokens, seed=1, temperature=1.0)
     rnd = rollout.round_batch(prompts, [{"prompt": ""}] * len(prompts), done,
                               [("none", lambda completions, **kw: [0.0] * len(completions))], [1.0],

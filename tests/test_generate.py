@@ -81,7 +81,7 @@ def hf_greedy(model, prompt, n):
 def test_greedy_equals_transformers_and_log_probs_equal_the_training_forward(models, kind):
     model, d = models[kind]
     fwd, params, tok = hf.load(str(d))
-    engine = Engine(fwd, params, slots=8, tokenizer=tok)
+    engine = Engine(fwd, params, slots=8, tokenizer=tok, prompt_experts=True)
     outs = engine.generate([Request(p, max_new_tokens=8) for p in PROMPTS])
     scores = engine.score([p + o.tokens for p, o in zip(PROMPTS, outs)])
     for p, o, s in zip(PROMPTS, outs, scores):
@@ -203,8 +203,8 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     fwd, params, _ = hf.load(str(d))
     reqs = [Request(p, max_new_tokens=6) for p in PROMPTS[:4]] + \
            [Request(p, max_new_tokens=6, seed=3, **SAMPLED) for p in PROMPTS[:4]]
-    want = Engine(fwd, params, slots=8).generate(reqs)
-    engine = Engine.on_steps(steps, placed, config, slots=8)
+    want = Engine(fwd, params, slots=8, prompt_experts=True).generate(reqs)
+    engine = Engine.on_steps(steps, placed, config, slots=8, prompt_experts=True)
     got = engine.generate(reqs)
     for g, w in zip(got, want):
         assert g.tokens == w.tokens

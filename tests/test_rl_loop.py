@@ -150,17 +150,33 @@ def test_an_expert_parallel_moe_run_has_ratio_one(material, tmp_path):
     """A mixture of experts (4 experts, 2 per token) on (expert 2), mu = 2: the round sampled on the expert-parallel
     layout, the old policy's log-probs from the training forward before the first pass, which routes every token as
     that pass does: no token clipped at epsilon 0 in the first pass (the ratio exactly 1); in the second, after an
-    update, the ratio moved."""
+    update, the ratio moved. The round's batch carries the engine's routes (routing replay), kept with the checkpoint
+    inside the round: the resume from it logs step 2 as the uninterrupted run and ends with the same params."""
     from jaxpar.data import BPETokenizer
+    from jaxpar.state.runs import load_params
     moe = tmp_path / "moe"
     chat_tokenizer(moe)
     random_hf_llama(moe, BPETokenizer.from_file(moe / "tokenizer.json"), experts=4, experts_per_token=2, expert_mlp=32)
     c = grpo_config(material, **{"mesh.data": 1, "mesh.expert": 2, "train.steps": 2, "grpo.num_iterations": 2})
     c.init_from = f"hf:{moe}"
-    trainer.run(c, str(tmp_path / "run"), jax.devices()[:2])
-    first, second = rows(tmp_path / "run")[1], rows(tmp_path / "run")[2]
+    c.checkpoint.every_steps = 1
+    run, parted = tmp_path / "run", tmp_path / "parted"
+    trainer.run(c, str(run), jax.devices()[:2])
+    first, second = rows(run)[1], rows(run)[2]
     assert [first[f"clip_ratio/{k}_mean"] for k in ("low", "high", "region")] == [0.0] * 3, first
     assert first["completion_tokens"] > 0 and second["clip_ratio/region_mean"] > 0
+    with np.load(run / "rollouts" / "step-1.npz") as f:  # 16 rows x 48 positions x 2 layers x top-2, -1 on padding
+        assert f["routes"].shape == (16, 48, 2, 2) and (f["routes"] >= 0).any() and (f["routes"] == -1).any()
+    shutil.copytree(run, parted)  # killed after step 1's checkpoint, inside round 0
+    shutil.rmtree(parted / "checkpoints" / "2")
+    os.remove(parted / "rollouts" / "step-2.npz")
+    (parted / "metrics.jsonl").write_text("".join(line for line in open(run / "metrics.jsonl")
+                                                  if json.loads(line)["step"] <= 1))
+    trainer.run(c, str(parted), jax.devices()[:2])
+    same = lambda r: {k: v for k, v in r.items() if k not in TIMING}  # noqa: E731
+    assert same(rows(parted)[2]) == same(second)
+    pa, pb = load_params(str(run))[1], load_params(str(parted))[1]
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
 
 
 @pytest.mark.parametrize("case", ["unknown_reward", "wrong_length", "no_room", "text_source", "no_prompt"])

@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import (EQUIVALENT_LAYOUTS, assert_trees_close, float64_config, steps_for,  # noqa: E402
                      tiny_config)
+from jaxpar import model as gpt  # noqa: E402
 from jaxpar.generate.engine import Engine  # noqa: E402
 from jaxpar.rl import rollout  # noqa: E402
 from jaxpar.train.objectives import TokenLogps  # noqa: E402
@@ -25,7 +26,9 @@ pytestmark = pytest.mark.xdist_group("test_routing_replay")
 V, T, G = 300, 32, 4
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13]]
 ROWS = G * len(PROMPTS)
-LAYOUTS = {**EQUIVALENT_LAYOUTS, "expert_4x2": {"mesh.data": 2, "mesh.expert": 4}}
+LAYOUTS = {**EQUIVALENT_LAYOUTS, "expert_4x2": {"mesh.data": 2, "mesh.expert": 4},
+           "circular_2x2_v2": {"mesh.data": 2, "mesh.stage": 2, "pipeline.schedule": "circular",
+                               "pipeline.virtual_stages": 2, "train.microbatches": 2}}  # (layers stored permuted)
 
 
 def config(**over):
@@ -48,7 +51,7 @@ def sampled():
     Q = jax.tree.map(np.array, P)
     bias = Q["blocks"]["moe"]["router_bias"]
     Q["blocks"]["moe"]["router_bias"] = np.random.default_rng(0).normal(0, 0.05, bias.shape).astype(bias.dtype)
-    done = rollout.sample(Engine.on_steps(st, Q, config()), PROMPTS, G, 8, seed=3, temperature=1.0)
+    done = rollout.sample(Engine.on_steps(st, Q, config(), prompt_experts=True), PROMPTS, G, 8, seed=3, temperature=1.0)
     rnd = rollout.round_batch(PROMPTS, [{"prompt": "p"}] * len(PROMPTS), done, [("odd", _odd)], [1.0], G, "group", T,
                               replay=True)
     return st, P, Q, done, rnd.batch
@@ -82,27 +85,32 @@ def test_replayed_routes_make_the_training_forward_the_samplers(sampled):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_routing_replay_on_layouts_equals_one_device(sampled, name):
-    """Float64: the GRPO loss (a second pass: the engine's log-probs as the old policy's) and its gradients of P
-    with Q's routes on (2,2,2) 1F1B, ZeRO-3 and expert-parallel layouts equal one device's; without the routes the
-    loss differs."""
+    """Float64: with Q's routes, P's old-policy log-probs (`rollout.with_old_logps`, mu = 2), the GRPO loss of a
+    second pass (the engine's log-probs as the old policy's) and its gradients on (2,2,2) 1F1B, ZeRO-3,
+    expert-parallel and circular (layers stored permuted) layouts equal one device's; without the routes the loss
+    differs."""
     _, P, _, _, batch = sampled
     advantages = np.linspace(0.2, 1, ROWS)  # (of one sign: a loss that no cancellation makes tiny)
 
     def run(over, b, devices):
         c = config(**{"grpo.num_iterations": 2, "grpo.epsilon": 0.2, **over})
         st = steps_for(float64_config(c), V, jax.devices()[:devices])
-        state = st.init_with(jax.tree.map(lambda a: np.asarray(a, np.float64) if a.dtype.kind == "f" else a, P), 0)
-        _, metrics, grads = st.train_with_grads(state, jax.device_put({**b, "advantages": advantages},
-                                                                      st.batch_sharding))
-        return jax.device_get((metrics["loss"], grads))
+        order = np.asarray(st.layer_order)
+        params = gpt.map_layers(jax.tree.map(lambda a: np.asarray(a, np.float64) if a.dtype.kind == "f" else a, P),
+                                lambda a: a[order])
+        placed = jax.device_put({**b, "advantages": advantages}, st.batch_sharding)
+        old = rollout.with_old_logps(st, st.init_with(jax.tree.map(np.copy, params), 0)["params"], placed)["old"]
+        _, metrics, grads = st.train_with_grads(st.init_with(params, 0), placed)  # (grads: canonical order)
+        return jax.device_get((metrics["loss"], grads, old))
 
     with jax.enable_x64(True):
         over = LAYOUTS[name]
         devices = int(np.prod([over.get(f"mesh.{a}", 1) for a in ("data", "tensor", "stage", "expert")]))
-        one_loss, one_grads = run({}, batch, 1)
-        loss, grads = run(over, batch, devices)
+        one_loss, one_grads, one_old = run({}, batch, 1)
+        loss, grads, old = run(over, batch, devices)
         if name == "expert_4x2":
             without = run({}, {k: v for k, v in batch.items() if k != "routes"}, 1)[0]
             assert abs(without - one_loss) > 1e-6 * abs(one_loss)
+    np.testing.assert_allclose(old, one_old, rtol=1e-9, atol=1e-12)
     np.testing.assert_allclose(loss, one_loss, rtol=1e-9)
     assert_trees_close(grads, one_grads, tol=1e-9)

@@ -17,9 +17,10 @@ batching; `refill=False` waits for the whole batch), then every slot decodes `ch
 A completion holds its tokens (a stop id included), each token's log-prob under the sampling distribution (0 when
 greedy) and under the model at temperature 1 (the training forward's, `score`), why it ended (`stop` | `length`),
 for a mixture of experts the experts that chose each token (`[tokens, layers, k]`: the routing of the position whose
-logits sampled it, -1 in dense layers) and those of the prompt's positions before its last (`prompt_experts`: with
-`experts`, the routing of every position a forward pass over prompt + completion runs, what GRPO's training pass
-replays), and its text (with a tokenizer; cut before a stop string, without a stop id).
+logits sampled it, -1 in dense layers) and, asked for (`Engine(prompt_experts=True)`), those of the prompt's
+positions before its last (`prompt_experts`: with `experts`, the routing of every position a forward pass over
+prompt + completion runs, what GRPO's training pass replays), and its text (with a tokenizer; cut before a stop
+string, without a stop id).
 """
 from __future__ import annotations
 
@@ -90,11 +91,15 @@ class _Row:
 
 class Engine:
     """See the module docstring. `mesh`, `rules`, `zero3`, `layer_order`: the training layout the params are in
-    (None: one device); `slots`: rows decoded together; `chunk`: tokens per compiled decode call."""
+    (None: one device); `slots`: rows decoded together; `chunk`: tokens per compiled decode call; `prompt_experts`:
+    a mixture of experts' completions also carry their prompt positions' experts (fetched from each prefill: GRPO's
+    routing replay asks for them, nothing else pays for them)."""
 
     def __init__(self, fwd: gpt.Forward, params, *, mesh=None, rules=DEFAULT_RULES, zero3: bool = False,
-                 layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 8, refill: bool = True):
+                 layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 8, refill: bool = True,
+                 prompt_experts: bool = False):
         self.fwd, self.cfg, self.tokenizer = fwd, fwd.cfg, tokenizer
+        self.prompt_experts = prompt_experts and fwd.cfg.experts > 0
         self.mesh, self.slots, self.chunk, self.refill = mesh, slots, chunk, refill
         self.decoder = Decoder(fwd, mesh, rules, zero3)
         self.params = params if mesh is None else kv.decode_params(params, fwd.cfg, rules, mesh, zero3, layer_order)
@@ -143,8 +148,8 @@ class Engine:
                     slot[s] = _Row(i, requests[i], news[i])
                     self._arm(rows, knobs, s, requests[i], news[i])
                 carry, routed = self._admit(carry, [requests[i].prompt for i in take], free[:len(take)], length)
-                for j, s in enumerate(free[:len(take)]):
-                    slot[s].prompt_experts = None if routed is None else routed[j, :len(slot[s].req.prompt) - 1]
+                for j, s in enumerate(free[:len(take)] if routed is not None else ()):
+                    slot[s].prompt_experts = routed[j, :len(slot[s].req.prompt) - 1].copy()
                 self.stats["prefill_calls"] += 1
             self.stats["decode_calls"] += 1
             carry, got = self.decoder.decode(self.params, carry, {k: jnp.asarray(v) for k, v in rows.items()},
@@ -166,7 +171,7 @@ class Engine:
 
     def _admit(self, carry, prompts, slots, length: int):
         """Prefill `prompts` (a group padded to a power of two rows and positions) into `slots`. -> (carry, the
-        experts of the group's positions `[rows, t, layers, k]` on the host, None for a dense model)."""
+        experts of the group's positions `[rows, t, layers, k]` on the host with `prompt_experts`, else None)."""
         n = min(bucket(len(prompts), 1), max(self.slots, len(prompts)))
         t = min(bucket(max(len(p) for p in prompts)), length)
         tokens = np.zeros((n, t), np.int32)
@@ -177,7 +182,7 @@ class Engine:
         where[:len(slots)] = slots
         logits, cache, experts, every = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths),
                                                              length)
-        routed = np.asarray(jax.device_get(every)) if self.cfg.experts else None
+        routed = np.asarray(jax.device_get(every)) if self.prompt_experts else None
         return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where)), routed
 
     def _collect(self, got, slot, rows, out) -> int:

@@ -112,7 +112,7 @@ class Rounds(Feed):
 
     def generate(self, params, prompts, r: int) -> list:
         engine = Engine.on_steps(self.steps, params, self.config, tokenizer=self.tokenizer,
-                                 slots=len(prompts) * self.G)
+                                 slots=len(prompts) * self.G, prompt_experts=self.steps.objective.routing_replay)
         seeds = [_round_seed(self.seed, r, k) for k in range(len(prompts))]
         return rollout.sample(engine, prompts, self.G, self.room, seeds, self.stops, **self.sampling)
 
