@@ -212,6 +212,20 @@ def losses(workdir):
         return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
+def write_jsonl(path, records):
+    """`records` (dicts) as a JSONL file at `path` -> path."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def records_config(tmp_path, src, **over):
+    """A tiny SFT run (data 8) over the record file `src`, with the tokenizer of tmp_path/tok, packed bfd."""
+    c = tiny_config(**{"mesh.data": 8, "train.global_batch_size": 8, **over})
+    c.data.update(sources=str(src), tokenizer=str(tmp_path / "tok" / "tokenizer.json"), packing="bfd",
+                  cache_dir=str(tmp_path / "cache"))
+    return c
+
+
 CHAT_SPECIAL = ("<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                 "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<think>", "</think>")
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"

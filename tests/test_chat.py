@@ -5,25 +5,20 @@ Gemma 4's earlier revisions), Phi-3/3.5, DeepSeek-R1-Distill, gpt-oss, and TRL's
 Cohere's, GLM-4-MoE's, LFM2's and Nemotron 3 Nano's): ids, and masks equal to transformers' on the same template with
 markers around each reply; each reply's own end-of-turn token, the reasoning fields' names, end-of-turn text in a
 reply, TRL's training templates as data.chat_template, EOS after a string completion only when missing;
-multi-turn with a system message, prompt/completion records; bad records and templates are one-line errors naming
-the file and line, with nothing written to the workdir."""
+multi-turn with a system message, prompt/completion records. Bad records and templates, and Parquet conversations:
+tests/test_chat_records.py."""
 import json
 
 import jinja2
-import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import CHATML, chat_tokenizer, released_template, tiny_config  # noqa: E402
-from jaxpar import trainer  # noqa: E402
+from helpers import chat_tokenizer, records_config, released_template, write_jsonl  # noqa: E402
 from jaxpar.data import DataError  # noqa: E402
 from jaxpar.data.chat import ChatFormat, example  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_chat")
-CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
-                {"role": "assistant", "content": "It is 4."}, {"role": "user", "content": "And 3+3?"},
-                {"role": "assistant", "content": " The answer is 6. "}]
 
 
 G, EG = "{% generation %}", "{% endgeneration %}"
@@ -292,7 +287,7 @@ def test_trl_training_templates_are_accepted_as_data_chat_template(tmp_path, bpe
                       [QUESTION, {"role": "assistant", "content": "4"}, FOLLOW_UP,
                        {"role": "assistant", "content": "6"}]]
     src = write_jsonl(tmp_path / "d.jsonl", [{"messages": m} for m in conversations_] * 4)
-    c = sft_config(tmp_path, src)
+    c = records_config(tmp_path, src)
     (tmp_path / "phi3_training.jinja").write_text(released_template("phi3_training"))
     c.data.chat_template = str(tmp_path / "phi3_training.jinja")
     stream = data.prepare(c).streams()[0]
@@ -339,88 +334,3 @@ def test_prompt_completion_strings_as_trl_tokenizes_them(tmp_path, completion):
     assert full[:len(head)] == head and full.count(hf.eos_token_id) == 1
     assert ids.tolist() == full
     assert mask.tolist() == [0] * len(head) + [1] * (len(full) - len(head))
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-
-
-@pytest.mark.parametrize("bad,match", [
-    ({"question": "hi"}, r"line 2: a record needs `messages`, `prompt` and `completion`, or the text field 'text'"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, r"line 2: messages\[0\] has the unknown role 'robot'"),
-    ({"messages": [{"role": "user"}]}, r"line 2: messages\[0\] \(user\) has no string `content`"),
-    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning": 3}]},
-     r"line 2: messages\[1\] \(assistant\) has a `reasoning` that is not a string"),
-    ({"messages": [{"role": "system", "content": "a"}, {"role": "assistant", "content": "b"}]},
-     r"line 2: the chat template .* fails to render it: no system turns"),
-])
-def test_bad_records_are_one_line_errors_naming_file_and_line(tmp_path, bad, match):
-    template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}" + CHATML
-    chat_tokenizer(tmp_path / "tok", template)
-    src = write_jsonl(tmp_path / "d.jsonl", [GOOD, bad, GOOD])
-    c = sft_config(tmp_path, src)
-    with pytest.raises(DataError, match=match) as e:
-        trainer.run(c, str(tmp_path / "run"))
-    assert "\n" not in str(e.value) and str(src) in str(e.value)
-    assert not (tmp_path / "run").exists()
-
-
-def sft_config(tmp_path, src, **over):
-    c = tiny_config(**{"mesh.data": 8, "train.global_batch_size": 8, **over})
-    c.data.update(sources=str(src), tokenizer=str(tmp_path / "tok" / "tokenizer.json"), packing="bfd",
-                  cache_dir=str(tmp_path / "cache"))
-    return c
-
-
-def test_no_template_left_empty_and_unpacked_conversations_are_refused(tmp_path):
-    src = write_jsonl(tmp_path / "d.jsonl", [GOOD] * 4)
-    chat_tokenizer(tmp_path / "tok")
-    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
-    with pytest.raises(DataError, match=r"conversations need a chat template, and .*tok.* has none .*"
-                                         r"--config.data.chat_template=FILE"):
-        trainer.run(sft_config(tmp_path, src), str(tmp_path / "run"))
-    (tmp_path / "t.jinja").write_text(CHATML)
-    c = sft_config(tmp_path, src, **{"model.seq_len": 8})
-    c.data.update(chat_template=str(tmp_path / "t.jinja"), truncate="skip")
-    with pytest.raises(DataError, match=r"no sequence is left in its split after data.truncate='skip' \(3 of 3 are "
-                                         r"longer than model.seq_len \+ 1 = 9\)"):
-        trainer.run(c, str(tmp_path / "run"))
-    c.data.update(packing="concat", truncate="right")
-    with pytest.raises(DataError, match=r"packed whole, never cut into windows; set --config.data.packing=bfd"):
-        trainer.run(c, str(tmp_path / "run"))
-    assert not (tmp_path / "run").exists()
-
-
-def test_parquet_conversations_give_the_jsonl_tokens_and_masks(tmp_path):
-    """A Parquet source with a `messages` column (Hugging Face datasets' layout) is read record by record, as JSONL."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from jaxpar import data
-
-    chat_tokenizer(tmp_path / "tok")
-    records = [GOOD, {"messages": CONVERSATION}, {"prompt": CONVERSATION[:2], "completion": CONVERSATION[2:3]}] * 3
-    write_jsonl(tmp_path / "d.jsonl", records)
-    pq.write_table(pa.Table.from_pylist([{"messages": r.get("messages"), "prompt": r.get("prompt"),
-                                          "completion": r.get("completion")} for r in records]), tmp_path / "d.parquet")
-    got = {}
-    for ext in ("jsonl", "parquet"):
-        info = data.prepare(sft_config(tmp_path, tmp_path / f"d.{ext}"))
-        stream = info.streams()[0]
-        got[ext] = (stream.read(0, stream.num_tokens), stream.read(0, stream.num_tokens, masks=True))
-        assert stream.num_docs == len(records)
-    assert all(np.array_equal(a, b) for a, b in zip(got["jsonl"], got["parquet"]))
-
-
-def test_a_template_without_an_end_of_turn_token_and_markers_is_refused(tmp_path):
-    """Where no special token follows a reply, where it ends is unknown: one line, naming the record and the fix."""
-    chat_tokenizer(tmp_path, "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
-    fmt = ChatFormat.from_dir(tmp_path)
-    assert fmt.end_of_turn is None
-    with pytest.raises(DataError, match=r"d.jsonl, line 1: the chat template .* writes no special token after "
-                                         r"assistant message 1's reply.*generation %\} markers"):
-        example(GOOD, "d.jsonl, line 1", fmt, "auto")

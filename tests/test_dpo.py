@@ -17,7 +17,7 @@ except ImportError:
 
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import (EQUIVALENT_LAYOUTS as LAYOUTS, chat_tokenizer, float64_config, float64_llamas,  # noqa: E402
-                     random_hf_llama, steps_for, tiny_config)
+                     random_hf_llama, steps_for, tiny_config, write_jsonl)
 from jaxpar import data, model, trainer  # noqa: E402
 from jaxpar.config import ConfigError  # noqa: E402
 from jaxpar.formats import hf  # noqa: E402
@@ -167,11 +167,6 @@ def preference_records(n=48, seed=0):
             msg = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
             out.append({"prompt": msg("user", p), "chosen": msg("assistant", c), "rejected": msg("assistant", r)})
     return out
-
-
-def write_jsonl(path, recs):
-    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return path
 
 
 @pytest.fixture(scope="module")
