@@ -1,6 +1,7 @@
 """Generate text from a trained run: `python sample.py --workdir DIR --prompt TEXT [--new_tokens N]`, or chat:
 `python sample.py --workdir DIR --chat TEXT [--system TEXT]` (the tokenizer's chat template with the generation
-prompt; the reply up to the end-of-turn token).
+prompt; the reply up to the end-of-turn token). A completion ends at the checkpoint's end ids (generation_config.json,
+the tokenizer's EOS, the template's end of turn).
 
 DIR is a run directory (its config, tokenizer and latest checkpoint are loaded onto one device), an export
 written by `python -m jaxpar.export` (it holds model_config.json), or `hf:DIR`, a Hugging Face directory (or
@@ -30,6 +31,7 @@ ONE_DEVICE = {"data": 1, "tensor": 1, "stage": 1, "expert": 1, "context": 1}  # 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    from jaxpar.data import special
     from jaxpar.generate import source
     from jaxpar.generate.engine import Engine, Request
 
@@ -40,13 +42,10 @@ def main(argv):
         sys.exit(2)
     if _CHAT.value is not None and src.chat is None:
         sys.exit(f"error: {_WORKDIR.value} has no chat template (docs/finetune.md).")
-    if _CHAT.value is None:
-        ids, stops = src.tokenizer.encode(_PROMPT.value), ()
-    else:
-        messages = [{"role": "system", "content": _SYSTEM.value}] * (_SYSTEM.value is not None)
-        ids = src.chat.prompt(messages + [{"role": "user", "content": _CHAT.value}]).tolist()
-        stops = sorted(src.chat.stop_ids)
-    room = src.fwd.cfg.max_positions - len(ids)
+    messages = [{"role": "system", "content": _SYSTEM.value}] * (_SYSTEM.value is not None)
+    prompt = _PROMPT.value if _CHAT.value is None else messages + [{"role": "user", "content": _CHAT.value}]
+    ids, stops = special.encode_prompt(prompt, src.tokenizer, src.chat), special.end_ids(src.tokenizer, src.chat)
+    room = src.fwd.cfg.max_positions + 1 - len(ids)  # (the last token needs no position of its own)
     if room < 1:
         sys.exit(f"error: the prompt has {len(ids)} tokens; the model's max_positions is {src.fwd.cfg.max_positions}.")
     engine = Engine.of_source(src, slots=_NUM.value)

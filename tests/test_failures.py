@@ -222,6 +222,22 @@ def test_an_unknown_config_key_is_refused_naming_the_key_it_meant(corpus, tmp_pa
                                                   f"docs/config.md)."
 
 
+def test_a_slow_round_is_timed_on_its_own_and_a_stuck_one_is_named():
+    """A GRPO step samples its round (`watchdog.part`): the first round compiles and is not timed, a later one may
+    outlast the steps' bound (0.5 s) within factor x the slowest round, and its time is not the step's; a stuck one
+    is named."""
+    code = ("import sys, time; from jaxpar.cluster import watchdog; watchdog.arm_steps(-1, min_s=0.5, factor=5)\n"
+            "for step, took in enumerate((0.4, 1.2, float(sys.argv[1]))):\n"
+            "    with watchdog.part('sampling'):\n        time.sleep(took)\n"
+            "    time.sleep(0.05); watchdog.beat(step + 1); print('step', step + 1, flush=True)\n")
+    healthy = subprocess.run([sys.executable, "-c", code, "0.1"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert healthy.returncode == 0 and healthy.stdout.split() == ["step", "1", "step", "2", "step", "3"], healthy
+    stuck = subprocess.run([sys.executable, "-c", code, "30"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert stuck.returncode == STALLED_EXIT_CODE and "step 2" in stuck.stdout, stuck
+    assert "the sampling of step 3 has not finished" in stuck.stderr and "5 x the slowest sampling 1.20 s" in \
+        stuck.stderr, stuck.stderr
+
+
 def test_a_stall_right_after_the_compiling_step_says_no_step_was_timed():
     """The first step compiles and is not timed: a stall in the second says so, not 'the slowest step 0.00 s'."""
     code = ("import time; from jaxpar.cluster import watchdog; watchdog.arm_steps(-1, min_s=0.5, factor=20); "

@@ -86,7 +86,7 @@ def test_greedy_equals_transformers_and_log_probs_equal_the_training_forward(mod
     scores = engine.score([p + o.tokens for p, o in zip(PROMPTS, outs)])
     for p, o, s in zip(PROMPTS, outs, scores):
         toks, lps, experts = hf_greedy(model, p, 8)
-        assert o.tokens == toks and o.finish_reason == "length" and o.logprobs == [0.0] * 8
+        assert o.tokens == toks and o.finish_reason == "length" and o.logprobs == o.model_logprobs  # greedy: the model's
         np.testing.assert_allclose(o.model_logprobs, lps, atol=1e-4)
         np.testing.assert_allclose(o.model_logprobs, s[len(p) - 1:], atol=1e-5)
         assert o.text == tok.decode(toks)
@@ -170,10 +170,21 @@ def test_sampler_filters_equal_their_formula():
         assert 0.5 * np.abs(counts[r] / 400 - reference_filter(logits[r], *knobs[r])).sum() < 0.12
 
 
+def test_the_longest_prompt_gets_its_whole_budget(models):
+    """Prompt + completion fill the model's context + 1 tokens (a training row): the last token is sampled from the
+    context's last position, as transformers samples it."""
+    model, d = models["llama"]
+    fwd, params, _ = hf.load(str(d))
+    prompt = np.random.default_rng(5).integers(1, V, 63).tolist()
+    out = Engine(fwd, params).generate([Request(prompt, max_new_tokens=2), Request(prompt + [7], max_new_tokens=5)])
+    assert out[0].tokens == hf_greedy(model, prompt, 2)[0] and out[0].finish_reason == "length"
+    assert out[1].tokens == hf_greedy(model, prompt + [7], 1)[0] and out[1].finish_reason == "length"
+
+
 def test_bad_requests_are_one_line_each(models):
     fwd, params, _ = hf.load(str(models["llama"][1]))
     engine = Engine(fwd, params)
-    for req, match in ((Request(list(range(1, 65))), "request 0: a prompt of 64 tokens; the model's context is 64"),
+    for req, match in ((Request(list(range(1, 66))), "request 0: a prompt of 65 tokens; the model's context is 64"),
                        (Request([1, 2], top_p=0.0), r"request 0: top_p=0.0: it must be in \(0, 1\]"),
                        (Request([1, 2], top_p=1.5), r"top_p=1.5"), (Request([]), "an empty prompt"),
                        (Request([1], stop=["x"]), "stop strings without a tokenizer")):

@@ -11,6 +11,11 @@ ends them from C++ (an abort without a Python message). Here, instead:
   (and whether it was in its evaluation or checkpoint save, `phase`). The bound is `dist.step_timeout_s`, or by
   default (-1, auto) max(`step_timeout_min_s`, `step_timeout_factor` x the slowest step so far, its evaluation and
   save left out), counted from the last step boundary, evaluation and save included; the first step (compilation) is not timed. 0 turns it off.
+  A part of a step whose time is not the step's own (`part`: a GRPO round's sampling and scoring, which every
+  `grpo.num_iterations` steps run, and long rollouts make longer than many steps) has a bound of its own under auto:
+  max(`step_timeout_min_s`, `step_timeout_factor` x the slowest such part so far), its first (which compiles the
+  engine) not timed; its time is left out of the step's. An explicit `dist.step_timeout_s` bounds the step with its
+  parts.
 - **a lost collective** (`await_verdict`): a collective that failed because a peer closed its connection is
   certain evidence once that peer's heartbeat has stopped too (no change for 3 beats): exit at once, naming the
   process and the step, instead of waiting out the whole heartbeat timeout.
@@ -28,6 +33,7 @@ Exit codes: `PEER_LOST_EXIT_CODE` (3) a peer died or the coordinator vanished; `
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -45,6 +51,7 @@ class _Watch:
         self.interval = 1.0
         self.step_timeout, self.step, self.beat_at = 0.0, None, None
         self.auto_min, self.auto_factor, self.slowest, self.phase = 60.0, 20.0, 0.0, "step"
+        self.part, self.part_at, self.part_slowest = None, None, {}  # the running part, its start; {name: seconds}
         self.peer_value, self.peer_seen, self.peer_done, self.rpc_ok = None, 0.0, False, 0.0
         self.posted = None  # the abort another process posted: {"process", "code", "message"}
         self.stop = threading.Event()
@@ -119,9 +126,26 @@ def _check() -> None:
                 fail(f"no answer from the coordination service at {_W.coordinator} (hosted by process 0) for "
                      f"{_W.timeout:g} s ({_after()}): process 0 or its host is gone (dist.heartbeat_timeout_s).",
                      PEER_LOST_EXIT_CODE)
-        beat_at, bound = _W.beat_at, step_bound()
-        if bound > 0 and beat_at is not None and now - beat_at > bound:
-            fail(stall_message(now), STALLED_EXIT_CODE)
+        said = _stalled(now)
+        if said:
+            fail(said, STALLED_EXIT_CODE)
+
+
+def _stalled(now: float) -> str | None:
+    """The step watchdog's message when the step (or, under auto, the part it is in) is past its bound, else None."""
+    name, part_at = _W.part, _W.part_at
+    if name is not None and part_at is not None and _W.step_timeout < 0:
+        slowest = _W.part_slowest.get(name)
+        bound = None if slowest is None else max(_W.auto_min, _W.auto_factor * slowest)
+        if bound is None or now - part_at <= bound:
+            return None
+        return (f"the {name} of step {(_W.step or 0) + 1} has not finished {now - part_at:.0f} s after it began, past "
+                f"its bound {bound:.3g} s (dist.step_timeout_s auto: max({_W.auto_min:g} s, {_W.auto_factor:g} x the "
+                f"slowest {name} {slowest:.2f} s); it is stuck in this process or waits for a stuck one.")
+    beat_at, bound = _W.beat_at, step_bound()
+    if bound > 0 and beat_at is not None and now - beat_at > bound:
+        return stall_message(now)
+    return None
 
 
 def stall_message(now: float) -> str:
@@ -284,8 +308,23 @@ def phase(name: str) -> None:
     _W.phase = name
 
 
+@contextlib.contextmanager
+def part(name: str):
+    """A part of the current step timed on its own (module docstring): `with watchdog.part("sampling"): ...`."""
+    _W.part, _W.part_at = name, time.monotonic()
+    try:
+        yield
+    finally:
+        took = time.monotonic() - _W.part_at
+        _W.part_slowest[name] = max(_W.part_slowest.get(name, 0.0), took)
+        if _W.beat_at is not None and _W.step_timeout < 0:  # (auto: the step's own time leaves it out)
+            _W.beat_at += took
+        _W.part, _W.part_at = None, None
+
+
 def disarm() -> None:
     _W.step_timeout, _W.beat_at = 0.0, None
+    _W.part, _W.part_at, _W.part_slowest = None, None, {}
 
 
 def fail(message: str, code: int) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpar.data import chat, megatron, records, sources as src
+from jaxpar.data import chat, megatron, records, sources as src, special
 from jaxpar.config import cache_root
 from jaxpar.errors import ConfigError
 from jaxpar.data.common import DataError, locked, read_json, sha256_file, write_json
@@ -202,10 +202,11 @@ def resolve_tokenizer(d, specs, units, root: Path, sep: bytes) -> tuple[str, str
 
 def _copy_tokenizer(path: Path, template: str, root: Path, sha: str) -> str:
     """A copy of the tokenizer.json at `path` in the cache, with the files beside it that chat needs (its
-    tokenizer_config.json: special tokens, chat template; a chat_template.jinja), `template` (data.chat_template)
-    as chat_template.jinja when given."""
+    tokenizer_config.json: special tokens, chat template; a chat_template.jinja) and generation needs (its
+    generation_config.json: the end ids), `template` (data.chat_template) as chat_template.jinja when given."""
     files = {BPETokenizer.FILENAME: path}
-    files.update({n: path.parent / n for n in (chat.CONFIG_FILE, chat.TEMPLATE_FILE) if (path.parent / n).is_file()})
+    files.update({n: path.parent / n for n in (chat.CONFIG_FILE, chat.TEMPLATE_FILE, special.GENERATION_CONFIG)
+                  if (path.parent / n).is_file()})
     if template:
         chat.find_template(path.parent, template)  # a missing file: a DataError naming it
         files[chat.TEMPLATE_FILE] = Path(os.path.expanduser(template))

@@ -1,8 +1,8 @@
 """Prompt records for RL (`train.objective=grpo`, data kind `prompts`): read whole from `data.sources` (JSONL,
 Parquet, `hfds:` as fetched), each a `prompt` (a string, or a conversation whose next turn is the assistant's: the
 chat template with the generation prompt, as TRL renders it) and any other columns (the reward functions' keywords,
-e.g. `solution`), tokenized once; the validation prompts are `data.val_source` or the last `data.val_fraction` of
-them. `grpo.map_records` (`MODULE:FUNCTION` or `FILE.py:FUNCTION`, TRL users' `dataset.map`) turns each record into
+e.g. `solution`), tokenized once as TRL tokenizes them (`special.encode_prompt`: a string with the tokenizer's special
+tokens, BOS where it adds one); the validation prompts are `data.val_source` or the last `data.val_fraction` of them. `grpo.map_records` (`MODULE:FUNCTION` or `FILE.py:FUNCTION`, TRL users' `dataset.map`) turns each record into
 that form first; built in: `jaxpar.data.prompts:gsm8k` (GSM8K's `question` asked after a system prompt, the number
 after its answer's `####` as `solution`). A record without a prompt, or a prompt with no room left for a whole
 completion, is refused in one line naming its file and line.
@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 
-from jaxpar.data import chat, records, sources as src
+from jaxpar.data import chat, records, sources as src, special
 from jaxpar.config import cache_root
 from jaxpar.data.common import DataError, user_function
 from jaxpar.data.preprocess import model_vocab, resolve_tokenizer
@@ -93,13 +93,8 @@ def _records(spec: str, unit_mb: int) -> list:
 
 def _encode(rec, where: str, fmt, tok) -> np.ndarray:
     prompt = rec.get("prompt") if isinstance(rec, dict) else None
-    if isinstance(prompt, list):
-        if fmt is None:
-            raise DataError(f"{where}: a conversational prompt needs a chat template; the tokenizer has none (give "
-                            f"one with --config.data.chat_template=FILE).")
-        return np.asarray(fmt.prompt(chat.check_messages(prompt, "prompt", where)), np.int32)
-    if isinstance(prompt, str) and prompt:
-        return np.asarray(tok.encode(prompt), np.int32)
+    if isinstance(prompt, list) or (isinstance(prompt, str) and prompt):
+        return np.asarray(special.encode_prompt(prompt, tok, fmt, where), np.int32)
     keys = sorted(rec)[:8] if isinstance(rec, dict) else type(rec).__name__
     raise DataError(f"{where}: a prompt record needs `prompt` (a string or a list of messages), as TRL's GRPO "
                     f"datasets have; it has {keys}.")
@@ -142,10 +137,10 @@ def read(config) -> tuple[PromptInfo, tuple[Prompts, Prompts]]:
 
 
 def stop_ids(info: PromptInfo, config) -> tuple:
-    """The ids that end a completion: the chat template's end of turn and end of sequence, else the tokenizer's end
-    of text."""
+    """The ids that end a completion (`special.end_ids`: generation_config.json's, the tokenizer's EOS, the chat
+    template's end of turn)."""
     try:
-        return tuple(sorted(chat.ChatFormat.from_dir(info.tokenizer_dir, config.data.chat_template).stop_ids))
-    except DataError:
-        eot = load_tokenizer(info.tokenizer_dir).eot_id
-        return () if eot is None else (eot,)
+        fmt = chat.ChatFormat.from_dir(info.tokenizer_dir, config.data.chat_template)
+    except DataError:  # no chat template
+        fmt = None
+    return special.end_ids(load_tokenizer(info.tokenizer_dir), fmt)

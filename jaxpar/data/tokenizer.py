@@ -16,13 +16,13 @@ class Tokenizer(Protocol):
     kind: str  # "byte" or "bpe"
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...  # with: BOS where it adds one
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...  # int ids per text
 
     eot_id: int | None  # the end-of-text id appended to every document, or None (the byte tokenizer has none)
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...  # without: special tokens out
 
     def save(self, directory: str | os.PathLike) -> None: ...
 
@@ -37,14 +37,15 @@ class ByteTokenizer:
     FILENAME = "byte_tokenizer.json"
     eot_id = None  # all 256 ids are bytes: documents are told apart by the document index alone
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # (no special tokens to add)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Invalid UTF-8 and ids outside [0, 256) (e.g. padded-vocab ids from a model) decode to U+FFFD."""
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Invalid UTF-8 and ids outside [0, 256) (e.g. padded-vocab ids from a model) decode to U+FFFD (there are
+        no special tokens to skip)."""
         return bytes(int(i) if 0 <= int(i) < 256 else 0xFF for i in ids).decode("utf-8", errors="replace")
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -108,16 +109,19 @@ class BPETokenizer:
         except Exception as e:  # the Rust side raises a plain Exception
             raise DataError(f"cannot read tokenizer file {path} ({e}); it must be a HuggingFace tokenizer.json.") from e
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The ids of `text`; `add_special_tokens`: with what the tokenizer.json's post-processor adds (BOS)."""
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Ids per text (`tokenizers`' batch encoder without offsets, on RAYON_NUM_THREADS threads)."""
         fast = getattr(self.hf, "encode_batch_fast", self.hf.encode_batch)
         return [np.asarray(e.ids, np.int64) for e in fast(list(texts), add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`; `skip_special_tokens`: without the special tokens (`transformers`' `decode` of the
+        same name: what TRL shows reward functions)."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def save(self, directory: str | os.PathLike) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import data
-from jaxpar.kernels.cross_entropy import chunk_size
+from jaxpar.kernels.cross_entropy import chunk_size, place_rows
 
 
 def token_scores(fwd, params, x, targets, chunk: int):
@@ -61,7 +61,7 @@ class Scores:
         on = lambda a: jnp.where(w > 0, a.astype(f) * w, 0.0).sum(1)  # noqa: E731 (padding's values never count)
         sums = jnp.stack([on(lp), on(greedy != mb["y"]), on(greedy)], axis=-1)
         place = (mb["ids"][:, None] == jnp.arange(self.rows)).astype(f)  # a one-hot product, not a scatter
-        return jnp.zeros((), f), jnp.einsum("br,bk->rk", place, sums)
+        return jnp.zeros((), f), place_rows(place, sums)
 
 
 def bucket(n: int, most: int, multiple: int = 16) -> int:

@@ -2,7 +2,9 @@
 OUT.jsonl [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--min_p M] [--seed S] [--n N]
 [--slots B] [--config.mesh.data=D --config.mesh.tensor=T ...]`.
 
-SRC: a run directory, an export, `hf:DIR` or `hf:ORG/NAME` (`source.py`). Records: `records.py`. A record's sample j
+SRC: a run directory, an export, `hf:DIR` or `hf:ORG/NAME` (`source.py`). Records: `records.py`; a string prompt is
+encoded with the tokenizer's special tokens (BOS), a conversation by the chat template, and a completion ends at any
+of the checkpoint's end ids (`jaxpar/data/special.py`), as transformers' `generate` ends it. A record's sample j
 draws with seed S and stream (line number x n + j): the same tokens whatever the batch, slots or layout. An
 interrupted run resumes: the records already in OUT are skipped. Guide: docs/generate.md.
 """
@@ -15,6 +17,7 @@ import time
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from jaxpar.data import special
 from jaxpar.generate import records, source
 from jaxpar.generate.engine import Engine, Request, check
 
@@ -50,20 +53,17 @@ RANGES = {"top_p": ("(0, 1]", lambda v: 0 < v <= 1), "min_p": ("[0, 1]", lambda 
 
 def requests_of(lines, args, src, context: int):
     """The engine's requests of the records (n per record), each checked: one line naming the record's line."""
-    out = []
+    out, ends = [], special.end_ids(src.tokenizer, src.chat)
     for n, rec in lines:
-        if "messages" in rec:
-            if src.chat is None:
-                raise ValueError(f"{args.prompts}:{n}: a messages record, but {args.model} has no chat template.")
-            ids = src.chat.prompt(rec["messages"]).tolist()
-        else:
-            ids = src.tokenizer.encode(rec["prompt"])
+        if "messages" in rec and src.chat is None:
+            raise ValueError(f"{args.prompts}:{n}: a messages record, but {args.model} has no chat template.")
+        ids = special.encode_prompt(rec["messages"] if "messages" in rec else rec["prompt"], src.tokenizer, src.chat,
+                                    f"{args.prompts}:{n}")
         stop = rec.get("stop", [])
         knobs = dict(max_new_tokens=rec.get("max_new_tokens", args.max_new_tokens),
                      temperature=float(rec.get("temperature", args.temperature)), top_k=args.top_k,
                      top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                     stop_ids=sorted(src.chat.stop_ids) if src.chat else (), stop=[stop] if isinstance(stop, str)
-                     else stop)
+                     stop_ids=ends, stop=[stop] if isinstance(stop, str) else stop)
         for j in range(args.n):
             r = Request(ids, stream=n * args.n + j, **knobs)
             check(r, f"{args.prompts}:{n}", context, src.tokenizer)

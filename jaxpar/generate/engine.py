@@ -11,11 +11,13 @@ Public API (what `python -m jaxpar.generate`, `sample.py`, evaluation and RL cal
 A request is a prompt of token ids with its own sampling settings (`sampling.py`: greedy, temperature, top-k, top-p,
 min-p), seed and stream (its key for token i is fold_in(fold_in(key(seed), stream), i), so its output depends on
 neither its batch nor the layout), stops (token ids: the chat template's end of turn; strings, with a tokenizer) and
-`max_new_tokens`. The engine holds `slots` rows; prompts are prefilled into free slots as rows finish (continuous
+`max_new_tokens` (at most the model's context + 1 - the prompt's length: the last token is sampled from the logits of
+the context's last position and needs no position of its own, so prompt + completion fill a training row of
+`max_positions` + 1 tokens). The engine holds `slots` rows; prompts are prefilled into free slots as rows finish (continuous
 batching; `refill=False` waits for the whole batch), then every slot decodes `chunk` tokens per compiled call.
 
-A completion holds its tokens (a stop id included), each token's log-prob under the sampling distribution (0 when
-greedy) and under the model at temperature 1 (the training forward's, `score`), why it ended (`stop` | `length`),
+A completion holds its tokens (a stop id included), each token's log-prob under the sampling distribution (a greedy
+row's: the model's, as vLLM and transformers report it) and under the model at temperature 1 (the training forward's, `score`), why it ended (`stop` | `length`),
 for a mixture of experts the experts that chose each token (`[tokens, layers, k]`: the routing of the position whose
 logits sampled it, -1 in dense layers) and, asked for (`Engine(prompt_experts=True)`), those of the prompt's
 positions before its last (`prompt_experts`: with `experts`, the routing of every position a forward pass over
@@ -69,7 +71,7 @@ def check(req: Request, where: str, context: int, tokenizer=None) -> None:
     """One line naming `where` for a request the engine cannot run. Raises ValueError."""
     n = len(req.prompt)
     bad = ("an empty prompt" if n == 0 else
-           f"a prompt of {n} tokens; the model's context is {context} (shorten it)" if n >= context else
+           f"a prompt of {n} tokens; the model's context is {context} (shorten it)" if n > context else
            f"top_p={req.top_p}: it must be in (0, 1]" if not 0 < req.top_p <= 1 else
            f"min_p={req.min_p}: it must be in [0, 1]" if not 0 <= req.min_p <= 1 else
            f"top_k={req.top_k}: it must be >= 0" if req.top_k < 0 else
@@ -126,7 +128,7 @@ class Engine:
             check(r, f"request {i}", context, self.tokenizer)
         if not requests:
             return []
-        news = [min(r.max_new_tokens, context - len(r.prompt)) for r in requests]
+        news = [min(r.max_new_tokens, context + 1 - len(r.prompt)) for r in requests]  # (module docstring)
         length = min(context, -(-max(len(r.prompt) + n for r, n in zip(requests, news)) // 64) * 64)
         greedy = all(r.temperature == 0 for r in requests)
         stops = max(1, max(len(r.stop_ids) for r in requests))

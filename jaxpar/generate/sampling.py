@@ -4,9 +4,15 @@ Every row carries its own settings (`Sampling`, arrays `[batch]`) and its own ke
 fold_in(fold_in(key(seed), stream), token index), so a request's tokens depend on its seed, its stream (the n-th sample of a prompt) and its own
 history only, never on the other rows of the batch or on the layout.
 
-The filters run in the order Hugging Face's `generate` and vLLM apply them: temperature, then top-k (the k most likely),
-top-p (the smallest set of the most likely tokens whose probability reaches p), min-p (tokens at least min_p times the
-most likely one's probability, Nguyen et al. 2024), each on the distribution the previous ones left.
+The filters run in the order Hugging Face's `generate` applies them (its logits processors: temperature, top-k, top-p,
+min-p): temperature, then top-k (the k most likely), top-p (the smallest set of the most likely tokens whose
+probability reaches p), min-p (tokens at least min_p times the most likely one's probability, Nguyen et al. 2024),
+each on the distribution the previous ones left. (vLLM's sampler applies min-p before top-k and top-p, so with
+min-p and another filter together the two can keep different sets.)
+
+A token's log-prob is reported under the distribution it was drawn from (temperature and filters applied); a greedy
+row's is the model's at temperature 1 (what vLLM and transformers report for greedy decoding), the same number as the
+model log-prob beside it.
 """
 from __future__ import annotations
 
@@ -43,19 +49,20 @@ def _filtered(z, s: Sampling):
 
 def sample(logits, keys, s: Sampling, greedy_only: bool = False):
     """logits `[b, V]` (padded ids at -inf), keys `[b]` -> (tokens `[b]` int32, each token's log-prob under the
-    sampling distribution (0 for a greedy row) and under the model at temperature 1, float32 `[b]`).
+    sampling distribution (a greedy row: the model's) and under the model at temperature 1, float32 `[b]`).
 
     `greedy_only` (static): every row is greedy, so no sort is done."""
     logits = logits.astype(jnp.float32)
     model = jax.nn.log_softmax(logits, -1)
     if greedy_only:
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        return tok, jnp.zeros(tok.shape, jnp.float32), jnp.take_along_axis(model, tok[:, None], -1)[:, 0]
+        lp = jnp.take_along_axis(model, tok[:, None], -1)[:, 0]
+        return tok, lp, lp
     greedy = s.temperature <= 0
     z = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
     order = jnp.argsort(-z, axis=-1, stable=True)  # the most likely first; ties by the lower id, as argmax
     lp = jax.nn.log_softmax(_filtered(jnp.take_along_axis(z, order, -1), s), -1)
     pick = jnp.where(greedy, 0, jax.vmap(jax.random.categorical)(keys, lp))
     tok = jnp.take_along_axis(order, pick[:, None], -1)[:, 0].astype(jnp.int32)
-    lp_sampled = jnp.where(greedy, 0.0, jnp.take_along_axis(lp, pick[:, None], -1)[:, 0])
-    return tok, lp_sampled, jnp.take_along_axis(model, tok[:, None], -1)[:, 0]
+    lp_model = jnp.take_along_axis(model, tok[:, None], -1)[:, 0]
+    return tok, jnp.where(greedy, lp_model, jnp.take_along_axis(lp, pick[:, None], -1)[:, 0]), lp_model

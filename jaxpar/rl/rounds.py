@@ -14,9 +14,14 @@ is sampled again, the same.
 Metrics under TRL's names, averaged over the rounds since the last log: `reward`, `reward_std`,
 `rewards/<function>/mean|std`, `frac_reward_zero_std`, `completions/mean_length|min_length|max_length`,
 `completions/clipped_ratio`, `completions/mean_terminated_length|min_terminated_length|max_terminated_length`;
-`num_tokens` (prompt and completion tokens sampled since the run began). `grpo.log_completions` completions of each
-log step's round go to WORKDIR/completions.jsonl (prompt, completion, rewards, advantage), and to a W&B table when
-W&B is on. Evaluation: the held-out prompts' greedy completions, `val_reward` and `val_rewards/<function>/mean`.
+`num_tokens` (prompt and completion tokens sampled since the run began); what reward functions log with `log_metric`
+(each round's mean, averaged over the rounds, under its name, TRL's rule). `grpo.log_completions` completions of each
+log step's round go to WORKDIR/completions.jsonl (prompt, completion, rewards, the columns reward functions logged with
+`log_extra`, advantage), and to a W&B table when W&B is on. Reward functions are called as TRL calls them
+(`rewards.py`): the completions decoded without special tokens, `trainer_state` (`trainer_state`), `log_extra`,
+`log_metric`. Evaluation: the held-out prompts' greedy completions, `val_reward`, `val_rewards/<function>/mean`, and
+`val_<name>` for each `log_metric` of the evaluation's call (its `log_extra` columns are dropped: no evaluation
+completions are logged).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxpar import data
+from jaxpar.cluster import watchdog
 from jaxpar.dtypes import at_least_f32
 from jaxpar.data.prompts import stop_ids
 from jaxpar.generate.engine import Engine, Request
@@ -43,11 +49,12 @@ def _round_seed(seed: int, r: int, p: int) -> int:
     return int(np.random.SeedSequence([seed, r, p]).generate_state(1)[0] >> 1)  # an int32 seed
 
 
-def _shown(records, done) -> list:
-    """Each completion as the reward functions see it (`records[i]`: completion i's record): its text, or an
-    assistant message after a conversational prompt (TRL's form)."""
-    return [[{"role": "assistant", "content": c.text}] if isinstance(r.get("prompt"), list) else c.text
-            for r, c in zip(records, done)]
+def _shown(records, done, tokenizer) -> list:
+    """Each completion as the reward functions see it (`records[i]`: completion i's record): its tokens decoded
+    without special tokens, or that text as an assistant message after a conversational prompt (TRL's form)."""
+    texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) for c in done]
+    return [[{"role": "assistant", "content": t}] if isinstance(r.get("prompt"), list) else t
+            for r, t in zip(records, texts)]
 
 
 def _std(x) -> float:
@@ -78,7 +85,8 @@ class Rounds(Feed):
     def batch(self, step: int, state) -> dict:
         r = step // self.mu
         if r != self.round:
-            self.host, stats = self.sample(r, state["params"])
+            with watchdog.part("sampling"):  # (its own bound: the step watchdog's `part`)
+                self.host, stats = self.sample(r, state["params"])
             self.round, self.placed = r, self.place(self.host)
             if self.mu > 1:  # the old policy: these params, before the round's first pass
                 self.placed = rollout.with_old_logps(self.steps, state["params"], self.placed)
@@ -98,17 +106,25 @@ class Rounds(Feed):
         picked = self.train.take(r * self.B, self.B, self.seed)
         recs, prompts = [self.train.records[i] for i in picked], [self.train.ids[i] for i in picked]
         done = self.generate(params, prompts, r)
-        shown = _shown([recs[k // self.G] for k in range(len(done))], done)
-        g = self.config.grpo
-        rnd = rollout.round_batch(prompts, recs, done, self.fns, self.weights, self.G, g.scale_rewards, self.T,
-                                  texts=shown, mask_truncated=bool(g.mask_truncated_completions),
-                                  max_completion_length=self.room, replay=self.steps.objective.routing_replay)
+        shown = _shown([recs[k // self.G] for k in range(len(done))], done, self.tokenizer)
         lengths = np.array([len(c.tokens) for c in done])
         counted = int(sum(len(p) for p in prompts) * self.G + lengths.sum())
-        self.num_tokens += counted
-        self.keep_shown(r, recs, shown, rnd.per_function, rnd.advantages)
+        self.num_tokens += counted  # (before scoring: TRL's trainer_state counts the round's tokens)
+        g, log = self.config.grpo, rewards.RewardLog(len(done))
+        rnd = rollout.round_batch(prompts, recs, done, self.fns, self.weights, self.G, g.scale_rewards, self.T,
+                                  texts=shown, mask_truncated=bool(g.mask_truncated_completions),
+                                  max_completion_length=self.room, replay=self.steps.objective.routing_replay,
+                                  **log.kwargs(self.trainer_state(r * self.mu)))
+        self.keep_shown(r, recs, shown, rnd.per_function, rnd.advantages, log.extra)
         batch = {k: v for k, v in rnd.batch.items() if k != "old"}  # (the engine's: the training forward replaces)
-        return batch | {"tokens_counted": np.asarray(counted)}, self.stats(rnd, lengths, done)
+        return batch | {"tokens_counted": np.asarray(counted)}, log.means() | self.stats(rnd, lengths, done)
+
+    def trainer_state(self, global_step: int) -> rewards.TrainerState:
+        """What reward functions get as `trainer_state` after `global_step` optimizer steps."""
+        c = self.config
+        return rewards.TrainerState(global_step, int(c.train.steps), global_step * self.B / (self.mu * len(self.train)),
+                                    self.num_tokens, int(c.log.every_steps), int(c.eval.every_steps),
+                                    int(c.checkpoint.every_steps), self.is_main, self.is_main)
 
     def generate(self, params, prompts, r: int) -> list:
         engine = Engine.on_steps(self.steps, params, self.config, tokenizer=self.tokenizer,
@@ -131,13 +147,14 @@ class Rounds(Feed):
                       "completions/min_terminated_length": ended.min(),
                       "completions/max_terminated_length": ended.max()}
 
-    def keep_shown(self, r: int, recs, shown, per_fn, a) -> None:
-        """The first `grpo.log_completions` completions of the round, for the log."""
+    def keep_shown(self, r: int, recs, shown, per_fn, a, extra=None) -> None:
+        """The first `grpo.log_completions` completions of the round, for the log, with the `extra` columns
+        ({column: a value per completion}: `log_extra`'s) between the rewards and the advantage (TRL's table)."""
         n = min(int(self.config.grpo.log_completions), len(shown))
-        names = [name for name, _ in self.fns]
+        names, extra = [name for name, _ in self.fns], extra or {}
         self.shown = [{"round": r, "prompt": recs[k // self.G].get("prompt"), "completion": shown[k],
                        "rewards": {f: (None if np.isnan(v) else float(v)) for f, v in zip(names, per_fn[k])},
-                       "advantage": float(a[k])} for k in range(n)]
+                       **{col: vals[k] for col, vals in extra.items()}, "advantage": float(a[k])} for k in range(n)]
 
     # ---- the loop's asks ---------------------------------------------------------------------------------------
 
@@ -160,12 +177,16 @@ class Rounds(Feed):
             return {}
         recs, ids = self.val.records[:n], self.val.ids[:n]
         engine = Engine.on_steps(self.steps, state["params"], self.config, tokenizer=self.tokenizer, slots=min(n, 64))
-        done = engine.generate([Request(prompt=list(p), max_new_tokens=self.room, stop_ids=self.stops) for p in ids])
-        shown = _shown(recs, done)
+        with watchdog.part("evaluation sampling"):
+            done = engine.generate([Request(prompt=list(p), max_new_tokens=self.room, stop_ids=self.stops)
+                                    for p in ids])
+        shown, log = _shown(recs, done, self.tokenizer), rewards.RewardLog(len(done))
         per_fn = rewards.score(self.fns, [r.get("prompt") for r in recs], shown, [c.tokens for c in done], recs,
-                               max_completion_length=self.room)
+                               max_completion_length=self.room,
+                               **log.kwargs(self.trainer_state(int(jax.device_get(state["step"])))))
         with np.errstate(invalid="ignore"):
-            out = {"val_reward": float(np.nanmean(adv.rewards_of(per_fn, self.weights)))}
+            out = {f"val_{k}": v for k, v in log.means().items()}  # (log_extra's columns: dropped)
+            out |= {"val_reward": float(np.nanmean(adv.rewards_of(per_fn, self.weights)))}
             return out | {f"val_rewards/{name}/mean": float(np.nanmean(per_fn[:, j]))
                           for j, (name, _) in enumerate(self.fns)}
 

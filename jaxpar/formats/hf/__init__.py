@@ -24,6 +24,7 @@ import numpy as np
 from jaxpar import data
 from jaxpar.config import base_config
 from jaxpar.data import BPETokenizer
+from jaxpar.data import special
 from jaxpar.data.chat import chat_files
 from jaxpar.formats.hf import files, keys
 from jaxpar.formats.hf.config import (PREPROCESSOR, arch_of, hf_config, image_settings, model_settings, moe_family,
@@ -309,7 +310,8 @@ def hf_tensors(params, cfg):
 def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int, classes=None, image_mean: str = "",
          image_std: str = "") -> list[str]:
     """Write host params (canonical layer order) of `cfg` as an HF directory in `out` (which exists): config.json,
-    the weights in `dtype`, tokenizer.json and tokenizer_config.json; for a ViT (`tokenizer` unused), its `classes`
+    the weights in `dtype`, tokenizer.json, tokenizer_config.json and generation_config.json (the end ids,
+    `special.end_ids`, when the model has any); for a ViT (`tokenizer` unused), its `classes`
     names in config.json (None: "LABEL_i") and preprocessor_config.json with the run's `data.image_mean` /
     `data.image_std`. Returns the names written."""
     np_dtype = jnp.dtype(dtype)
@@ -343,7 +345,11 @@ def save(params, cfg, tokenizer, out: str, dtype: str, max_shard_bytes: int, cla
     with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.max_positions,
                    **tok_config}, f)
-    return names + ["config.json", TOKENIZER, "tokenizer_config.json"]
+    generation = special.generation_config(tokenizer, model_config.get("bos_token_id"))
+    if generation:  # every end id the checkpoint declared, as transformers' generate reads them
+        with open(os.path.join(out, special.GENERATION_CONFIG), "w") as f:
+            json.dump(generation, f, indent=2)
+    return names + ["config.json", TOKENIZER, "tokenizer_config.json"] + [special.GENERATION_CONFIG] * bool(generation)
 
 
 __all__ = ["HFError", "PREFIX", "apply", "check", "directory_of", "hf_tensors", "load", "load_params", "save",

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.data.packing import pairs_per_row
+from jaxpar.kernels.cross_entropy import place_rows
 from jaxpar.train.objectives.base import Objective
 
 
@@ -113,4 +114,4 @@ class ReferenceSums:
         # placed by a one-hot product, a sum over the microbatch's rows (one all-reduce over data), not a scatter
         # (which XLA partitions into all-gathers and collective permutes: XLA:CPU deadlocked on them)
         place = (mb["ids"][:, None] == jnp.arange(self.rows)).astype(sums.dtype)  # [microbatch rows, rows]
-        return jnp.zeros((), sums.dtype), jnp.einsum("br,bpk->rpk", place, sums)
+        return jnp.zeros((), sums.dtype), place_rows(place, sums)
