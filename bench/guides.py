@@ -29,11 +29,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUIDES = ("README.md", "docs/getting-started.md", "docs/checkpoints.md", "docs/models.md", "docs/layouts.md",
           "docs/pipeline.md", "docs/precision.md", "docs/moe.md", "docs/context.md", "docs/offload.md",
           "docs/planning.md", "docs/data.md", "docs/multihost.md", "docs/finetune.md", "docs/generate.md",
-          "docs/evaluate.md", "docs/rl.md", "docs/gpu.md", "docs/testing.md")
+          "docs/evaluate.md", "docs/rl.md", "docs/vision.md", "docs/gpu.md", "docs/testing.md")
 SKIP = (r"^pip install\b", r"^python3 -m venv\b", r"-m pytest\b", r"^python train\.py --config configs/llama3_8b\.py",
         r"\bsbatch\b", r"\$EDITOR", r"\btail -f\b", r"^tensorboard\b", r"^ssh\b", r"--coordinator\b",
         r"bench/gpu\.py", r"/path/to/", r"data/corpus", r"runs/llama3_8b\b", r"hf:meta-llama/",
-        r"configs/(llama3_8b|qwen3_30b_a3b|gpt_small|sft_llama3_8b)\.py(?!.*--dry_run)")
+        r"hf:google/", r"imagefolder:/data/",
+        r"configs/(llama3_8b|qwen3_30b_a3b|gpt_small|sft_llama3_8b|vit_huge)\.py(?!.*--dry_run)")
 EXPECT_ERROR = "#expect-error: "
 SETUP = re.compile(r"^(python3 -m venv \.venv && \. \.venv/bin/activate && )?pip install [^&]+&& ")  # dropped
 

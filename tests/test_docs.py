@@ -91,6 +91,19 @@ def test_every_key_rejects_a_value_of_the_wrong_kind():
             assert k.error(k.default) is None, k.name
 
 
+def test_every_page_gives_the_test_command_ci_runs():
+    """The README's test command is the one every page shows, with the extras `.ci/run` installs."""
+    def shown(page):
+        return set(re.findall(r"^.*pip install -e '[^']*'.*-m pytest.*$", page.read_text(), re.M))
+
+    readme = shown(ROOT / "README.md")
+    assert len(readme) == 1, readme
+    extras = re.search(r"-e '(\.\[[^]]*\])'", (ROOT / ".ci/run").read_text()).group(1)
+    assert f"-e '{extras}'" in next(iter(readme)), (extras, readme)
+    drift = {str(p.relative_to(ROOT)): shown(p) - readme for p in PAGES if shown(p) - readme}
+    assert not drift, drift
+
+
 def test_readme_is_a_landing_page():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines; move detail to docs/"
