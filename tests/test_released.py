@@ -140,3 +140,17 @@ def test_row_placement_is_exact_at_any_matmul_precision():
         text = jax.jit(lambda p, x, mb: head.head(fwd, p, x, mb)).lower(params, x, mb).as_text()
         dots = [line for line in text.splitlines() if "dot_general" in line and f"tensor<{rows}x{rows}xf32>" in line]
         assert dots and all(re.search(r"precision = \[HIGHEST, HIGHEST\]", d) for d in dots), (type(head), dots)
+
+
+def test_a_model_without_a_template_ends_at_its_eos_and_one_without_any_end_is_said_once(tmp_path, capsys):
+    """A bare tokenizer.json (a BPE trained by jaxpar: no tokenizer_config.json, no template) ends at its end-of-text
+    token; a byte tokenizer declares no end, said once on stderr however often it is asked."""
+    from jaxpar.data import BPETokenizer, ByteTokenizer, load_tokenizer
+
+    BPETokenizer.train(["the quick brown fox " * 20], 300).save(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert special.end_ids(tok, special.chat_format(tok)) == (tok.eot_id,) and tok.eot_id is not None
+    capsys.readouterr()
+    assert special.end_ids(ByteTokenizer()) == special.end_ids(ByteTokenizer()) == ()
+    err = capsys.readouterr().err
+    assert err.count("declares no end of sequence") == 1, err
