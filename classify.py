@@ -47,7 +47,7 @@ def main(argv):
 
     from jaxpar.data import DataError
     from jaxpar.data.image_batches import pixel_table
-    from jaxpar.data.images import fit
+    from jaxpar.data.image_decode import fit
 
     if not argv[1:]:
         sys.exit("error: name at least one image file: python classify.py --model DIR IMAGE [IMAGE ...]")

@@ -8,6 +8,7 @@ with the same logits and the run's preprocessing; transformers 5's module names 
 or another `model.num_classes`, give the blocks and a fresh head (said in one line); other vision models and ViT
 variants are refused in one line naming the file."""
 import json
+import os
 import shutil
 
 import jax
@@ -94,6 +95,28 @@ def test_import_gives_transformers_logits_on_one_device(vit):
     assert "data.tokenizer" not in got
     mine = vit_run(d, **{"data.image_std": "0.5"})  # the run's own std stays; the checkpoint's mean is taken
     assert (mine.data.image_mean, mine.data.image_std, mine.model.num_classes) == ("0.485,0.456,0.406", "0.5", 3)
+
+
+def test_classify_py_gives_transformers_probabilities_of_an_image_file(vit, tmp_path):
+    """`python classify.py --model hf:DIR IMAGE` (docs/vision.md): the image decoded, normalised and classified as
+    transformers' `ViTImageProcessor` and model do."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    model, d = vit
+    path = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (SIZE, SIZE, 3)).astype(np.uint8)).save(path)
+    res = subprocess.run([sys.executable, "classify.py", "--model", f"hf:{d}", str(path), "--top", "3"],
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = dict(x.rsplit(" ", 1) for x in res.stdout.strip().split(": ", 1)[1].split(", "))
+    pixels = transformers.ViTImageProcessor.from_pretrained(d)(Image.open(path), return_tensors="np")["pixel_values"]
+    probs = torch.softmax(torch.tensor(hf_logits(model, pixels)[0]), -1).numpy()
+    want = {model.config.id2label[i]: f"{probs[i]:.3f}" for i in np.argsort(-probs)[:3]}
+    assert got == want, (got, want)
 
 
 def test_placed_on_a_circular_pipeline_equals_one_device_and_gives_transformers_loss(vit):
