@@ -79,7 +79,7 @@ def trl_loss(lp, old, ref, adv, mask, s):
     if s["loss_type"] == "gspo":  # importance_sampling_level="sequence"
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
     coef_1 = torch.exp(log_ratio)
-    kl = torch.exp(ref - lp) - (ref - lp) - 1
+    kl = (torch.exp(ref - lp) - (ref - lp) - 1) * (coef_1 if s["bias_kl"] else 1)  # use_bias_correction_kl
     if s["loss_type"] == "cispo":
         per_token = -torch.clamp(coef_1, max=s["eps_high"]).detach() * adv * lp
     else:
@@ -166,7 +166,7 @@ def grpo_config(policy_dir, s, **over):
                        "grpo.epsilon": s["eps"], "grpo.epsilon_high": s["eps_high"], "grpo.beta": s["beta"],
                        "grpo.max_completion_length": s["max_len"], "grpo.num_generations": G,
                        "grpo.scale_rewards": s["scale"], "grpo.mask_truncated_completions": s["mask_truncated"],
-                       **over})
+                       "grpo.use_bias_correction_kl": s["bias_kl"], **over})
     return float64_config(hf.apply(c, say=False))
 
 
@@ -177,9 +177,9 @@ def jaxpar_batch(rnd, s, inputs):
                                     truncated if s["mask_truncated"] else None, inputs["ref"] if s["beta"] else None)
 
 
-def settings(loss_type, scale="group", beta=0.0, eps=0.2, eps_high=0.0, mask_truncated=False):
+def settings(loss_type, scale="group", beta=0.0, eps=0.2, eps_high=0.0, mask_truncated=False, bias_kl=True):
     return dict(loss_type=loss_type, scale=scale, beta=beta, eps=eps, eps_high=eps_high or eps, max_len=10,
-                mask_truncated=mask_truncated, weights=(1.0, 0.5))
+                mask_truncated=mask_truncated, weights=(1.0, 0.5), bias_kl=bias_kl)
 
 
 def check_against_torch(models, s, over=None, devices=1, noise=0.3, seed=0):
@@ -205,12 +205,12 @@ def check_against_torch(models, s, over=None, devices=1, noise=0.3, seed=0):
     return clipped
 
 
-CASES = {  # every loss type and reward scaling; KL on and off; clipping active (noise 0.3 on the old log-probs) or not
-    "dapo_group_kl": settings("dapo", "group", beta=0.1),
+CASES = {  # every loss type and reward scaling; KL on (its bias correction on and off) and off; clipping active
+    "dapo_group_kl": settings("dapo", "group", beta=0.1, bias_kl=True),  # (noise 0.3 on the old log-probs) or not
     "grpo_batch": settings("grpo", "batch", mask_truncated=True),
-    "dr_grpo_none_kl_unclipped": settings("dr_grpo", "none", beta=0.05, eps=0.99, eps_high=100.0),
+    "dr_grpo_none_kl_unclipped": settings("dr_grpo", "none", beta=0.05, eps=0.99, eps_high=100.0, bias_kl=False),
     "bnpo_group_truncated": settings("bnpo", "group", mask_truncated=True),
-    "gspo_batch_kl": settings("gspo", "batch", beta=0.1, eps=0.03, eps_high=0.04),
+    "gspo_batch_kl": settings("gspo", "batch", beta=0.1, eps=0.03, eps_high=0.04, bias_kl=True),
     "cispo_none": settings("cispo", "none", eps_high=1.2),
 }
 

@@ -26,7 +26,8 @@ TRL_METRICS = ("reward", "reward_std", "rewards/odd/mean", "rewards/odd/std", "f
 
 @pytest.fixture(scope="module")
 def material(tmp_path_factory):
-    """A tiny chat Llama (hf:DIR), 40 conversational prompt records, and a reward on the completion's token ids."""
+    """A tiny chat Llama (hf:DIR), 40 conversational prompt records, and a reward on the completion's token ids written
+    for TRL: it reads `trainer_state`, logs a metric (`log_metric`) and a column of the completions (`log_extra`)."""
     root = tmp_path_factory.mktemp("rl")
     chat_tokenizer(root / "base")
     from jaxpar.data import BPETokenizer
@@ -35,8 +36,10 @@ def material(tmp_path_factory):
         for i in range(40):
             f.write(json.dumps({"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
                                 "solution": str(2 * i)}) + "\n")
-    (root / "reward.py").write_text("def odd(completion_ids, solution, **kw):\n"
+    (root / "reward.py").write_text("def odd(completion_ids, solution, trainer_state, log_metric, log_extra, **kw):\n"
                                     "    assert len(solution) == len(completion_ids)\n"
+                                    "    log_metric('seen_step', trainer_state.global_step)\n"
+                                    "    log_extra('ids', [list(c) for c in completion_ids])\n"
                                     "    return [sum(i % 2 for i in c) / len(c) for c in completion_ids]\n")
     return root
 
@@ -65,9 +68,12 @@ TIMING = ("tokens_per_s", "step_time_s", "tflops_per_device", "mfu", "data_wait_
 def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path, monkeypatch):
     """4 steps on (data=2), mu = 1, epsilon 0: every TRL metric logged; no token clipped at any step (the ratio of the
     policy to itself is exactly 1); the k3 KL exactly 0 at step 1 (the reference is the starting model) and > 0
-    after updates; completions.jsonl holds the logged completions with their rewards, W&B a table of them per log;
-    the held-out reward."""
+    after updates; completions.jsonl holds the logged completions with their rewards and the reward's `log_extra`
+    column, shown as TRL shows them (transformers' `decode(ids, skip_special_tokens=True)`), W&B a table of them per
+    log; the reward's `log_metric` of `trainer_state.global_step` (the steps before the round); the held-out
+    reward."""
     pytest.importorskip("wandb")
+    transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("WANDB_MODE", "offline")
     work = tmp_path / "run"
     c = grpo_config(material)
@@ -83,12 +89,19 @@ def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path,
     assert got[1]["frac_reward_zero_std"] < 1 and got[1]["reward_std"] > 0  # a learning signal to follow
     assert got[1]["num_tokens"] < got[2]["num_tokens"] < got[4]["num_tokens"]
     assert "val_reward" in got[4] and 0 <= got[4]["val_reward"] <= 1
+    assert [got[s]["seen_step"] for s in (1, 2, 3, 4)] == [0, 1, 2, 3] and got[4]["val_seen_step"] == 4
     with open(work / "checkpoints" / "4" / "state" / "_METADATA") as f:  # beta > 0, full fine-tuning: a frozen copy
         assert "reference" in f.read()
     with open(work / "completions.jsonl") as f:
         logged = [json.loads(line) for line in f]
     assert len(logged) == 4 * 4 and logged[0]["prompt"][0]["role"] == "user"
     assert logged[0]["completion"][0]["role"] == "assistant" and set(logged[0]["rewards"]) == {"odd"}
+    assert list(logged[0]) == ["step", "round", "prompt", "completion", "rewards", "ids", "advantage"]  # TRL's order
+    hf = transformers.AutoTokenizer.from_pretrained(str(material / "base"))
+    for row in logged:
+        assert row["completion"][0]["content"] == hf.decode(row["ids"], skip_special_tokens=True), row
+    special = {i for i, t in hf.added_tokens_decoder.items() if t.special}
+    assert any(set(row["ids"]) & special for row in logged)  # (special tokens were sampled, and are not shown)
     from helpers import wandb_records
     tables = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
               for f in (work / "wandb").glob("offline-run-*/run-*.wandb") for rec in wandb_records(f)

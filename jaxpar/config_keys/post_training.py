@@ -39,6 +39,9 @@ POST_TRAINING = (
     K("grpo.epsilon", 0.2, float, "the ratio's lower clip 1 - epsilon", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     K("grpo.epsilon_high", 0.0, float, "upper clip 1 + epsilon_high (cispo: the cap); 0: epsilon", lambda v: v >= 0),
     K("grpo.beta", 0.0, float, "the k3 KL-to-reference weight; 0: no reference", lambda v: 0 <= v < _INF, ">= 0"),
+    K("grpo.use_bias_correction_kl", True, bool, "the KL term's k3 times the importance ratio pi / pi_old (TRL's "
+      "`use_bias_correction_kl`): the estimate on the old policy's samples corrected to the policy's "
+      "([rl](rl.md#losses))"),
     K("grpo.max_completion_length", 256, int, "tokens per completion at most", lambda v: v >= 1, "an integer >= 1"),
     K("grpo.mask_truncated_completions", False, bool, "completions cut at max_completion_length: out of the loss"),
     K("grpo.num_generations", 8, int, "G: completions per prompt", lambda v: v >= 2, "an integer >= 2"),

@@ -264,7 +264,7 @@ RUN = (
       "(below); 0: off"),
     K("dist.step_timeout_min_s", 60.0, float, "auto step bound: at least this"),
     K("dist.step_timeout_factor", 20.0, float, "auto step bound: this × the slowest step so far (the first, "
-      "compiling step is not timed)"),
+      "compiling step is not timed); a GRPO round's sampling: this × the slowest round's ([multihost](multihost.md))"),
     K("dist.init_timeout_s", 300.0, float, "seconds for every process to join at start-up",
       lambda v: 0 < v < _INF, "a number of seconds > 0"),
 )

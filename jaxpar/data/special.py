@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+from jaxpar.data import chat
 from jaxpar.data.common import DataError
 
 GENERATION_CONFIG = "generation_config.json"
@@ -47,8 +48,6 @@ def generation_eos(directory) -> list[int]:
 
 def _tokenizer_eos(tok, directory) -> int | None:
     """The tokenizer's end of sequence: tokenizer_config.json's `eos_token`, else its end-of-text token."""
-    from jaxpar.data import chat
-
     name = chat._token_text(chat._read_config(Path(directory)).get("eos_token")) if directory else None
     hf = getattr(tok, "hf", None)
     found = hf.token_to_id(name) if name and hf is not None else None
@@ -76,8 +75,6 @@ def end_ids(tok, fmt=None, say: bool = True) -> tuple[int, ...]:
 def chat_format(tok):
     """The chat format of the tokenizer's directory (`chat.ChatFormat`: its template and special tokens), or None
     when it has no chat template (or no tokenizer.json: a byte tokenizer)."""
-    from jaxpar.data import chat
-
     directory = getattr(tok, "directory", None)
     if directory is None or chat.find_template(directory) is None:
         return None
@@ -100,8 +97,6 @@ def encode_prompt(prompt, tok, fmt=None, where: str = "") -> list[int]:
 
     Raises:
       DataError: a conversation with no chat template, or a malformed one (naming `where`)."""
-    from jaxpar.data import chat
-
     if isinstance(prompt, str):
         return list(tok.encode(prompt, add_special_tokens=True))
     if fmt is None:

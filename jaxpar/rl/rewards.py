@@ -1,10 +1,15 @@
 """Reward functions, called as TRL calls them, and the built-in ones (`grpo.rewards`, `grpo.reward_weights`).
 
-A reward function takes keywords: `prompts`, `completions` (strings, or message lists for conversational records),
-`completion_ids` (lists of token ids), `max_completion_length`, and every other column of the records (e.g.
-`solution`), one value per completion; it returns one float or None (not applicable) per completion. `load` reads
-`grpo.rewards` (comma-separated `MODULE:FUNCTION` or `FILE.py:FUNCTION`); `score` calls them, `[completions,
-functions]` float64 with None as NaN.
+A reward function takes keywords, as TRL's `GRPOTrainer` passes them: `prompts`, `completions` (the completions'
+text decoded without special tokens, TRL's `batch_decode(..., skip_special_tokens=True)`; after a conversational
+prompt an assistant message list `[{"role": "assistant", "content": text}]`), `completion_ids` (lists of token ids),
+every column of the records but `prompt`, `completion` and `completion_ids` (e.g. `solution`), one value per
+completion; from the loop (`rl/rounds.py`) `trainer_state` (`TrainerState`: transformers' `TrainerState` names),
+`log_extra(column, values)` (one value per completion: a column of the logged completions) and `log_metric(name,
+value)` (a scalar logged with the metrics), both `RewardLog`'s; and `max_completion_length` (jaxpar's: the built-in
+`soft_overlong` reads it). It returns one float or None (not applicable) per completion. `load` reads `grpo.rewards`
+(comma-separated `MODULE:FUNCTION` or `FILE.py:FUNCTION`); `score` calls them, `[completions, functions]` float64
+with None as NaN.
 
 Built in (`jaxpar.rl.rewards:NAME`):
 - `exact_answer`: 1.0 when the completion's answer (inside `<answer>...</answer>` if it has one, else the whole text)
@@ -18,6 +23,8 @@ Built in (`jaxpar.rl.rewards:NAME`):
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 
@@ -28,6 +35,61 @@ from jaxpar.data.common import DataError, user_function
 
 class RewardError(DataError):
     """A reward function that cannot be found or that answers wrongly: one line naming it."""
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """What TRL passes reward functions as `trainer_state` (transformers' `TrainerState`, its attribute names):
+    `global_step` the optimizer steps done before the round's first update, `max_steps` `train.steps`, `epoch` the
+    prompts consumed / the training prompts, `num_input_tokens_seen` the prompt and completion tokens sampled (this
+    round's included, as TRL counts them before scoring), the log, eval and save intervals in steps."""
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+    num_input_tokens_seen: int = 0
+    logging_steps: int = 0
+    eval_steps: int = 0
+    save_steps: int = 0
+    is_local_process_zero: bool = True
+    is_world_process_zero: bool = True
+
+
+def _plain(v):
+    """A value as JSON holds it (completions.jsonl, the round file beside a checkpoint): numpy scalars as Python's,
+    anything else JSON cannot write as its `str`."""
+    v = v.item() if isinstance(v, np.generic) else v
+    try:
+        json.dumps(v)
+        return v
+    except (TypeError, ValueError):
+        return str(v)
+
+
+class RewardLog:
+    """The `log_extra` and `log_metric` that reward functions get (TRL's `_log_completion_extra`, `_log_metric`) for
+    one call of `n` completions: `extra` {column: a value per completion} (a column logged again is replaced),
+    `metrics` {name: the values logged}."""
+
+    def __init__(self, n: int):
+        self.n, self.extra, self.metrics = n, {}, {}
+
+    def log_extra(self, column: str, values) -> None:
+        values = list(values)
+        if len(values) != self.n:
+            raise RewardError(f"log_extra({column!r}, ...) got {len(values)} values for {self.n} completions; "
+                              f"give one per completion.")
+        self.extra[str(column)] = [_plain(v) for v in values]
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def kwargs(self, trainer_state: TrainerState) -> dict:
+        """The keywords of TRL's calling convention that come from the loop."""
+        return {"trainer_state": trainer_state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def means(self) -> dict:
+        """Each metric's mean over this call's values (TRL: one value per metric per round)."""
+        return {k: float(np.mean(v)) for k, v in self.metrics.items()}
 
 
 def _text(completion) -> str:
@@ -89,15 +151,21 @@ def load(rewards: str, weights: str = "") -> tuple[list, np.ndarray]:
     return fns, np.asarray(w, np.float64)
 
 
+_NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # (TRL passes every other column of the records)
+
+
 def score(fns, prompts, completions, completion_ids, records, **extra) -> np.ndarray:
-    """Every function on every completion (records[i]: completion i's record, its columns as keywords) -> `[N, F]`
-    float64, None as NaN; a function that raises or returns another number of values is one line naming it."""
-    columns = {k: [r.get(k) for r in records] for k in records[0] if k != "prompt"} if records else {}
+    """Every function on every completion (records[i]: completion i's record, its columns but `_NOT_COLUMNS` as
+    keywords; `extra` keywords besides, over a column of the same name) -> `[N, F]` float64, None as NaN; a function
+    that raises or returns another number of values is one line naming it."""
+    columns = {k: [r.get(k) for r in records] for k in records[0] if k not in _NOT_COLUMNS} if records else {}
     out = np.full((len(completions), len(fns)), np.nan)
     for j, (name, fn) in enumerate(fns):
         try:
-            got = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
-                          **extra))
+            got = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                          **(columns | extra)))
+        except RewardError as e:  # (log_extra's)
+            raise RewardError(f"reward function {name!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 - the user's function: said in one line with its record
             raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} (on the round's first "
                               f"record {str(records[0])[:120] if records else ''}).") from None

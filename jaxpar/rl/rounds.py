@@ -18,7 +18,7 @@ Metrics under TRL's names, averaged over the rounds since the last log: `reward`
 (each round's mean, averaged over the rounds, under its name, TRL's rule). `grpo.log_completions` completions of each
 log step's round go to WORKDIR/completions.jsonl (prompt, completion, rewards, the columns reward functions logged with
 `log_extra`, advantage), and to a W&B table when W&B is on. Reward functions are called as TRL calls them
-(`rewards.py`): the completions decoded without special tokens, `trainer_state` (`trainer_state`), `log_extra`,
+(`rewards.py`): the completions decoded without special tokens, `trainer_state` (`Rounds.trainer_state`), `log_extra`,
 `log_metric`. Evaluation: the held-out prompts' greedy completions, `val_reward`, `val_rewards/<function>/mean`, and
 `val_<name>` for each `log_metric` of the evaluation's call (its `log_extra` columns are dropped: no evaluation
 completions are logged).

@@ -12,15 +12,18 @@ pi, pi_old, pi_ref the three log-probs' models, r = pi / pi_old and A the comple
     clipped (dapo, grpo, dr_grpo, bnpo):  -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
     gspo: the same with r the sequence's ratio exp(mean over its tokens of log r) (GSPO, Zheng et al. 2025)
     cispo: -min(r, epsilon_high) A log pi, the min not differentiated (MiniMax-M1)
-    plus beta (exp(pi_ref - pi) - (pi_ref - pi) - 1), the k3 estimate of KL(pi || pi_ref) (`grpo.beta` > 0).
+    plus beta k3 r with `grpo.use_bias_correction_kl` (TRL's default), beta k3 without, k3 = exp(pi_ref - pi) -
+    (pi_ref - pi) - 1 the k3 estimate of KL(pi || pi_ref) (`grpo.beta` > 0): r (gspo's the sequence's) corrects the
+    estimate, taken on pi_old's samples, to pi; it is differentiated, so it changes the gradient even where r is 1.
 
 Normalised over the whole optimizer step (every microbatch and data shard; `total`), whatever the layout:
 `dapo`, `bnpo`, `cispo` the step's completion tokens; `grpo`, `gspo` each completion's token mean, then the mean over
 the step's completions; `dr_grpo` the step's completions x `grpo.max_completion_length`. TRL normalises `bnpo`,
 `grpo` and `dr_grpo` per micro-batch and process (then averages), which equals this only when every micro-batch holds
 the same number of tokens (bnpo) or completions; `dapo` and `cispo` are global there too (docs/rl.md).
-Metrics as TRL names them: `kl`, `entropy` (per completion token), `clip_ratio/low_mean`, `clip_ratio/high_mean`,
-`clip_ratio/region_mean` (per token; gspo per completion), `cispo_clip_ratio`; `completion_tokens`.
+Metrics as TRL names them: `kl` (the KL term's k3, r times it with the correction), `entropy` (per completion
+token), `clip_ratio/low_mean`, `clip_ratio/high_mean`, `clip_ratio/region_mean` (per token; gspo per completion),
+`cispo_clip_ratio`; `completion_tokens`.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.dtypes import at_least_f32
+from jaxpar.kernels.cross_entropy import place_rows
 from jaxpar.train.objectives.base import Objective
 _CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -47,6 +51,7 @@ class GRPO(Objective):
     reference: str = ""  # with beta > 0 the model the run starts from (`Objective.starting_model`)
     temperature: float = 1.0  # the sampling temperature: every log-prob is of softmax(logits / temperature), as TRL
     routing_replay: bool = False  # a MoE model's batches carry `routes`: the experts of each position when sampled
+    use_bias_correction_kl: bool = True  # the KL term's k3 times the ratio r (TRL's `use_bias_correction_kl`)
     name = "grpo"
     section = "grpo"
     data_kinds = ("prompts",)
@@ -64,7 +69,8 @@ class GRPO(Objective):
         eps, beta = float(g.epsilon), float(g.beta)
         return cls(str(g.loss_type), eps, float(g.epsilon_high) or eps, beta, int(g.max_completion_length),
                    int(g.num_generations), int(g.num_iterations), cls.starting_model(config) if beta > 0 else "",
-                   float(g.temperature), bool(g.routing_replay) and int(config.model.experts) > 0)
+                   float(g.temperature), bool(g.routing_replay) and int(config.model.experts) > 0,
+                   bool(g.use_bias_correction_kl))
 
     def reference_head(self, rows: int):
         return TokenLogps(rows, self.temperature)
@@ -97,7 +103,8 @@ class GRPO(Objective):
         return errs
 
     def per_token(self, lp, mb):
-        """(per-token loss `[rows, seq]` (gspo, cispo: broadcast from `[rows, 1]`), the ratio r, its advantage)."""
+        """(per-token loss `[rows, seq]` (gspo, cispo: broadcast from `[rows, 1]`), the ratio r, its advantage, the
+        KL term's per-token k3 (times r with the bias correction; None at beta 0))."""
         w = mb["w"]
         adv = mb["advantages"].astype(lp.dtype)[:, None]
         old = mb["old"].astype(lp.dtype) if "old" in mb else jax.lax.stop_gradient(lp)  # mu = 1: the policy's own
@@ -110,9 +117,11 @@ class GRPO(Objective):
         else:
             clipped = jnp.clip(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
             loss = -jnp.minimum(ratio * adv, clipped * adv)
+        kl = None
         if self.beta > 0:
-            loss = loss + self.beta * self.kl(lp, mb)
-        return loss, ratio, adv
+            kl = self.kl(lp, mb) * ratio if self.use_bias_correction_kl else self.kl(lp, mb)
+            loss = loss + self.beta * kl
+        return loss, ratio, adv, kl
 
     @staticmethod
     def kl(lp, mb):
@@ -133,11 +142,11 @@ class GRPO(Objective):
         lp = fwd.token_logps(params, x, mb["y"], self.temperature)
         entropy = fwd.token_entropy(params, x, self.temperature).astype(lp.dtype)
         w = mb["w"].astype(lp.dtype)
-        loss, ratio, adv = self.per_token(lp, mb)
+        loss, ratio, adv, kl = self.per_token(lp, mb)
         per_seq = (loss * w).sum(-1)
         if self.loss_type in ("grpo", "gspo"):
             per_seq = per_seq / jnp.maximum(w.sum(-1), 1)
-        kl = (self.kl(lp, mb) * w).sum() if self.beta > 0 else jnp.zeros((), lp.dtype)
+        kl = (kl * w).sum() if self.beta > 0 else jnp.zeros((), lp.dtype)
         count = jnp.stack([w.sum(), jnp.asarray(w.shape[0], lp.dtype), (entropy * w).sum(), kl,
                            *self.clip_sums(ratio, adv, w)])
         return per_seq.sum(), count
@@ -175,4 +184,4 @@ class TokenLogps:
     def head(self, fwd, params, x, mb):
         lp = fwd.token_logps(params, x, mb["y"], self.temperature)
         place = (mb["ids"][:, None] == jnp.arange(self.rows)).astype(lp.dtype)
-        return jnp.zeros((), lp.dtype), jnp.einsum("br,bs->rs", place, lp)
+        return jnp.zeros((), lp.dtype), place_rows(place, lp)
