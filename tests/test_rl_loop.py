@@ -71,14 +71,19 @@ def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path,
     after updates; completions.jsonl holds the logged completions with their rewards and the reward's `log_extra`
     column, shown as TRL shows them (transformers' `decode(ids, skip_special_tokens=True)`), W&B a table of them per
     log; the reward's `log_metric` of `trainer_state.global_step` (the steps before the round); the held-out
-    reward."""
+    reward; each round's sampling (and the held-out generation) timed by the step watchdog as a part of its own
+    (`watchdog.part`: tests/test_failures.py tries its bounds)."""
     pytest.importorskip("wandb")
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("WANDB_MODE", "offline")
+    from jaxpar.cluster import watchdog
+    parts, part = [], watchdog.part
+    monkeypatch.setattr(watchdog, "part", lambda name: parts.append(name) or part(name))
     work = tmp_path / "run"
     c = grpo_config(material)
     c.log.wandb_project = "grpo"
     trainer.run(c, str(work), jax.devices()[:2])
+    assert parts == ["sampling"] * 4 + ["evaluation sampling"], parts  # a round per step (mu = 1), one evaluation
     got = rows(work)
     assert sorted(got) == [1, 2, 3, 4]
     for step, r in got.items():
