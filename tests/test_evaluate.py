@@ -1,7 +1,8 @@
 """lm-eval over jaxpar (`jaxpar/evaluate`) against lm-eval's own `hf` backend on the same tiny random Llama
 directory: per request the log-likelihoods (float32, rel 1e-4) and is_greedy, the rolling log-likelihoods, the
 greedy generations (stop sequences), and the task metrics; on 1 device and on (data 2, tensor 2, stage 2) 1F1B
-(the pipeline's own forward). Tasks: local YAMLs in tests/fixtures/lm_eval (multiple choice, rolling, generation)."""
+(the pipeline's own forward; its microbatches, not given, picked: mesh.stage). Tasks: local YAMLs in
+tests/fixtures/lm_eval (multiple choice, rolling, generation)."""
 import os
 
 import jax
@@ -18,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = ["jaxpar_mc", "jaxpar_rolling", "jaxpar_gen"]
 LAYOUTS = {"one_device": ([], 1),
            "2x2x2_1f1b": (["--config.mesh.data=2", "--config.mesh.tensor=2", "--config.mesh.stage=2",
-                           "--config.pipeline.schedule=1f1b", "--config.train.microbatches=2"], 8)}
+                           "--config.pipeline.schedule=1f1b"], 8)}  # train.microbatches not given: mesh.stage
 
 
 def tiny_llama(directory):
@@ -87,6 +88,8 @@ def assert_same(got, want):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tasks_equal_lm_eval_hf_backend(model_dir, hf_results, layout):
+    from lm_eval.api.instance import Instance
+
     from jaxpar.evaluate.lm import JaxparLM
     from jaxpar.generate.engine import Request
     from jaxpar.generate.source import on_layout
@@ -94,6 +97,7 @@ def test_tasks_equal_lm_eval_hf_backend(model_dir, hf_results, layout):
     overrides, n = LAYOUTS[layout]
     source = on_layout("hf:" + model_dir, overrides, 4, devices=jax.devices()[:n])
     assert dict(source.steps.mesh.shape)["stage"] == (2 if n == 8 else 1)
+    assert int(source.config.train.microbatches) == (2 if n == 8 else 1)
     got_lm = JaxparLM(source=source, batch_size=4)
     got = evaluate(got_lm)
     hf_lm, want = hf_results
@@ -109,6 +113,12 @@ def test_tasks_equal_lm_eval_hf_backend(model_dir, hf_results, layout):
     ours, theirs = got_lm._loglikelihood_tokens(reqs), hf_lm._loglikelihood_tokens(reqs)
     assert all(g for _, g in ours) and all(g for _, g in theirs)
     np.testing.assert_allclose([lp for lp, _ in ours], [lp for lp, _ in theirs], rtol=1e-4)
+    # an empty continuation: (0.0, True) as the hf backend has it, nothing computed (the other request unchanged)
+    reqs = [Instance("loglikelihood", {}, args, i) for i, args in enumerate(
+        [("Question: the lazy dog", ""), ("Question: the lazy dog", " jumps")])]
+    ours, theirs = got_lm.loglikelihood(reqs), hf_lm.loglikelihood(reqs)
+    assert ours[0] == theirs[0] == (0.0, True)
+    np.testing.assert_allclose(ours[1][0], theirs[1][0], rtol=1e-4)
 
 
 def test_command_line_writes_lm_eval_results(model_dir, hf_results, tmp_path, capsys):

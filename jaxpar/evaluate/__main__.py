@@ -1,13 +1,15 @@
 """`python -m jaxpar.evaluate --model SRC --tasks T1,T2 [--num_fewshot K] [--limit N] [--include_path DIR]
 [--log_samples] [--output_path DIR] [--apply_chat_template [NAME]] [--system_instruction TEXT]
-[--fewshot_as_multiturn] [--batch_size B] [--max_gen_toks N] [--config.mesh.* ...]`
+[--fewshot_as_multiturn [BOOL]] [--batch_size B] [--max_gen_toks N] [--config.mesh.* ...]`
 
 lm-eval's tasks on a jaxpar model laid out on the mesh the `--config.*` overrides give: SRC is a run directory
 (`DIR@STEP` for another checkpoint than the latest), an export, `hf:DIR` or `hf:ORG/NAME`. Runs through lm-eval's
 own `simple_evaluate`; the results JSON and the samples (`--log_samples`) are written by lm-eval's
 `EvaluationTracker` under `--output_path`, in its format; a table at the end. Tasks are loaded before the model:
 a task whose dataset is neither local nor in the Hugging Face cache, where nothing can be fetched, is one line
-naming the dataset and the `hf download` command. Guide: docs/evaluate.md.
+naming the dataset and the `hf download` command. `--fewshot_as_multiturn` is lm-eval's CLI flag: true/1/yes
+(bare: true), anything else false; unset, true with `--apply_chat_template` and false without (true without it is
+an error). Guide: docs/evaluate.md.
 """
 from __future__ import annotations
 
@@ -33,11 +35,24 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--apply_chat_template", nargs="?", const=True, default=False,
                    help="render prompts with the model's chat template (optionally a template's name)")
     p.add_argument("--system_instruction", default=None)
-    p.add_argument("--fewshot_as_multiturn", action="store_true")
+    p.add_argument("--fewshot_as_multiturn", type=lambda x: x.lower() in ("true", "1", "yes"), nargs="?", const=True,
+                   default=None, metavar="BOOL", help="few-shot examples as chat turns (default: with "
+                                                      "--apply_chat_template)")
     p.add_argument("--batch_size", type=int, default=8, help="rows per forward pass")
     p.add_argument("--max_gen_toks", type=int, default=256, help="generation's default token budget")
     overrides = [a for a in argv if a.startswith("--config.")]
     return p.parse_args([a for a in argv if not a.startswith("--config.")]), overrides
+
+
+def multiturn(args) -> bool:
+    """`--fewshot_as_multiturn` as lm-eval's CLI resolves it (`EvaluatorConfig`): unset, whether a chat template is
+    applied. Raises ConfigError: true without `--apply_chat_template`."""
+    if args.fewshot_as_multiturn is None:
+        return bool(args.apply_chat_template)
+    if args.fewshot_as_multiturn and not args.apply_chat_template:
+        raise ConfigError("--fewshot_as_multiturn renders the few-shot examples as chat turns: give "
+                          "--apply_chat_template too (or leave it out).")
+    return bool(args.fewshot_as_multiturn)
 
 
 def run(args, overrides: list[str]) -> dict:
@@ -45,6 +60,7 @@ def run(args, overrides: list[str]) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
 
+    chat_turns = multiturn(args)
     register()
     names = [t for t in args.tasks.split(",") if t]
     manager = load_tasks(names, args.include_path)
@@ -55,7 +71,7 @@ def run(args, overrides: list[str]) -> dict:
         model="jaxpar", model_args=model_args, tasks=names, num_fewshot=args.num_fewshot, batch_size=args.batch_size,
         limit=int(args.limit) if args.limit and args.limit >= 1 else args.limit, log_samples=args.log_samples,
         evaluation_tracker=tracker, system_instruction=args.system_instruction,
-        apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=args.fewshot_as_multiturn,
+        apply_chat_template=args.apply_chat_template, fewshot_as_multiturn=chat_turns,
         task_manager=manager)
     write(results, tracker, args.log_samples)
     return results

@@ -9,11 +9,14 @@ backend does:
   (BOS, else EOS);
 - `loglikelihood`: requests sorted longest first into batches, each one row (context + continuation, the last
   `max_length + 1` tokens), the continuation's log-prob summed and `is_greedy` = every continuation token is the
-  argmax; computed by the layout's engine (`scores.Scores`), the params where training keeps them;
+  argmax; computed by the layout's engine (`scores.Scores`), the params where training keeps them; an empty
+  continuation scores (0.0, True), nothing computed;
 - `loglikelihood_rolling`: lm-eval's disjoint rolling windows of `max_length` tokens, summed per document;
 - `generate_until`: greedy decoding by the generation engine on the training mesh (`jaxpar/generate/engine.py`: KV
-  cache, slots refilled as rows finish), a row stopping at EOS, at any `until` string in its decoded text, or after
-  `max_gen_toks` tokens; the text cut at the first stop string;
+  cache, slots refilled as rows finish), a row stopping at any of the checkpoint's end ids (`special.end_ids`:
+  generation_config.json's `eos_token_id` list, the tokenizer's EOS, the chat template's end of turn; where
+  transformers' `generate` stops), at any `until` string in its decoded text, or after `max_gen_toks` tokens; the
+  end ids dropped, the text cut at the first stop string;
 - chat: `apply_chat_template`, `tokenizer_name`, `chat_template` as lm-eval's API asks (`--apply_chat_template`,
   `--system_instruction`, `--fewshot_as_multiturn` are lm-eval's own over these).
 """
@@ -27,10 +30,22 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
     postprocess_generated_text
 from tqdm import tqdm
 
+from jaxpar.data import special
+from jaxpar.data.common import DataError
 from jaxpar.evaluate.scores import score
 from jaxpar.evaluate.tokens import hf_tokenizer_of
 from jaxpar.generate.engine import Engine, Request
 from jaxpar.generate.source import on_layout
+
+
+def _chat_of(source):
+    """The source's chat format; one given without (evaluation during training) gets its tokenizer's, if any."""
+    if source.chat is not None:
+        return source.chat
+    try:
+        return special.chat_format(source.tokenizer)
+    except DataError:  # a template the chat format cannot read: no end of turn from it (as `source.load` has it)
+        return None
 
 
 @register_model("jaxpar")
@@ -55,6 +70,7 @@ class JaxparLM(TemplateLM):
         self._max_gen_toks, self.add_bos_token = int(max_gen_toks), add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self.chat_template_args = {}
+        self.end_ids = special.end_ids(source.tokenizer, _chat_of(source))  # where generations end (dropped)
 
     # ------------------------------------------------------------------------------------------ tokens
 
@@ -117,13 +133,18 @@ class JaxparLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw) -> list[tuple[float, bool]]:
         """requests: (key, context ids, continuation ids) -> (log-prob of the continuation, is_greedy), longest
         first in batches of `batch_size` rows."""
-        rows = []
+        rows, out = [], [None] * len(requests)
         for _, ctx, cont in requests:
             whole = (ctx + cont)[-(self.max_length + 1):]
             rows.append((whole, len(whole) - len(cont)))
-        order = sorted(range(len(rows)), key=lambda i: (-len(rows[i][0]), tuple(rows[i][0])))
-        out = [None] * len(rows)
-        bar = tqdm(total=len(rows), disable=disable_tqdm, desc="Running loglikelihood requests")
+        for i, (key, _, cont) in enumerate(requests):  # nothing to score: the hf backend's (0.0, True)
+            if not cont:
+                out[i] = (0.0, True)
+                if key is not None:
+                    self.cache_hook.add_partial("loglikelihood", key, out[i])
+        order = sorted((i for i in range(len(rows)) if out[i] is None),
+                       key=lambda i: (-len(rows[i][0]), tuple(rows[i][0])))
+        bar = tqdm(total=len(order), disable=disable_tqdm, desc="Running loglikelihood requests")
         for s in range(0, len(order), self.batch):
             idx = order[s:s + self.batch]
             res = score(self.steps, self.source.params, [rows[i] for i in idx], self.batch)
@@ -155,7 +176,8 @@ class JaxparLM(TemplateLM):
     # ------------------------------------------------------------------------------------------ generation
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations up to the first stop string (`until`, and EOS), at most `max_gen_toks` tokens."""
+        """Greedy continuations up to the first end id or stop string (`until`, and EOS's text), at most
+        `max_gen_toks` tokens."""
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         jobs = []
         for context, gen_kwargs in (r.args for r in requests):
@@ -173,12 +195,12 @@ class JaxparLM(TemplateLM):
                                           tokenizer=self.tokenizer)
         bar = tqdm(total=sum(j[3] for j in jobs), disable=disable_tqdm, unit="tok",
                    desc=f"Running {len(jobs)} generate_until requests (tokens, at most)")
-        done = self.engine.generate([Request(prompt=ctx, max_new_tokens=n, stop_ids=(self.eot_token_id,),
+        done = self.engine.generate([Request(prompt=ctx, max_new_tokens=n, stop_ids=self.end_ids,
                                              stop=tuple(u for u in until if u)) for ctx, _, until, n in jobs],
                                     progress=bar.update)
         bar.close()
         for job, c in zip(jobs, done):
-            job[1].extend(t for t in c.tokens if t != self.eot_token_id)
+            job[1].extend(t for t in c.tokens if t not in self.end_ids)
         out = []
         for r, (_, new, until, _) in zip(requests, jobs):
             text = postprocess_generated_text(self.tok_decode(new), until, None)

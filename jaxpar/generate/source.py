@@ -10,6 +10,10 @@ that mesh; an export or a Hugging Face model without it is read onto one device 
 `on_layout(src, overrides, rows)` (evaluation) always lays SRC out with its steps: any `--config.KEY=VALUE`
 overrides (mesh, pipeline schedule and microbatches, ZeRO, dtypes), the steps built for batches of `rows` rows, a
 run's checkpoint (`DIR@STEP` for another than the latest) restored straight onto that layout.
+
+A pipelined layout (mesh.stage = S > 1) whose microbatches are not given (no `--config.train.microbatches`), and
+whose config's do not fit it (fewer than S, or not what the schedule needs: interleaved 1F1B a multiple of S), runs
+with S microbatches (`pick_microbatches`), in both.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from jaxpar.formats import hf, hub, start
 from jaxpar.state import runs
 from jaxpar.state.checkpoint import Checkpointer
 from jaxpar.layout import Layout
+from jaxpar.parallel.pipeline import registry
 
 
 class Source(NamedTuple):
@@ -62,10 +67,25 @@ def _place(params, steps):
     return jax.device_put(params, steps.state_shardings["params"])
 
 
+def pick_microbatches(config, given: bool = False) -> None:
+    """A pipelined layout's microbatches, where not `given`: mesh.stage when the config's do not fit it (fewer than
+    one per stage, or not what the schedule needs, e.g. interleaved 1F1B's multiple of the stages)."""
+    s, m = int(config.mesh.stage), int(config.train.microbatches)
+    if given or s <= 1:
+        return
+    p = config.pipeline
+    errors = lambda k: registry.errors(str(p.schedule), s, k, max(1, int(p.virtual_stages)),  # noqa: E731
+                                       bool(p.remat))
+    if m < s or len(errors(s)) < len(errors(m)):
+        config.train.microbatches = s
+
+
 def _on_mesh(config, mesh: dict, vocab: int):
-    """`config`'s steps with the `mesh` sizes, on the first devices their product asks for (all with data -1)."""
+    """`config`'s steps with the `mesh` sizes, on the first devices their product asks for (all with data -1); its
+    microbatches `pick_microbatches`'."""
     for k, v in mesh.items():
         config.mesh[k] = v
+    pick_microbatches(config)
     n = math.prod(int(config.mesh[a]) for a in MESH_AXES)
     return steps_for(config, vocab, jax.devices()[:n] if 0 < n <= jax.device_count() else None)
 
@@ -182,6 +202,7 @@ def on_layout(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
     src, _, at = src.partition("@") if not src.startswith("hf:") else (src, "", "")
     config, src, k = _base(src)
     config = apply_overrides(config, overrides)
+    pick_microbatches(config, any(a.startswith("--config.train.microbatches=") for a in overrides))
     devices = list(jax.devices() if devices is None else devices)
     lay = Layout.from_config(config, len(devices))
     n = lay.batch_split * int(config.train.microbatches)
