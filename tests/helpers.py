@@ -381,3 +381,15 @@ def float64_llamas(tmp_path_factory, vocab: int):
         ByteTokenizer.to_hf().save(str(d / "tokenizer.json"))
         out.append((d, float64_oracle(m.eval())))
     return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def random_groups(rng, prompts: int, group: int, vocab: int):
+    """`prompts` random prompts of 3-6 token ids, each repeated for its `group` completions of 2-8 ids: (the prompt of
+    each row, each row's completion), GRPO's round layout."""
+    rows, completions = [], []
+    for _ in range(prompts):
+        p = rng.integers(1, vocab, rng.integers(3, 7)).tolist()
+        for _ in range(group):
+            rows.append(p)
+            completions.append(rng.integers(1, vocab, rng.integers(2, 9)).tolist())
+    return rows, completions

@@ -15,8 +15,8 @@ except ImportError:
     torch = None
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import (EQUIVALENT_LAYOUTS as LAYOUTS, float64_config, float64_llamas, steps_for,  # noqa: E402
-                     tiny_config)
+from helpers import (EQUIVALENT_LAYOUTS as LAYOUTS, float64_config, float64_llamas, random_groups,  # noqa: E402
+                     steps_for, tiny_config)
 from jaxpar.formats import hf  # noqa: E402
 from jaxpar.rl import advantages as adv_mod  # noqa: E402
 from jaxpar.train.objectives import TokenLogps  # noqa: E402
@@ -40,12 +40,7 @@ def make_round(seed=0):
     """PROMPTS prompts, G completions each (token ids), rewards from two functions (one returns None sometimes) and
     which completions were truncated."""
     rng = np.random.default_rng(seed)
-    prompts, completions = [], []
-    for _ in range(PROMPTS):
-        p = rng.integers(1, V, rng.integers(3, 7)).tolist()
-        for _ in range(G):
-            prompts.append(p)
-            completions.append(rng.integers(1, V, rng.integers(2, 9)).tolist())
+    prompts, completions = random_groups(rng, PROMPTS, G, V)
     per_fn = np.stack([rng.integers(0, 2, ROWS).astype(float), rng.normal(size=ROWS)], 1)
     per_fn[3, 1] = np.nan
     return prompts, completions, per_fn, rng.random(ROWS) < 0.25

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import float64_config, float64_llamas, steps_for, tiny_config  # noqa: E402
+from helpers import float64_config, float64_llamas, random_groups, steps_for, tiny_config  # noqa: E402
 from jaxpar.formats import hf  # noqa: E402
 from jaxpar.rl import advantages as adv_mod  # noqa: E402
 from jaxpar.rl import rewards  # noqa: E402
@@ -79,12 +79,7 @@ def trl_trainer(models, tmp_path, loss_type="dapo", bias_kl=True, reward=zero):
 def make_round(seed=5):
     """PROMPTS prompts of 3-6 tokens, G completions of 2-8 tokens each, and their group-relative advantages."""
     rng = np.random.default_rng(seed)
-    prompts, completions = [], []
-    for _ in range(PROMPTS):
-        p = rng.integers(1, V, rng.integers(3, 7)).tolist()
-        for _ in range(G):
-            prompts.append(p)
-            completions.append(rng.integers(1, V, rng.integers(2, 9)).tolist())
+    prompts, completions = random_groups(rng, PROMPTS, G, V)
     return prompts, completions, adv_mod.advantages(rng.normal(size=ROWS), G, "group")[0]
 
 
