@@ -84,7 +84,7 @@ def jax_batch(fwd, params, prompts, new, slots):
         carry = jax.block_until_ready(eng._admit(eng.decoder.empty(b, length), prompts, list(range(b)), length))
         t0 = time.perf_counter()
         for _ in range(new // 8):
-            carry, out = eng.decoder.decode(eng.params, carry, rows, knobs, 8, True)
+            carry, out = eng.decoder.decode(eng.params, carry, rows, knobs, 8, "greedy")
         jax.block_until_ready(out)
         return time.perf_counter() - t0
 

@@ -168,6 +168,12 @@ def test_sampler_filters_equal_their_formula():
             counts[r, tok[r]] += 1
     for r in range(4):  # the draws follow the filtered distribution (total variation within sampling noise)
         assert 0.5 * np.abs(counts[r] / 400 - reference_filter(logits[r], *knobs[r])).sum() < 0.12
+    # row 0 filters nothing: alone, with nothing sorted (any_filter=False), it draws what it drew beside the others
+    one = Sampling(*(a[:1] for a in s))
+    alone = jax.jit(jax.vmap(lambda i: sample(jax.numpy.asarray(logits[:1]), jax.random.fold_in(jax.random.key(i), 0)[
+        None], one, any_filter=False)))(np.arange(400))
+    np.testing.assert_array_equal(np.asarray(alone[0])[:, 0], toks[:, 0])
+    np.testing.assert_array_equal(np.asarray(alone[1])[:, 0], lps[:, 0])
 
 
 def test_the_longest_prompt_gets_its_whole_budget(models):

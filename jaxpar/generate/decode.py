@@ -62,8 +62,8 @@ class Decoder:
     def insert(self, carry, rows, slots):
         return _jit_insert(self, carry, rows, slots)
 
-    def decode(self, params, carry, rows, sampling, steps: int, greedy_only: bool):
-        return _jit_decode(self, params, carry, rows, sampling, steps, greedy_only)
+    def decode(self, params, carry, rows, sampling, steps: int, mode: str):
+        return _jit_decode(self, params, carry, rows, sampling, steps, mode)
 
     def score(self, params, tokens):
         return _jit_score(self, params, tokens)
@@ -115,18 +115,19 @@ class Decoder:
         cache = KVCache(put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1), put(cache.pos, new_cache.pos, 1))
         return self._pin(cache), put(logits, new_logits, 0), put(experts, new_experts, 0)
 
-    def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, greedy_only: bool):
+    def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, mode: str):
         """`steps` tokens for every slot. `carry` = (cache, next-token logits `[b, vocab]`, the experts behind those
         logits `[b, layers, k]`); `rows`: {seed, stream, index (tokens made so far), max_new, done, stop_ids
         `[b, m]` (-1 = none)}, each `[b]` int32/bool. -> (carry, per step `[steps, b]`: token, its log-prob under
         the sampling distribution and under the model, the experts that chose it `[steps, b, layers, k]`, and
-        whether the row was already done before it (a token to drop))."""
+        whether the row was already done before it (a token to drop)). `mode` (static): `greedy` (every row),
+        `plain` (no row filters: nothing sorted) or `filtered` (`sampling.sample`)."""
         fwd = self.fwd
 
         def step(state, _):
             (cache, logits, experts), index, done = state
             keys = row_keys(rows["seed"], rows["stream"], index)
-            tok, lp_sampled, lp_model = sample(logits, keys, sampling, greedy_only)
+            tok, lp_sampled, lp_model = sample(logits, keys, sampling, mode == "greedy", mode == "filtered")
             ends = jnp.any(tok[:, None] == rows["stop_ids"], -1) | (index + 1 >= rows["max_new"])
             x, cache, new_experts = self._run(params, tok[:, None], cache)
             logits2 = fwd.logits(params, x)[:, 0]

@@ -130,7 +130,9 @@ class Engine:
             return []
         news = [min(r.max_new_tokens, context + 1 - len(r.prompt)) for r in requests]  # (module docstring)
         length = min(context, -(-max(len(r.prompt) + n for r, n in zip(requests, news)) // 64) * 64)
-        greedy = all(r.temperature == 0 for r in requests)
+        mode = "greedy" if all(r.temperature == 0 for r in requests) else "filtered" if any(
+            r.temperature > 0 and (0 < r.top_k < self.cfg.vocab_size or r.top_p < 1 or r.min_p > 0)
+            for r in requests) else "plain"  # (`sampling.filters_on`: what the compiled step must hold)
         stops = max(1, max(len(r.stop_ids) for r in requests))
         B = self.slots
         carry = self.decoder.empty(B, length)
@@ -156,7 +158,7 @@ class Engine:
             self.stats["decode_calls"] += 1
             carry, got = self.decoder.decode(self.params, carry, {k: jnp.asarray(v) for k, v in rows.items()},
                                              Sampling(**{k: jnp.asarray(v) for k, v in knobs.items()}),
-                                             self.chunk, greedy)
+                                             self.chunk, mode)
             made = self._collect(jax.device_get(got), slot, rows, out)
             if progress is not None:
                 progress(made)

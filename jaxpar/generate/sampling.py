@@ -7,7 +7,8 @@ history only, never on the other rows of the batch or on the layout.
 The filters run in the order Hugging Face's `generate` applies them (its logits processors: temperature, top-k, top-p,
 min-p): temperature, then top-k (the k most likely), top-p (the smallest set of the most likely tokens whose
 probability reaches p), min-p (tokens at least min_p times the most likely one's probability, Nguyen et al. 2024),
-each on the distribution the previous ones left. (vLLM's sampler applies min-p before top-k and top-p, so with
+each on the distribution the previous ones left. A row with no filter draws from the softmax of its logits directly
+(no sort of the vocabulary: 151,936 logits per token for Qwen3); a row with one sorts them once. (vLLM's sampler applies min-p before top-k and top-p, so with
 min-p and another filter together the two can keep different sets.)
 
 A token's log-prob is reported under the distribution it was drawn from (temperature and filters applied); a greedy
@@ -47,11 +48,19 @@ def _filtered(z, s: Sampling):
     return jnp.where(p >= s.min_p[:, None] * p[:, :1], z, -jnp.inf)
 
 
-def sample(logits, keys, s: Sampling, greedy_only: bool = False):
+def filters_on(s: Sampling, vocab: int):
+    """Which rows filter (`[b]` bool): top-k below the vocabulary, top-p below 1 or min-p above 0. A row that does
+    not draws from the whole softmax, unsorted; one that does sorts its logits once."""
+    return ((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1) | (s.min_p > 0)
+
+
+def sample(logits, keys, s: Sampling, greedy_only: bool = False, any_filter: bool = True):
     """logits `[b, V]` (padded ids at -inf), keys `[b]` -> (tokens `[b]` int32, each token's log-prob under the
     sampling distribution (a greedy row: the model's) and under the model at temperature 1, float32 `[b]`).
 
-    `greedy_only` (static): every row is greedy, so no sort is done."""
+    `greedy_only` (static): every row is greedy, so nothing is drawn. `any_filter` (static): some row filters
+    (`filters_on`), so the sorted path is computed for those rows; without it nothing is sorted. Which path a row
+    takes is its own settings' choice, so its tokens never depend on the other rows."""
     logits = logits.astype(jnp.float32)
     model = jax.nn.log_softmax(logits, -1)
     if greedy_only:
@@ -60,9 +69,15 @@ def sample(logits, keys, s: Sampling, greedy_only: bool = False):
         return tok, lp, lp
     greedy = s.temperature <= 0
     z = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
-    order = jnp.argsort(-z, axis=-1, stable=True)  # the most likely first; ties by the lower id, as argmax
-    lp = jax.nn.log_softmax(_filtered(jnp.take_along_axis(z, order, -1), s), -1)
-    pick = jnp.where(greedy, 0, jax.vmap(jax.random.categorical)(keys, lp))
-    tok = jnp.take_along_axis(order, pick[:, None], -1)[:, 0].astype(jnp.int32)
+    plain = jax.nn.log_softmax(z, -1)  # no filter: the softmax of z itself
+    tok = jnp.where(greedy, jnp.argmax(z, -1), jax.vmap(jax.random.categorical)(keys, plain)).astype(jnp.int32)
+    lp = jnp.take_along_axis(plain, tok[:, None], -1)[:, 0]
+    if any_filter:
+        order = jnp.argsort(-z, axis=-1, stable=True)  # the most likely first; ties by the lower id, as argmax
+        kept = jax.nn.log_softmax(_filtered(jnp.take_along_axis(z, order, -1), s), -1)
+        pick = jax.vmap(jax.random.categorical)(keys, kept)
+        on = filters_on(s, z.shape[-1]) & ~greedy
+        tok = jnp.where(on, jnp.take_along_axis(order, pick[:, None], -1)[:, 0].astype(jnp.int32), tok)
+        lp = jnp.where(on, jnp.take_along_axis(kept, pick[:, None], -1)[:, 0], lp)
     lp_model = jnp.take_along_axis(model, tok[:, None], -1)[:, 0]
-    return tok, jnp.where(greedy, lp_model, jnp.take_along_axis(lp, pick[:, None], -1)[:, 0]), lp_model
+    return tok, jnp.where(greedy, lp_model, lp), lp_model
