@@ -148,6 +148,21 @@ def reference_filter(logits, t, k, p, m):
     return probs / probs.sum()
 
 
+def test_a_group_prefills_its_prompt_once_and_samples_as_without_sharing(models):
+    """G = 4 seeded samples (streams 0..3) of each of 3 prompts, as GRPO asks: the prompts' tokens prefilled once
+    (P tokens, not G x P), every completion's tokens equal and its log-probs within 1e-6 of a prefill row each."""
+    fwd, params, _ = hf.load(str(models["qwen3"][1]))
+    reqs = [Request(p, max_new_tokens=6, seed=9, stream=g, temperature=1.0) for p in PROMPTS[:3] for g in range(4)]
+    shared, alone = Engine(fwd, params, slots=12), Engine(fwd, params, slots=12, share_prefill=False)
+    got, want = shared.generate(reqs), alone.generate(reqs)
+    assert shared.stats["prefill_tokens"] * 4 == alone.stats["prefill_tokens"] == 4 * sum(map(len, PROMPTS[:3]))
+    assert len({tuple(c.tokens) for c in got}) > 3  # the samples of a group differ
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-6)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6)
+
+
 def test_sampler_filters_equal_their_formula():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 50)).astype(np.float32) * 3
@@ -220,9 +235,11 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     fwd, params, _ = hf.load(str(d))
     reqs = [Request(p, max_new_tokens=6) for p in PROMPTS[:4]] + \
            [Request(p, max_new_tokens=6, seed=3, **SAMPLED) for p in PROMPTS[:4]]
-    want = Engine(fwd, params, slots=8, prompt_experts=True).generate(reqs)
-    engine = Engine.on_steps(steps, placed, config, slots=8, prompt_experts=True)
+    alone = Engine(fwd, params, slots=8, prompt_experts=True, share_prefill=False)  # a prefill row per request
+    want = alone.generate(reqs)
+    engine = Engine.on_steps(steps, placed, config, slots=8, prompt_experts=True)  # each prompt prefilled once
     got = engine.generate(reqs)
+    assert 2 * engine.stats["prefill_tokens"] == alone.stats["prefill_tokens"] == 2 * sum(map(len, PROMPTS[:4]))
     for g, w in zip(got, want):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-5)

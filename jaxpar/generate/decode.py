@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from jaxpar import model as gpt
 from jaxpar.generate import cache as kv
 from jaxpar.generate.sampling import Sampling, row_keys, sample
 from jaxpar.model.layers import KVCache
-from jaxpar.parallel.logical import activation_rules
+from jaxpar.parallel.logical import activation_rules, mesh_axes, spec
 
 
 class Decoder:
@@ -59,8 +60,8 @@ class Decoder:
     def prefill(self, params, tokens, lengths, length: int):
         return _jit_prefill(self, params, tokens, lengths, length)
 
-    def insert(self, carry, rows, slots):
-        return _jit_insert(self, carry, rows, slots)
+    def insert(self, carry, rows, slots, src):
+        return _jit_insert(self, carry, rows, slots, src)
 
     def decode(self, params, carry, rows, sampling, steps: int, mode: str):
         return _jit_decode(self, params, carry, rows, sampling, steps, mode)
@@ -70,6 +71,13 @@ class Decoder:
 
     def _scope(self):
         return activation_rules(self.rules, self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def row_split(self) -> int:
+        """How many shards the batch's rows split into (data x expert on the training layouts; 1 on one device)."""
+        if self.mesh is None:
+            return 1
+        batch = spec(kv.CACHE_NAMES, self.rules)[1]
+        return math.prod(dict(self.mesh.shape)[a] for a in mesh_axes(batch))
 
     def cache_sharding(self, batch: int, length: int):
         if self.mesh is None:
@@ -106,10 +114,12 @@ class Decoder:
         every = jnp.transpose(experts, (1, 2, 0, 3))
         return logits, cache, every[jnp.arange(n), lengths - 1], every
 
-    def _insert(self, carry, rows, slots):
+    def _insert(self, carry, rows, slots, src):
         """Put prefilled rows (cache, logits, experts: `_prefill`'s) into slots `[n]` of the running batch's `carry`
-        (cache, logits, experts); a slot index past the batch drops its row (the padding of a prefill group)."""
-        put = lambda a, b, axis: a.at[(slice(None),) * axis + (slots,)].set(b, mode="drop")  # noqa: E731
+        (cache, logits, experts): slot `slots[j]` gets prefilled row `src[j]` (a prompt prefilled once for all the
+        slots that sample it); a slot index past the batch drops its entry (the padding of a prefill group)."""
+        put = lambda a, b, axis: a.at[(slice(None),) * axis + (slots,)].set(  # noqa: E731
+            jnp.take(b, src, axis=axis), mode="drop")
         cache, logits, experts = carry
         new_cache, new_logits, new_experts = rows
         cache = KVCache(put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1), put(cache.pos, new_cache.pos, 1))

@@ -95,14 +95,17 @@ class Engine:
     """See the module docstring. `mesh`, `rules`, `zero3`, `layer_order`: the training layout the params are in
     (None: one device); `slots`: rows decoded together; `chunk`: tokens per compiled decode call; `prompt_experts`:
     a mixture of experts' completions also carry their prompt positions' experts (fetched from each prefill: GRPO's
-    routing replay asks for them, nothing else pays for them)."""
+    routing replay asks for them, nothing else pays for them); `share_prefill`: the requests admitted together that
+    share a prompt prefill it once (False: a prefill row each; the outputs are the same)."""
 
     def __init__(self, fwd: gpt.Forward, params, *, mesh=None, rules=DEFAULT_RULES, zero3: bool = False,
                  layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 8, refill: bool = True,
-                 prompt_experts: bool = False):
+                 prompt_experts: bool = False, share_prefill: bool = True):
         self.fwd, self.cfg, self.tokenizer = fwd, fwd.cfg, tokenizer
         self.prompt_experts = prompt_experts and fwd.cfg.experts > 0
         self.mesh, self.slots, self.chunk, self.refill = mesh, slots, chunk, refill
+        self.share_prefill = share_prefill
+        self.stats = {"prefill_calls": 0, "decode_calls": 0, "prefill_tokens": 0}  # of the last `generate`
         self.decoder = Decoder(fwd, mesh, rules, zero3)
         self.params = params if mesh is None else kv.decode_params(params, fwd.cfg, rules, mesh, zero3, layer_order)
 
@@ -141,7 +144,7 @@ class Engine:
                 "stop_ids": np.full((B, stops), -1, np.int32)}
         knobs = {"temperature": np.zeros(B, np.float32), "top_k": np.zeros(B, np.int32),
                  "top_p": np.ones(B, np.float32), "min_p": np.zeros(B, np.float32)}
-        self.stats = {"prefill_calls": 0, "decode_calls": 0}  # of the last `generate` (bench/generate.py)
+        self.stats = {"prefill_calls": 0, "decode_calls": 0, "prefill_tokens": 0}  # of the last `generate`
         slot: list[_Row | None] = [None] * B
         queue, out = collections.deque(range(len(requests))), [None] * len(requests)
         while queue or any(slot):
@@ -174,20 +177,32 @@ class Engine:
         knobs["top_p"][s], knobs["min_p"][s] = r.top_p, r.min_p
 
     def _admit(self, carry, prompts, slots, length: int):
-        """Prefill `prompts` (a group padded to a power of two rows and positions) into `slots`. -> (carry, the
-        experts of the group's positions `[rows, t, layers, k]` on the host with `prompt_experts`, else None)."""
-        n = min(bucket(len(prompts), 1), max(self.slots, len(prompts)))
-        t = min(bucket(max(len(p) for p in prompts)), length)
+        """Prefill `prompts` into `slots`, each distinct prompt once (the G samples of a GRPO group, `--n` samples of a
+        record: one prefill, its cache rows copied into each slot), the distinct ones a group padded to a power of two
+        rows and positions. -> (carry, the experts of each prompt's positions `[len(prompts), t, layers, k]` on the
+        host with `prompt_experts`, else None)."""
+        first = {}
+        src = np.asarray([first.setdefault(tuple(p) if self.share_prefill else j, len(first))
+                          for j, p in enumerate(prompts)], np.int32)
+        uniq = [list(prompts[int(np.argmax(src == u))]) for u in range(len(first))]
+        split = self.decoder.row_split()  # (rows that the batch's shards divide: as the slots, when they can)
+        n = -(-bucket(len(uniq), 1) // split) * split if self.slots % split == 0 else bucket(len(uniq), 1)
+        n = min(n, max(self.slots, len(uniq)))
+        t = min(bucket(max(len(p) for p in uniq)), length)
         tokens = np.zeros((n, t), np.int32)
         lengths = np.ones(n, np.int32)
-        for j, p in enumerate(prompts):
+        for j, p in enumerate(uniq):
             tokens[j, :len(p)], lengths[j] = p, len(p)
-        where = np.full(n, self.slots, np.int32)  # past the batch: dropped
+        m = min(bucket(len(prompts), 1), max(self.slots, len(prompts)))
+        where = np.full(m, self.slots, np.int32)  # past the batch: dropped
         where[:len(slots)] = slots
+        take = np.zeros(m, np.int32)
+        take[:len(src)] = src
         logits, cache, experts, every = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths),
                                                              length)
-        routed = np.asarray(jax.device_get(every)) if self.prompt_experts else None
-        return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where)), routed
+        self.stats["prefill_tokens"] += sum(map(len, uniq))
+        routed = np.asarray(jax.device_get(every))[src] if self.prompt_experts else None
+        return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where), jnp.asarray(take)), routed
 
     def _collect(self, got, slot, rows, out) -> int:
         """Take a decode call's tokens into the rows; finish rows (stop id, stop string, length). -> tokens taken."""
