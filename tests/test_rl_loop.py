@@ -62,7 +62,8 @@ def rows(workdir):
         return {r["step"]: r for r in map(json.loads, f)}
 
 
-TIMING = ("tokens_per_s", "step_time_s", "tflops_per_device", "mfu", "data_wait_s")
+TIMING = ("tokens_per_s", "step_time_s", "tflops_per_device", "mfu", "data_wait_s", "time/generate_s", "time/score_s",
+          "time/train_s", "rollout_tokens_per_s")
 
 
 def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path, monkeypatch):
@@ -90,6 +91,8 @@ def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path,
         assert all(k in r for k in TRL_METRICS), sorted(set(TRL_METRICS) - set(r))
         assert [r[f"clip_ratio/{k}_mean"] for k in ("low", "high", "region")] == [0.0] * 3, (step, r)
         assert r["completion_tokens"] == 16 * r["completions/mean_length"]  # 4 prompts x G = 4 completions
+        assert r["time/generate_s"] > 0 and r["time/score_s"] > 0 and r["time/train_s"] > 0, r
+        assert r["rollout_tokens_per_s"] * r["time/generate_s"] == pytest.approx(r["completion_tokens"])
     assert got[1]["kl"] == 0.0 and got[4]["kl"] > 0
     assert got[1]["frac_reward_zero_std"] < 1 and got[1]["reward_std"] > 0  # a learning signal to follow
     assert got[1]["num_tokens"] < got[2]["num_tokens"] < got[4]["num_tokens"]

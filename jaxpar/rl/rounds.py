@@ -14,7 +14,10 @@ is sampled again, the same.
 Metrics under TRL's names, averaged over the rounds since the last log: `reward`, `reward_std`,
 `rewards/<function>/mean|std`, `frac_reward_zero_std`, `completions/mean_length|min_length|max_length`,
 `completions/clipped_ratio`, `completions/mean_terminated_length|min_terminated_length|max_terminated_length`;
-`num_tokens` (prompt and completion tokens sampled since the run began); what reward functions log with `log_metric`
+`num_tokens` (prompt and completion tokens sampled since the run began). Where a step's time goes: `time/generate_s`
+and `time/score_s` (a round's sampling and its reward functions, seconds), `rollout_tokens_per_s` (completion tokens
+per second of generation), `time/train_s` (per step: the log interval's wall time without its rounds' sampling and
+scoring: the training passes, and any checkpoint save in it). What reward functions log with `log_metric`
 (each round's mean, averaged over the rounds, under its name, TRL's rule). `grpo.log_completions` completions of each
 log step's round go to WORKDIR/completions.jsonl (prompt, completion, rewards, the columns reward functions logged with
 `log_extra`, advantage), and to a W&B table when W&B is on. Reward functions are called as TRL calls them
@@ -28,6 +31,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import time
 
 import jax
 import numpy as np
@@ -74,6 +78,7 @@ class Rounds(Feed):
         self.tokenizer, self.stops = data.load_tokenizer(info.tokenizer_dir), stop_ids(info, config)
         self.round, self.host, self.placed, self.num_tokens = -1, None, None, 0
         self.seen, self.shown = collections.defaultdict(list), []
+        self.logged_at, self.sampling_s = time.perf_counter(), 0.0  # (the log interval's clock: `time/*` metrics)
 
     @staticmethod
     def check(config) -> None:
@@ -105,7 +110,9 @@ class Rounds(Feed):
         """Round r's batch (host arrays) and its metrics."""
         picked = self.train.take(r * self.B, self.B, self.seed)
         recs, prompts = [self.train.records[i] for i in picked], [self.train.ids[i] for i in picked]
+        t0 = time.perf_counter()
         done = self.generate(params, prompts, r)
+        t1 = time.perf_counter()
         shown = _shown([recs[k // self.G] for k in range(len(done))], done, self.tokenizer)
         lengths = np.array([len(c.tokens) for c in done])
         counted = int(sum(len(p) for p in prompts) * self.G + lengths.sum())
@@ -117,7 +124,10 @@ class Rounds(Feed):
                                   **log.kwargs(self.trainer_state(r * self.mu)))
         self.keep_shown(r, recs, shown, rnd.per_function, rnd.advantages, log.extra)
         batch = {k: v for k, v in rnd.batch.items() if k != "old"}  # (the engine's: the training forward replaces)
-        return batch | {"tokens_counted": np.asarray(counted)}, log.means() | self.stats(rnd, lengths, done)
+        took = {"time/generate_s": t1 - t0, "time/score_s": time.perf_counter() - t1}
+        self.sampling_s += sum(took.values())
+        took["rollout_tokens_per_s"] = lengths.sum() / max(took["time/generate_s"], 1e-9)
+        return batch | {"tokens_counted": np.asarray(counted)}, log.means() | self.stats(rnd, lengths, done) | took
 
     def trainer_state(self, global_step: int) -> rewards.TrainerState:
         """What reward functions get as `trainer_state` after `global_step` optimizer steps."""
@@ -160,7 +170,10 @@ class Rounds(Feed):
 
     def log(self, done: int, steps: int, writer=None) -> dict:
         out = {k: float(np.mean(v)) for k, v in self.seen.items()} | {"num_tokens": self.num_tokens}
+        now = time.perf_counter()  # the interval's time without its rounds' sampling: its steps (and any save)
+        out["time/train_s"] = max(now - self.logged_at - self.sampling_s, 0.0) / max(steps, 1)
         self.seen.clear()
+        self.logged_at, self.sampling_s = now, 0.0
         if self.is_main and self.shown:
             rows = [{"step": done, **row} for row in self.shown]
             with open(os.path.join(self.workdir, COMPLETIONS), "a") as f:
