@@ -163,6 +163,23 @@ def test_a_group_prefills_its_prompt_once_and_samples_as_without_sharing(models)
         np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6)
 
 
+def test_long_prompts_prefill_in_chunks_as_whole(models):
+    """Prompts of 20-45 tokens (a 64-position group) prefilled 16 positions at a time: the same tokens, log-probs
+    (1e-6) and experts as one prefill."""
+    fwd, params, _ = hf.load(str(models["qwen3_moe"][1]))
+    prompts = [np.random.default_rng(10 + i).integers(1, V, n).tolist() for i, n in enumerate((45, 20, 33))]
+    reqs = [Request(p, max_new_tokens=5, seed=4, temperature=1.0) for p in prompts]
+    got = Engine(fwd, params, prefill_chunk=16, prompt_experts=True).generate(reqs)
+    want = Engine(fwd, params, prompt_experts=True).generate(reqs)
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens
+        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-6)
+        np.testing.assert_array_equal(g.prompt_experts, w.prompt_experts)
+        np.testing.assert_array_equal(g.experts, w.experts)
+    with pytest.raises(ValueError, match="prefill_chunk=24: give a power of two"):
+        Engine(fwd, params, prefill_chunk=24)
+
+
 def test_sampler_filters_equal_their_formula():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, 50)).astype(np.float32) * 3

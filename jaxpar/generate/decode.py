@@ -28,17 +28,19 @@ class Decoder:
     """The jitted programs of one model on one mesh (None: wherever the params are, no sharding constraints).
 
     `rules`: the training rules (`config.step_rules`); the decode layout's are `cache.decode_rules` of them. `zero3`:
-    the params are ZeRO-3 sharded, gathered here one layer at a time."""
+    the params are ZeRO-3 sharded, gathered here one layer at a time. `prefill_chunk` (a power of two): a prompt group
+    longer than this prefills that many positions at a time (its attention scores c x the cache's length, not the
+    whole prompt's square)."""
 
-    def __init__(self, fwd: gpt.Forward, mesh=None, rules=(), zero3: bool = False):
-        self.fwd, self.cfg, self.mesh = fwd, fwd.cfg, mesh
+    def __init__(self, fwd: gpt.Forward, mesh=None, rules=(), zero3: bool = False, prefill_chunk: int = 512):
+        self.fwd, self.cfg, self.mesh, self.prefill_chunk = fwd, fwd.cfg, mesh, int(prefill_chunk)
         self.rules = kv.decode_rules(rules)
         self.prepare = None
         if mesh is not None and zero3:
             specs = kv.layer_specs(self.cfg, rules, mesh)
             self.prepare = lambda p: jax.tree.map(
                 lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), p, specs)
-        self.key = (self.cfg, mesh, self.rules, zero3)
+        self.key = (self.cfg, mesh, self.rules, zero3, self.prefill_chunk)
 
     # equal decoders (the same model, mesh, rules) share their compiled programs: `self` is a static argument
     def __hash__(self):
@@ -104,10 +106,20 @@ class Decoder:
         """Prompts `[n, t]` (right-padded), their lengths `[n]` -> (next-token logits `[n, vocab]` float32, a cache
         of n rows of `length` positions holding them, the experts of each prompt's last token `[n, layers, k]`, the
         experts of every position `[n, t, layers, k]`)."""
-        n = tokens.shape[0]
+        n, t = tokens.shape
+        c = min(t, self.prefill_chunk, t & -t)  # (the largest power of two that divides t, at most the chunk)
         with self._scope():
             cache = kv.empty(self.cfg, n, length, self.cache_sharding(n, length))
-            x, cache, experts = self._run(params, tokens, cache)
+            if c == t:
+                x, cache, experts = self._run(params, tokens, cache)
+            else:  # chunk by chunk, each attending over the cache so far: scores of c x length, not t x length
+                def chunk(cache, piece):
+                    x, cache, experts = self._run(params, piece, cache)
+                    return cache, (x, experts)
+
+                cache, (xs, es) = jax.lax.scan(chunk, cache, jnp.swapaxes(tokens.reshape(n, t // c, c), 0, 1))
+                x = jnp.swapaxes(xs, 0, 1).reshape(n, t, xs.shape[-1])  # [chunks, n, c, E] -> [n, t, E]
+                experts = jnp.moveaxis(es, 0, 2).reshape(es.shape[1], n, t, es.shape[-1])  # -> [layers, n, t, k]
             last = x[jnp.arange(n), lengths - 1]
             logits = self.fwd.logits(params, last[:, None])[:, 0]
         cache = cache._replace(pos=jnp.broadcast_to(lengths, cache.pos.shape).astype(jnp.int32))

@@ -96,17 +96,20 @@ class Engine:
     (None: one device); `slots`: rows decoded together; `chunk`: tokens per compiled decode call; `prompt_experts`:
     a mixture of experts' completions also carry their prompt positions' experts (fetched from each prefill: GRPO's
     routing replay asks for them, nothing else pays for them); `share_prefill`: the requests admitted together that
-    share a prompt prefill it once (False: a prefill row each; the outputs are the same)."""
+    share a prompt prefill it once (False: a prefill row each; the outputs are the same); `prefill_chunk`: prompts
+    longer than this prefill that many positions at a time (`decode.Decoder`)."""
 
     def __init__(self, fwd: gpt.Forward, params, *, mesh=None, rules=DEFAULT_RULES, zero3: bool = False,
                  layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 8, refill: bool = True,
-                 prompt_experts: bool = False, share_prefill: bool = True):
+                 prompt_experts: bool = False, share_prefill: bool = True, prefill_chunk: int = 512):
         self.fwd, self.cfg, self.tokenizer = fwd, fwd.cfg, tokenizer
         self.prompt_experts = prompt_experts and fwd.cfg.experts > 0
         self.mesh, self.slots, self.chunk, self.refill = mesh, slots, chunk, refill
         self.share_prefill = share_prefill
         self.stats = {"prefill_calls": 0, "decode_calls": 0, "prefill_tokens": 0}  # of the last `generate`
-        self.decoder = Decoder(fwd, mesh, rules, zero3)
+        if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
+            raise ValueError(f"prefill_chunk={prefill_chunk}: give a power of two >= 16.")
+        self.decoder = Decoder(fwd, mesh, rules, zero3, prefill_chunk)
         self.params = params if mesh is None else kv.decode_params(params, fwd.cfg, rules, mesh, zero3, layer_order)
 
     @classmethod
