@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import float64_config, float64_llamas, random_groups, steps_for, tiny_config  # noqa: E402
 from jaxpar.formats import hf  # noqa: E402
 from jaxpar.rl import advantages as adv_mod  # noqa: E402
-from jaxpar.rl import rewards  # noqa: E402
+from jaxpar.rl import importance, rewards  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_grpo_trl")
 
@@ -96,13 +96,13 @@ def trl_inputs(prompts, completions, advantages):
     return out | {"advantages": torch.tensor(advantages), "num_items_in_batch": out["completion_mask"].sum()}
 
 
-def jaxpar_step(policy_dir, loss_type, bias_kl, batch):
+def jaxpar_step(policy_dir, loss_type, bias_kl, batch, mode="none"):
     """jaxpar's float64 step on the round (`batch`: with `old` mu = 2, else mu = 1): (metrics, grads by name)."""
     c = tiny_config(**{"init_from": f"hf:{policy_dir}", "mesh.data": 1, "model.seq_len": T,
                        "train.global_batch_size": ROWS, "train.objective": "grpo", "grpo.loss_type": loss_type,
                        "grpo.epsilon": 0.2, "grpo.beta": BETA, "grpo.use_bias_correction_kl": bias_kl,
                        "grpo.max_completion_length": MAX_LEN, "grpo.num_generations": G,
-                       "grpo.num_iterations": 2 if "old" in batch else 1})
+                       "grpo.num_iterations": 2 if "old" in batch else 1, "grpo.importance_sampling": mode})
     with jax.enable_x64(True):
         st = steps_for(float64_config(hf.apply(c, say=False)), V, jax.devices()[:1])
         state = st.init_with(hf.load_params(str(policy_dir), st.cfg, st.state_shardings["params"], st.layer_order),
@@ -112,18 +112,21 @@ def jaxpar_step(policy_dir, loss_type, bias_kl, batch):
     return metrics, dict(hf.hf_tensors(grads, st.cfg))
 
 
-CASES = {  # loss type, use_bias_correction_kl, the old log-probs' noise (0: ratio 1; 0.3: ratios clipped)
-    "dapo_corrected_ratio_one": ("dapo", True, 0.0),
-    "grpo_uncorrected_ratio_one": ("grpo", False, 0.0),
-    "grpo_corrected_off_policy": ("grpo", True, 0.3),
-    "dapo_uncorrected_off_policy": ("dapo", False, 0.3),
+CASES = {  # loss type, use_bias_correction_kl, the old log-probs' noise (0: ratio 1; 0.3: ratios clipped), and
+    # grpo.importance_sampling (the sampler's log-probs: the old ones perturbed again)
+    "dapo_corrected_ratio_one": ("dapo", True, 0.0, "none"),
+    "grpo_uncorrected_ratio_one": ("grpo", False, 0.0, "none"),
+    "grpo_corrected_off_policy": ("grpo", True, 0.3, "none"),
+    "dapo_uncorrected_off_policy": ("dapo", False, 0.3, "none"),
+    "dapo_token_truncate_ratio_one": ("dapo", True, 0.0, "token_truncate"),
+    "grpo_sequence_mask_off_policy": ("grpo", True, 0.3, "sequence_mask"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_grpo_equals_trls_own_compute_loss(models, case, tmp_path, monkeypatch):
     import torch
-    loss_type, bias_kl, noise = CASES[case]
+    loss_type, bias_kl, noise, mode = CASES[case]
     prompts, completions, advantages = make_round()
     trainer = trl_trainer(models, tmp_path, loss_type, bias_kl)
     inputs = trl_inputs(prompts, completions, advantages)
@@ -141,6 +144,12 @@ def test_grpo_equals_trls_own_compute_loss(models, case, tmp_path, monkeypatch):
     np.testing.assert_allclose(own[1][mask].numpy(), entropy[mask].numpy(), rtol=1e-6)  # function
     if noise:
         inputs["old_per_token_logps"] = lp + torch.tensor(np.random.default_rng(7).normal(0, noise, lp.shape)) * mask
+    if mode != "none":  # TRL's `vllm_importance_sampling_*` with sampler log-probs 0.05 from the old ones
+        old = inputs.get("old_per_token_logps", lp)
+        sampled = old + torch.tensor(np.random.default_rng(8).normal(0, 0.05, lp.shape)) * mask
+        inputs["importance_sampling_ratio"] = trl_is_ratio(old, sampled, mask.double(), mode, None, 1.02 if "mask"
+                                                           in mode else 1.03)
+        trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     trainer.model.zero_grad()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
@@ -150,9 +159,13 @@ def test_grpo_equals_trls_own_compute_loss(models, case, tmp_path, monkeypatch):
     rows = lambda x: [x[i, :len(c)].numpy() for i, c in enumerate(completions)]  # noqa: E731
     batch = adv_mod.completion_batch(prompts, completions, rows(inputs.get("old_per_token_logps", lp)), advantages,
                                      T, ref=rows(inputs["ref_per_token_logps"]))
+    if mode != "none":  # jaxpar's ratios of the same log-probs (`rl/importance.py`), `[rows, seq]` as the batch has
+        batch["is_ratio"] = importance.ratios(batch["old"], adv_mod.completion_batch(
+            prompts, completions, rows(sampled), advantages, T)["old"], batch["mask"], mode, 0.0,
+            1.02 if "mask" in mode else 1.03)[0]
     if not noise:
         del batch["old"]  # the policy's own log-probs, detached: ratio exactly 1
-    metrics, grads = jaxpar_step(models[0], loss_type, bias_kl, batch)
+    metrics, grads = jaxpar_step(models[0], loss_type, bias_kl, batch, mode)
     np.testing.assert_allclose(float(metrics["loss"]), loss.item(), rtol=RTOL)
     for name in ("kl", "entropy"):
         np.testing.assert_allclose(float(metrics[name]), want[name], rtol=RTOL, atol=1e-12, err_msg=name)
@@ -162,6 +175,46 @@ def test_grpo_equals_trls_own_compute_loss(models, case, tmp_path, monkeypatch):
     assert set(grads) == set(want_grads)
     for name, g in want_grads.items():
         np.testing.assert_allclose(grads[name], g, rtol=RTOL, atol=1e-12 * np.abs(g).max(), err_msg=name)
+
+
+def trl_is_ratio(old, sampled, mask, mode, clip_min, clip_max):
+    """TRL 1.16's `_generate_and_score_completions` importance-sampling ratio (`vllm_importance_sampling_mode`),
+    transcribed in float64: `[B, T]` per token, `[B, 1]` per sequence."""
+    import math
+
+    import torch
+    diff = torch.nan_to_num((old - sampled) * mask, nan=0.0)
+    ratio = torch.exp(diff.sum(-1, keepdim=True) if mode.startswith("sequence") else diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = clip_min if clip_min is not None else -math.inf
+    hi = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_ratios_equal_trls(mode):
+    """`rl/importance.py` against the transcription of TRL's formulas: both bounds and none below, NaN sampler
+    log-probs counting as no difference, and TRL's five metrics."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    mask = (rng.random((6, 9)) < 0.7).astype(float)
+    old = rng.normal(-2, 1, (6, 9))
+    sampled = old + rng.normal(0, 0.6, (6, 9))
+    sampled[1, 2] = np.nan
+    for lo, hi in ((0.0, 3.0), (0.8, 1.25)):
+        got, metrics = importance.ratios(old, sampled, mask, mode, lo, hi)
+        want = trl_is_ratio(*(torch.tensor(a) for a in (old, sampled, mask)), mode, lo or None, hi).numpy()
+        np.testing.assert_allclose(got, np.broadcast_to(want, got.shape), rtol=1e-15)
+        assert 0 < (got[mask > 0] != 1).mean() and ((got == 0).any() == (mode.endswith("mask")))
+        on = mask > 0
+        flat = want.ravel() if mode.startswith("sequence") else want[on]
+        delta = np.abs(old - sampled)[on & ~np.isnan(sampled)]
+        assert metrics == pytest.approx({
+            "sampling/sampling_logp_difference/mean": delta.mean(), "sampling/sampling_logp_difference/max":
+            delta.max(), "sampling/importance_sampling_ratio/min": flat.min(),
+            "sampling/importance_sampling_ratio/mean": flat.mean(), "sampling/importance_sampling_ratio/max":
+            flat.max()}, rel=1e-12)
 
 
 def test_reward_functions_get_the_keywords_trls_calculate_rewards_passes(models, tmp_path):

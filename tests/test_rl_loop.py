@@ -137,8 +137,9 @@ def test_same_seed_same_run_and_a_resume_inside_a_round_is_exact(material, tmp_p
     """mu = 2 (two optimizer steps per round, the old policy's log-probs from the training forward): two runs of one
     seed log the same metrics; a run killed after step 3 (a checkpoint inside round 1, its batch and its metrics not
     logged yet kept beside it) and resumed logs step 4 as the uninterrupted run does, and ends with the same
-    params."""
-    over = {"grpo.num_iterations": 2, "grpo.epsilon": 0.2}
+    params. With `grpo.importance_sampling` the round's importance ratios are kept with it too, and are 1: the engine's
+    sampling log-probs are the training forward's (to float32's rounding)."""
+    over = {"grpo.num_iterations": 2, "grpo.epsilon": 0.2, "grpo.importance_sampling": "sequence_truncate"}
     whole, parted, again = tmp_path / "whole", tmp_path / "parted", tmp_path / "again"
     def config(**more):  # logs every 2 steps, checkpoints every 3: a job killed after step 3 stops between logs
         c = grpo_config(material, **over, **more)
@@ -160,6 +161,9 @@ def test_same_seed_same_run_and_a_resume_inside_a_round_is_exact(material, tmp_p
     for step in (2, 4):  # step 4's averages hold round 1's metrics, sampled at step 3 before the kill
         assert same(a[step]) == same(b[step]) == same(c[step]), step
     assert "reward" in a[2] and "reward" in a[4]
+    for step in (2, 4):  # the engine decodes with the training forward's code: the sampler's ratio is 1 (float32)
+        assert a[step]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1, abs=1e-4)
+        assert 0 < a[step]["sampling/sampling_logp_difference/max"] < 1e-4
     logged = lambda w: [json.loads(line)["step"] for line in open(w / "completions.jsonl")]  # noqa: E731
     assert logged(whole) == logged(parted) == [2] * 4 + [4] * 4
     from jaxpar.state.runs import load_params

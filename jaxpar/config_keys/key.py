@@ -36,6 +36,7 @@ NEW_RULES = ("experts", "router", "lora_rank", "patch", "channels", "classes")
 MESH_AXES = ("data", "stage", "expert", "context", "tensor")
 ROUTERS = ("softmax", "sigmoid")
 GRPO_LOSSES, REWARD_SCALES = ("dapo", "grpo", "dr_grpo", "bnpo", "gspo", "cispo"), ("group", "batch", "none")
+IMPORTANCE_SAMPLING = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # TRL's modes
 REMAT_POLICIES = ("none", "selective", "full", "dots", "attention", "offload")
 OFFLOAD = ("none", "optimizer", "params")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: reference runs (validate._check_float64)

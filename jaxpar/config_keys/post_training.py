@@ -1,7 +1,7 @@
 """The keys of post-training: LoRA adapters, DPO and GRPO (their guides: docs/finetune.md, docs/rl.md)."""
 from __future__ import annotations
 
-from jaxpar.config_keys.key import _INF, DTYPES, GRPO_LOSSES, REWARD_SCALES, K
+from jaxpar.config_keys.key import _INF, DTYPES, GRPO_LOSSES, IMPORTANCE_SAMPLING, REWARD_SCALES, K
 
 POST_TRAINING = (
     # lora
@@ -56,6 +56,14 @@ POST_TRAINING = (
     K("grpo.log_completions", 4, int, "completions written with their rewards per log step (completions.jsonl)",
       lambda v: v >= 0, "an integer >= 0"),
     K("grpo.scale_rewards", "group", str, "advantages / the rewards' std: group, batch or none", choices=REWARD_SCALES),
+    K("grpo.importance_sampling", "none", str, "correct for the sampler's log-probs differing from the training "
+      "forward's: TRL's `vllm_importance_sampling_mode` ratios (exp(old - sampled), per token or per sequence, "
+      "truncated or masked outside [min, max]) times each token's loss; `none`: off ([rl](rl.md#losses))",
+      choices=IMPORTANCE_SAMPLING),
+    K("grpo.importance_sampling_max", 3.0, float, "the importance ratio's upper bound C_max (TRL's "
+      "`vllm_importance_sampling_clip_max`)", lambda v: 0 < v < _INF, "a finite number > 0"),
+    K("grpo.importance_sampling_min", 0.0, float, "its lower bound C_min (0: none, TRL's `clip_min=None`)",
+      lambda v: 0 <= v < _INF, "a finite number >= 0"),
     K("grpo.routing_replay", True, bool, "a mixture of experts: every pass over a round routes each token to the "
       "experts it had when sampled ([rl](rl.md#how-a-run-goes))"),
 )

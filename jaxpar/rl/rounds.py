@@ -13,7 +13,8 @@ is sampled again, the same.
 
 Metrics under TRL's names, averaged over the rounds since the last log: `reward`, `reward_std`,
 `rewards/<function>/mean|std`, `frac_reward_zero_std`, `completions/mean_length|min_length|max_length`,
-`completions/clipped_ratio`, `completions/mean_terminated_length|min_terminated_length|max_terminated_length`;
+`completions/clipped_ratio`, `completions/mean_terminated_length|min_terminated_length|max_terminated_length`; with
+`grpo.importance_sampling`, the sampler's ratios' `sampling/*` (`importance.py`: the ratios ride in the batch);
 `num_tokens` (prompt and completion tokens sampled since the run began). Where a step's time goes: `time/generate_s`
 and `time/score_s` (a round's sampling and its reward functions, seconds), `rollout_tokens_per_s` (completion tokens
 per second of generation), `time/train_s` (per step: the log interval's wall time without its rounds' sampling and
@@ -42,7 +43,7 @@ from jaxpar.dtypes import at_least_f32
 from jaxpar.data.prompts import stop_ids
 from jaxpar.generate.engine import Engine, Request
 from jaxpar.rl import advantages as adv
-from jaxpar.rl import rewards, rollout
+from jaxpar.rl import importance, rewards, rollout
 from jaxpar.train.feed import Feed
 
 DIR = "rollouts"
@@ -75,6 +76,7 @@ class Rounds(Feed):
         self.T, self.seed, self.room = int(config.model.seq_len), int(config.train.seed), int(g.max_completion_length)
         self.sampling = {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k)}
         self.float = np.dtype(at_least_f32(config.train.compute_dtype))
+        self.importance = str(g.importance_sampling)
         self.tokenizer, self.stops = data.load_tokenizer(info.tokenizer_dir), stop_ids(info, config)
         self.round, self.host, self.placed, self.num_tokens = -1, None, None, 0
         self.seen, self.shown = collections.defaultdict(list), []
@@ -93,16 +95,31 @@ class Rounds(Feed):
             with watchdog.part("sampling"):  # (its own bound: the step watchdog's `part`)
                 self.host, stats = self.sample(r, state["params"])
             self.round, self.placed = r, self.place(self.host)
-            if self.mu > 1:  # the old policy: these params, before the round's first pass
-                self.placed = rollout.with_old_logps(self.steps, state["params"], self.placed)
+            if self.mu > 1 or self.importance != "none":  # the old policy: these params, before the round's first pass
+                self.placed, more = self.old_policy(state["params"])
+                stats |= more
             for k, v in stats.items():
                 self.seen[k].append(float(v))
         self.tokens = int(self.host["tokens_counted"])
         return self.placed
 
+    def old_policy(self, params) -> tuple[dict, dict]:
+        """(the placed round with the old policy's per-token log-probs (mu > 1) and the sampler's importance ratios
+        (`grpo.importance_sampling`: `rl/importance.py`, their metrics))."""
+        placed = rollout.with_old_logps(self.steps, params, self.placed)
+        stats = {}
+        if self.importance != "none":
+            g = self.config.grpo
+            ratio, stats = importance.ratios(jax.device_get(placed["old"]), self.host["sampled"], self.host["mask"],
+                                             self.importance, float(g.importance_sampling_min),
+                                             float(g.importance_sampling_max))
+            self.host["is_ratio"] = ratio
+            placed["is_ratio"] = jax.device_put(ratio.astype(self.float), self.steps.batch_sharding)
+        return (placed if self.mu > 1 else {k: v for k, v in placed.items() if k != "old"}), stats
+
     def place(self, host: dict) -> dict:
         keys = ("tokens", "mask", "advantages") + (("old",) if "old" in host and self.mu > 1 else ()) + \
-            (("routes",) if "routes" in host else ())
+            (("routes",) if "routes" in host else ()) + (("is_ratio",) if "is_ratio" in host else ())
         rows = {k: host[k].astype(self.float) if host[k].dtype.kind == "f" else host[k] for k in keys}
         return jax.device_put(rows, self.steps.batch_sharding)
 
@@ -124,6 +141,8 @@ class Rounds(Feed):
                                   **log.kwargs(self.trainer_state(r * self.mu)))
         self.keep_shown(r, recs, shown, rnd.per_function, rnd.advantages, log.extra)
         batch = {k: v for k, v in rnd.batch.items() if k != "old"}  # (the engine's: the training forward replaces)
+        if self.importance != "none":  # the engine's sampling log-probs, for the importance ratios
+            batch["sampled"] = importance.sampled_logps([p for p in prompts for _ in range(self.G)], done, self.T)
         took = {"time/generate_s": t1 - t0, "time/score_s": time.perf_counter() - t1}
         self.sampling_s += sum(took.values())
         took["rollout_tokens_per_s"] = lengths.sum() / max(took["time/generate_s"], 1e-9)

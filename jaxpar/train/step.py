@@ -103,9 +103,10 @@ def to_microbatches(x, m: int):
 
 
 # what an objective's batch may carry per row besides its tokens, microbatched with them: the reference's (DPO: sums
-# per pair; GRPO: per token), GRPO's old policy's per-token log-probs, its advantages and (MoE) the experts each
-# position was routed to when sampled (`routes` `[rows, seq, layers, k]`: routing replay, `Forward.block`)
-ROW_INPUTS = ("ref", "old", "advantages", "routes")
+# per pair; GRPO: per token), GRPO's old policy's per-token log-probs, its advantages, (MoE) the experts each
+# position was routed to when sampled (`routes` `[rows, seq, layers, k]`: routing replay, `Forward.block`) and the
+# sampler's importance ratios (`is_ratio`, `rl/importance.py`)
+ROW_INPUTS = ("ref", "old", "advantages", "routes", "is_ratio")
 
 
 def microbatched(batch, m: int, context: int = 1):

@@ -12,6 +12,7 @@ pi, pi_old, pi_ref the three log-probs' models, r = pi / pi_old and A the comple
     clipped (dapo, grpo, dr_grpo, bnpo):  -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)
     gspo: the same with r the sequence's ratio exp(mean over its tokens of log r) (GSPO, Zheng et al. 2025)
     cispo: -min(r, epsilon_high) A log pi, the min not differentiated (MiniMax-M1)
+    times the importance ratio of the sampler to the old policy with `grpo.importance_sampling` (`rl/importance.py`)
     plus beta k3 r with `grpo.use_bias_correction_kl` (TRL's default), beta k3 without, k3 = exp(pi_ref - pi) -
     (pi_ref - pi) - 1 the k3 estimate of KL(pi || pi_ref) (`grpo.beta` > 0): r (gspo's the sequence's) corrects the
     estimate, taken on pi_old's samples, to pi; it is differentiated, so it changes the gradient even where r is 1.
@@ -52,6 +53,7 @@ class GRPO(Objective):
     temperature: float = 1.0  # the sampling temperature: every log-prob is of softmax(logits / temperature), as TRL
     routing_replay: bool = False  # a MoE model's batches carry `routes`: the experts of each position when sampled
     use_bias_correction_kl: bool = True  # the KL term's k3 times the ratio r (TRL's `use_bias_correction_kl`)
+    importance_sampling: bool = False  # batches carry `is_ratio` `[rows, seq]` (`rl/importance.py`) times the loss
     name = "grpo"
     section = "grpo"
     data_kinds = ("prompts",)
@@ -70,7 +72,7 @@ class GRPO(Objective):
         return cls(str(g.loss_type), eps, float(g.epsilon_high) or eps, beta, int(g.max_completion_length),
                    int(g.num_generations), int(g.num_iterations), cls.starting_model(config) if beta > 0 else "",
                    float(g.temperature), bool(g.routing_replay) and int(config.model.experts) > 0,
-                   bool(g.use_bias_correction_kl))
+                   bool(g.use_bias_correction_kl), str(g.importance_sampling) != "none")
 
     def reference_head(self, rows: int):
         return TokenLogps(rows, self.temperature)
@@ -86,6 +88,7 @@ class GRPO(Objective):
         f = np.dtype(at_least_f32(config.train.compute_dtype))
         out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows,), f)}
         out |= {"old": ((rows, T), f)} if self.num_iterations > 1 else {}
+        out |= {"is_ratio": ((rows, T), f)} if self.importance_sampling else {}
         return out | ({"routes": ((rows, T, int(m.layers), int(m.experts_per_token)), np.int32)}
                       if self.routing_replay else {})
 
@@ -117,6 +120,8 @@ class GRPO(Objective):
         else:
             clipped = jnp.clip(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
             loss = -jnp.minimum(ratio * adv, clipped * adv)
+        if "is_ratio" in mb:  # the sampler's distribution corrected to the old policy's (TRL: before the KL term)
+            loss = loss * mb["is_ratio"].astype(lp.dtype)
         kl = None
         if self.beta > 0:
             kl = self.kl(lp, mb) * ratio if self.use_bias_correction_kl else self.kl(lp, mb)
