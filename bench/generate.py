@@ -77,7 +77,7 @@ def jax_batch(fwd, params, prompts, new, slots):
     b = slots
     rows = {"seed": jnp.zeros(b, jnp.int32), "stream": jnp.zeros(b, jnp.int32), "index": jnp.zeros(b, jnp.int32),
             "max_new": jnp.full(b, 10 ** 6, jnp.int32), "done": jnp.zeros(b, bool),
-            "stop_ids": jnp.full((b, 1), -1, jnp.int32)}
+            "stop_ids": jnp.full((b, 1), -1, jnp.int32), "wait": jnp.asarray(False)}
     knobs = Sampling(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b))
 
     def run():

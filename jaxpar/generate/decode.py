@@ -138,27 +138,36 @@ class Decoder:
         return self._pin(cache), put(logits, new_logits, 0), put(experts, new_experts, 0)
 
     def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, mode: str):
-        """`steps` tokens for every slot. `carry` = (cache, next-token logits `[b, vocab]`, the experts behind those
-        logits `[b, layers, k]`); `rows`: {seed, stream, index (tokens made so far), max_new, done, stop_ids
-        `[b, m]` (-1 = none)}, each `[b]` int32/bool. -> (carry, per step `[steps, b]`: token, its log-prob under
-        the sampling distribution and under the model, the experts that chose it `[steps, b, layers, k]`, and
-        whether the row was already done before it (a token to drop)). `mode` (static): `greedy` (every row),
-        `plain` (no row filters: nothing sorted) or `filtered` (`sampling.sample`)."""
-        fwd = self.fwd
+        """Up to `steps` tokens for every slot, in one compiled loop that stops once every row is done or, when
+        requests wait for a slot (`rows["wait"]`), once a row finishes. `carry` = (cache, next-token logits
+        `[b, vocab]`, the experts behind those logits `[b, layers, k]`); `rows`: {seed, stream, index (tokens made so
+        far), max_new, done, stop_ids `[b, m]` (-1 = none)}, each `[b]` int32/bool, and `wait` (a bool). -> (carry,
+        per step `[steps, b]`: token, its log-prob under the sampling distribution and under the model, the experts
+        that chose it `[steps, b, layers, k]`, and whether the row was already done before it (a token to drop; every
+        step the loop did not reach is)). `mode` (static): `greedy` (every row), `plain` (no row filters: nothing
+        sorted) or `filtered` (`sampling.sample`)."""
+        fwd, b = self.fwd, rows["done"].shape[0]
+        bufs = (jnp.zeros((steps, b), jnp.int32), jnp.zeros((steps, b), jnp.float32),
+                jnp.zeros((steps, b), jnp.float32), jnp.zeros((steps,) + carry[2].shape, jnp.int32),
+                jnp.ones((steps, b), bool))
 
-        def step(state, _):
-            (cache, logits, experts), index, done = state
+        def step(state):
+            i, (cache, logits, experts), index, done, bufs = state
             keys = row_keys(rows["seed"], rows["stream"], index)
             tok, lp_sampled, lp_model = sample(logits, keys, sampling, mode == "greedy", mode == "filtered")
             ends = jnp.any(tok[:, None] == rows["stop_ids"], -1) | (index + 1 >= rows["max_new"])
             x, cache, new_experts = self._run(params, tok[:, None], cache)
             logits2 = fwd.logits(params, x)[:, 0]
-            out = (tok, lp_sampled, lp_model, experts, done)
+            bufs = tuple(buf.at[i].set(v) for buf, v in zip(bufs, (tok, lp_sampled, lp_model, experts, done)))
             carry = (cache, logits2, jnp.swapaxes(new_experts[:, :, 0], 0, 1))
-            return (carry, index + (~done).astype(jnp.int32), done | ends), out
+            return i + 1, carry, index + (~done).astype(jnp.int32), done | ends, bufs
+
+        def going(state):
+            i, _, _, done, _ = state
+            return (i < steps) & ~jnp.all(done) & ~(rows["wait"] & jnp.any(done & ~rows["done"]))
 
         with self._scope():
-            (carry, _, _), out = jax.lax.scan(step, (carry, rows["index"], rows["done"]), None, length=steps)
+            _, carry, _, _, out = jax.lax.while_loop(going, step, (0, carry, rows["index"], rows["done"], bufs))
         return (self._pin(carry[0]), *carry[1:]), out
 
     def _pin(self, cache: KVCache) -> KVCache:

@@ -14,7 +14,8 @@ neither its batch nor the layout), stops (token ids: the chat template's end of 
 `max_new_tokens` (at most the model's context + 1 - the prompt's length: the last token is sampled from the logits of
 the context's last position and needs no position of its own, so prompt + completion fill a training row of
 `max_positions` + 1 tokens). The engine holds `slots` rows; prompts are prefilled into free slots as rows finish (continuous
-batching; `refill=False` waits for the whole batch), then every slot decodes `chunk` tokens per compiled call.
+batching; `refill=False` waits for the whole batch), then every slot decodes in one compiled loop of at most `chunk`
+tokens, which returns once every row is done or, while requests wait for a slot, once a row finishes.
 
 A completion holds its tokens (a stop id included), each token's log-prob under the sampling distribution (a greedy
 row's: the model's, as vLLM and transformers report it) and under the model at temperature 1 (the training forward's, `score`), why it ended (`stop` | `length`),
@@ -93,14 +94,14 @@ class _Row:
 
 class Engine:
     """See the module docstring. `mesh`, `rules`, `zero3`, `layer_order`: the training layout the params are in
-    (None: one device); `slots`: rows decoded together; `chunk`: tokens per compiled decode call; `prompt_experts`:
+    (None: one device); `slots`: rows decoded together; `chunk`: tokens per compiled decode call at most; `prompt_experts`:
     a mixture of experts' completions also carry their prompt positions' experts (fetched from each prefill: GRPO's
     routing replay asks for them, nothing else pays for them); `share_prefill`: the requests admitted together that
     share a prompt prefill it once (False: a prefill row each; the outputs are the same); `prefill_chunk`: prompts
     longer than this prefill that many positions at a time (`decode.Decoder`)."""
 
     def __init__(self, fwd: gpt.Forward, params, *, mesh=None, rules=DEFAULT_RULES, zero3: bool = False,
-                 layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 8, refill: bool = True,
+                 layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 128, refill: bool = True,
                  prompt_experts: bool = False, share_prefill: bool = True, prefill_chunk: int = 512):
         self.fwd, self.cfg, self.tokenizer = fwd, fwd.cfg, tokenizer
         self.prompt_experts = prompt_experts and fwd.cfg.experts > 0
@@ -162,6 +163,7 @@ class Engine:
                     slot[s].prompt_experts = routed[j, :len(slot[s].req.prompt) - 1].copy()
                 self.stats["prefill_calls"] += 1
             self.stats["decode_calls"] += 1
+            rows["wait"] = np.asarray(bool(queue) and self.refill)  # (a finished row then ends the call: refill)
             carry, got = self.decoder.decode(self.params, carry, {k: jnp.asarray(v) for k, v in rows.items()},
                                              Sampling(**{k: jnp.asarray(v) for k, v in knobs.items()}),
                                              self.chunk, mode)

@@ -62,22 +62,23 @@ def sample(logits, keys, s: Sampling, greedy_only: bool = False, any_filter: boo
     (`filters_on`), so the sorted path is computed for those rows; without it nothing is sorted. Which path a row
     takes is its own settings' choice, so its tokens never depend on the other rows."""
     logits = logits.astype(jnp.float32)
-    model = jax.nn.log_softmax(logits, -1)
+    at = lambda z, t: jnp.take_along_axis(z, t[:, None], -1)[:, 0]  # noqa: E731 (one value a row)
+    norm = jax.nn.logsumexp(logits, -1)  # (a reduction: no [rows, vocab] log-softmax is written)
     if greedy_only:
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        lp = jnp.take_along_axis(model, tok[:, None], -1)[:, 0]
+        lp = at(logits, tok) - norm
         return tok, lp, lp
     greedy = s.temperature <= 0
     z = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
-    plain = jax.nn.log_softmax(z, -1)  # no filter: the softmax of z itself
-    tok = jnp.where(greedy, jnp.argmax(z, -1), jax.vmap(jax.random.categorical)(keys, plain)).astype(jnp.int32)
-    lp = jnp.take_along_axis(plain, tok[:, None], -1)[:, 0]
+    # no filter: a draw from softmax(z) itself (`categorical` takes unnormalised logits)
+    tok = jnp.where(greedy, jnp.argmax(z, -1), jax.vmap(jax.random.categorical)(keys, z)).astype(jnp.int32)
+    lp = at(z, tok) - jax.nn.logsumexp(z, -1)
     if any_filter:
         order = jnp.argsort(-z, axis=-1, stable=True)  # the most likely first; ties by the lower id, as argmax
         kept = jax.nn.log_softmax(_filtered(jnp.take_along_axis(z, order, -1), s), -1)
         pick = jax.vmap(jax.random.categorical)(keys, kept)
         on = filters_on(s, z.shape[-1]) & ~greedy
-        tok = jnp.where(on, jnp.take_along_axis(order, pick[:, None], -1)[:, 0].astype(jnp.int32), tok)
-        lp = jnp.where(on, jnp.take_along_axis(kept, pick[:, None], -1)[:, 0], lp)
-    lp_model = jnp.take_along_axis(model, tok[:, None], -1)[:, 0]
+        tok = jnp.where(on, at(order, pick).astype(jnp.int32), tok)
+        lp = jnp.where(on, at(kept, pick), lp)
+    lp_model = at(logits, tok) - norm
     return tok, jnp.where(greedy, lp_model, lp), lp_model
