@@ -139,8 +139,5 @@ def read(config) -> tuple[PromptInfo, tuple[Prompts, Prompts]]:
 def stop_ids(info: PromptInfo, config) -> tuple:
     """The ids that end a completion (`special.end_ids`: generation_config.json's, the tokenizer's EOS, the chat
     template's end of turn)."""
-    try:
-        fmt = chat.ChatFormat.from_dir(info.tokenizer_dir, config.data.chat_template)
-    except DataError:  # no chat template
-        fmt = None
-    return special.end_ids(load_tokenizer(info.tokenizer_dir), fmt)
+    tok = load_tokenizer(info.tokenizer_dir)
+    return special.end_ids(tok, special.chat_format(tok, config.data.chat_template))

@@ -72,13 +72,14 @@ def end_ids(tok, fmt=None, say: bool = True) -> tuple[int, ...]:
     return ids
 
 
-def chat_format(tok):
-    """The chat format of the tokenizer's directory (`chat.ChatFormat`: its template and special tokens), or None
-    when it has no chat template (or no tokenizer.json: a byte tokenizer)."""
+def chat_format(tok, given: str = ""):
+    """The chat format of the tokenizer's directory (`chat.ChatFormat`: its template, or `given`'s, and special
+    tokens), or None when it has none that reads (no template, no tokenizer.json: a byte tokenizer)."""
     directory = getattr(tok, "directory", None)
-    if directory is None or chat.find_template(directory) is None:
+    try:
+        return None if directory is None else chat.ChatFormat.from_dir(directory, given)
+    except DataError:
         return None
-    return chat.ChatFormat.from_dir(directory)
 
 
 def generation_config(tok, bos_id: int | None) -> dict:

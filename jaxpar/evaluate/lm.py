@@ -31,21 +31,10 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
 from tqdm import tqdm
 
 from jaxpar.data import special
-from jaxpar.data.common import DataError
 from jaxpar.evaluate.scores import score
 from jaxpar.evaluate.tokens import hf_tokenizer_of
 from jaxpar.generate.engine import Engine, Request
 from jaxpar.generate.source import on_layout
-
-
-def _chat_of(source):
-    """The source's chat format; one given without (evaluation during training) gets its tokenizer's, if any."""
-    if source.chat is not None:
-        return source.chat
-    try:
-        return special.chat_format(source.tokenizer)
-    except DataError:  # a template the chat format cannot read: no end of turn from it (as `source.load` has it)
-        return None
 
 
 @register_model("jaxpar")
@@ -70,7 +59,7 @@ class JaxparLM(TemplateLM):
         self._max_gen_toks, self.add_bos_token = int(max_gen_toks), add_bos_token
         self.custom_prefix_token_id = prefix_token_id
         self.chat_template_args = {}
-        self.end_ids = special.end_ids(source.tokenizer, _chat_of(source))  # where generations end (dropped)
+        self.end_ids = special.end_ids(source.tokenizer, source.chat or special.chat_format(source.tokenizer))  # where generations end (dropped)
 
     # ------------------------------------------------------------------------------------------ tokens
 

@@ -186,10 +186,11 @@ class Engine:
         record: one prefill, its cache rows copied into each slot), the distinct ones a group padded to a power of two
         rows and positions. -> (carry, the experts of each prompt's positions `[len(prompts), t, layers, k]` on the
         host with `prompt_experts`, else None)."""
-        first = {}
-        src = np.asarray([first.setdefault(tuple(p) if self.share_prefill else j, len(first))
-                          for j, p in enumerate(prompts)], np.int32)
-        uniq = [list(prompts[int(np.argmax(src == u))]) for u in range(len(first))]
+        first, uniq = {}, []  # {prompt (or request, unshared): its prefill row}, those rows' prompts
+        for j, p in enumerate(prompts):
+            if first.setdefault(tuple(p) if self.share_prefill else j, len(uniq)) == len(uniq):
+                uniq.append(list(p))
+        src = np.asarray([first[tuple(p) if self.share_prefill else j] for j, p in enumerate(prompts)], np.int32)
         split = self.decoder.row_split()  # (rows that the batch's shards divide: as the slots, when they can)
         n = -(-bucket(len(uniq), 1) // split) * split if self.slots % split == 0 else bucket(len(uniq), 1)
         n = min(n, max(self.slots, len(uniq)))

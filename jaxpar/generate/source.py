@@ -32,8 +32,8 @@ from jaxpar import model as gpt
 from jaxpar.compiled import steps_for
 from jaxpar.config import base_config, check_command_line
 from jaxpar.config_keys import MESH_AXES
+from jaxpar.data import special
 from jaxpar.data.chat import ChatFormat
-from jaxpar.data.common import DataError
 from jaxpar.errors import ConfigError
 from jaxpar.export import TOKENIZER_DIR, load_export
 from jaxpar.formats import hf, hub, start
@@ -50,13 +50,6 @@ class Source(NamedTuple):
     chat: ChatFormat | None  # the checkpoint's chat template (its end-of-turn and end-of-sequence ids), if it has one
     steps: object | None  # `compiled.steps_for`'s Steps of the layout, or None (one device)
     config: object | None  # the run config of that layout
-
-
-def _chat(tok, where: str) -> ChatFormat | None:
-    try:
-        return ChatFormat.from_dir(getattr(tok, "directory", None) or where)
-    except DataError:
-        return None
 
 
 def _place(params, steps):
@@ -123,22 +116,21 @@ def load(src: str, mesh: dict | None = None) -> Source:
         where = hf.directory_of(src)
         if not mesh or all(v == 1 for v in mesh.values()):
             fwd, params, tok = hf.load(where)
-            return Source(fwd, params, tok, _chat(tok, where), None, None)
+            return Source(fwd, params, tok, special.chat_format(tok), None, None)
         config = _hf_config(src)
         steps = _on_mesh(config, mesh, int(config.model.vocab_size))
         params = hf.load_params(where, steps.cfg, steps.state_shardings["params"], steps.layer_order)
         tok = data.load_tokenizer(config.data.tokenizer)
-        return Source(steps.fwd, params, tok, _chat(tok, where), steps, config)
+        return Source(steps.fwd, params, tok, special.chat_format(tok), steps, config)
     if k == "export":
         fwd, params, tok = load_export(src)
         if not mesh or all(v == 1 for v in mesh.values()):
-            return Source(fwd, params, tok, _chat(tok, src), None, None)
+            return Source(fwd, params, tok, special.chat_format(tok), None, None)
         raise ValueError(f"{src} is an export; generating on a mesh reads a run directory or hf:DIR (export it with "
                          f"--format hf), or leave out --config.mesh.*.")
     run = runs.load_run(src)
     steps = _on_mesh(run.config, {"data": -1, **(mesh or {})}, run.fwd.cfg.vocab_real)
-    return Source(steps.fwd, _place(run.params, steps), run.tokenizer, _chat(run.tokenizer,
-                                                                             os.path.join(src, "tokenizer")),
+    return Source(steps.fwd, _place(run.params, steps), run.tokenizer, special.chat_format(run.tokenizer),
                   steps, run.config)
 
 
@@ -211,7 +203,7 @@ def on_layout(src: str, overrides=(), rows: int = 8, devices=None) -> Source:
     tok_dir = hf.directory_of(src) if k == "hf" else os.path.join(src, TOKENIZER_DIR)
     tok = data.load_tokenizer(tok_dir)
     steps = steps_for(config, int(config.model.vocab_size) or tok.vocab_size, devices)
-    placed = lambda params: Source(steps.fwd, params, tok, _chat(tok, tok_dir), steps, config)  # noqa: E731
+    placed = lambda params: Source(steps.fwd, params, tok, special.chat_format(tok), steps, config)  # noqa: E731
     if k == "hf":
         return placed(hf.load_params(tok_dir, steps.cfg, steps.state_shardings["params"], steps.layer_order))
     if k == "export":
