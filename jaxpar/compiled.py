@@ -46,7 +46,7 @@ def abstract_batch(config, steps: Steps) -> dict:
     B, T, m = int(config.train.global_batch_size), int(config.model.seq_len), config.model
     obj = objectives.from_config(config)
     shapes = data.image_batch_shapes(B, m.image_size, m.channels) if "images" in obj.data_kinds else \
-        obj.batch_shapes(config, data.batch_shapes(B, T, objectives.packing(config), ref_dtype(config)))
+        obj.batch_shapes(config, data.batch_shapes(B, T, objectives.packing(config), ref_dtype(config)), steps.layout)
     return {k: jax.ShapeDtypeStruct(shape, dt, sharding=steps.batch_sharding) for k, (shape, dt) in shapes.items()}
 
 

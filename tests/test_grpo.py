@@ -19,11 +19,12 @@ from helpers import (EQUIVALENT_LAYOUTS as LAYOUTS, float64_config, float64_llam
                      steps_for, tiny_config)
 from jaxpar.formats import hf  # noqa: E402
 from jaxpar.rl import advantages as adv_mod  # noqa: E402
+from jaxpar.rl import rows as rows_mod  # noqa: E402
 from jaxpar.train.objectives import TokenLogps  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_grpo")
 
-V, T, G, PROMPTS = 300, 32, 4, 2
+V, T, G, PROMPTS = 300, 32, 4, 4
 ROWS = G * PROMPTS
 RTOL = 1e-9
 
@@ -165,11 +166,18 @@ def grpo_config(policy_dir, s, **over):
     return float64_config(hf.apply(c, say=False))
 
 
-def jaxpar_batch(rnd, s, inputs):
+def jaxpar_batch(rnd, s, inputs, st=None):
+    """The round as jaxpar's rows: one completion per row, or (`st`: the steps) the shared-prompt rows the run's
+    layout takes (`rl/rows.py`: the prompt once, K completions a row)."""
     prompts, completions, per_fn, truncated = rnd
     adv, _ = adv_mod.advantages(adv_mod.rewards_of(per_fn, s["weights"]), G, s["scale"])
-    return adv_mod.completion_batch(prompts, completions, inputs["old"], adv, T,
-                                    truncated if s["mask_truncated"] else None, inputs["ref"] if s["beta"] else None)
+    k, seq = 1, T
+    if st is not None:
+        k = st.objective.per_row(PROMPTS, st.layout.batch_split * st.layout.microbatches)
+        seq = st.objective.longest_row(T, k)
+    return rows_mod.training_batch(prompts[::G] if st else prompts, completions, G if st else 1, k, seq,
+                                   st is not None, adv, inputs["old"], inputs["ref"] if s["beta"] else None,
+                                   truncated if s["mask_truncated"] else None).batch
 
 
 def settings(loss_type, scale="group", beta=0.0, eps=0.2, eps_high=0.0, mask_truncated=False, bias_kl=True):
@@ -177,7 +185,7 @@ def settings(loss_type, scale="group", beta=0.0, eps=0.2, eps_high=0.0, mask_tru
                 mask_truncated=mask_truncated, weights=(1.0, 0.5), bias_kl=bias_kl)
 
 
-def check_against_torch(models, s, over=None, devices=1, noise=0.3, seed=0):
+def check_against_torch(models, s, over=None, devices=1, noise=0.3, seed=0, shared=False):
     policy_dir, ref_dir, policy, reference = models
     rnd = make_round(seed)
     want, want_metrics, want_grads, inputs = torch_grpo(policy, reference, rnd, s, noise)
@@ -186,7 +194,9 @@ def check_against_torch(models, s, over=None, devices=1, noise=0.3, seed=0):
         st = steps_for(c, V, jax.devices()[:devices])
         state = st.init_with(hf.load_params(str(policy_dir), st.cfg, st.state_shardings["params"], st.layer_order),
                              0)
-        batch = jax.device_put(jaxpar_batch(rnd, s, inputs), st.batch_sharding)
+        batch = jaxpar_batch(rnd, s, inputs, st if shared else None)
+        assert batch["advantages"].shape[1] > 1 if shared else batch["tokens"].shape == (ROWS, T + 1)  # (siblings)
+        batch = jax.device_put(batch, st.batch_sharding)
         _, metrics, grads = st.train_with_grads(state, batch)
         metrics, grads = jax.device_get((metrics, grads))
     np.testing.assert_allclose(float(metrics["loss"]), want, rtol=RTOL)
@@ -210,17 +220,21 @@ CASES = {  # every loss type and reward scaling; KL on (its bias correction on a
 }
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["row_each", "shared_prompt"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_grpo_losses_equal_trl_on_transformers_logprobs(models, case):
-    clipped = check_against_torch(models, CASES[case])
+def test_grpo_losses_equal_trl_on_transformers_logprobs(models, case, shared):
+    """Every loss type on a row per completion and on the shared-prompt rows (the prompt once, each completion
+    seeing it and itself: `rl/rows.py`), where each completion's normalisation and gspo's ratio are per segment."""
+    clipped = check_against_torch(models, CASES[case], shared=shared)
     assert (max(clipped) == 0) if "unclipped" in case else (max(clipped) > 0)  # the clipping active, or not
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_grpo_on_layouts_with_accumulation_equals_trl(models, name):
-    """Per-sequence means (grpo) over microbatches of different token counts, the KL term, truncated completions."""
+    """Per-sequence means (grpo) over microbatches of different token counts, the KL term, truncated completions, on
+    shared-prompt rows (two completions a row: the rows split over data shards and microbatches)."""
     check_against_torch(models, settings("grpo", "batch", beta=0.1, mask_truncated=True), LAYOUTS[name], devices=8,
-                        seed=1)
+                        seed=1, shared=True)
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +262,8 @@ def moe_model(tmp_path_factory):
 
 def test_grpo_on_an_expert_parallel_moe_equals_trl(moe_model):
     """Qwen3-MoE on (expert 4, data 2): tokens reach their experts by all-to-all; the loss and gradients are TRL's."""
-    check_against_torch(moe_model, settings("dr_grpo", "group"), {"mesh.data": 2, "mesh.expert": 4}, devices=8)
+    check_against_torch(moe_model, settings("dr_grpo", "group"), {"mesh.data": 2, "mesh.expert": 4}, devices=8,
+                        shared=True)
 
 
 def test_advantages_follow_trl_for_every_scaling():
@@ -287,14 +302,14 @@ def test_an_unchanged_policy_has_ratio_one_and_a_second_pass_follows_the_formula
         new, m = st.train(state, put({**batch, "advantages": sign * adv}))
         m = jax.device_get(m)
         assert [float(m[k]) for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")] == [0.0, 0.0]
-        np.testing.assert_allclose(float(m["loss"]), -(sign * adv[:, None] * mask).sum() / mask.sum(), rtol=1e-6)
+        np.testing.assert_allclose(float(m["loss"]), -(sign * adv * mask).sum() / mask.sum(), rtol=1e-6)
     lp1 = logps(new["params"])
     ratio = np.exp(lp1.astype(np.float64) - batch["old"])
-    want = (-np.minimum(ratio * adv[:, None], adv[:, None]) * mask).sum() / mask.sum()
+    want = (-np.minimum(ratio * adv, adv) * mask).sum() / mask.sum()  # (adv `[rows, 1]`: one completion a row)
     m = jax.device_get(st.train(new, put(batch))[1])
     np.testing.assert_allclose(float(m["loss"]), want, rtol=1e-5)
     tokens = mask.sum()
-    low, high = ((ratio < 1) & (adv[:, None] < 0)), ((ratio > 1) & (adv[:, None] > 0))
+    low, high = ((ratio < 1) & (adv < 0)), ((ratio > 1) & (adv > 0))
     np.testing.assert_allclose(float(m["clip_ratio/low_mean"]), (low * mask).sum() / tokens, rtol=1e-6)
     np.testing.assert_allclose(float(m["clip_ratio/high_mean"]), (high * mask).sum() / tokens, rtol=1e-6)
     assert 0 < (low * mask).sum() and 0 < (high * mask).sum() and abs(float(m["loss"]) - want) < 1e-3
@@ -379,9 +394,12 @@ def test_a_round_sampled_by_the_engine_trains_with_ratio_exactly_one(tmp_path):
     state = st.init(0)
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13]]
     done = rollout.sample(Engine.on_steps(st, state["params"], c), prompts, G, 8, seed=3, temperature=1.0)
-    assert len(done) == ROWS and len({tuple(x.tokens) for x in done}) > 1
-    batch, per_fn, _, a, _ = rollout.round_batch(prompts, [{"prompt": "p"}] * PROMPTS, done, fns, w, G, "group", T)
-    assert (a > 0).any() and (a < 0).any() and per_fn.shape == (ROWS, 1)
+    n = len(prompts) * G
+    assert len(done) == n and len({tuple(x.tokens) for x in done}) > 1
+    k = st.objective.per_row(len(prompts), 1)  # shared-prompt rows (the default): G completions a row
+    batch, per_fn, _, a, _, _ = rollout.round_batch(prompts, [{"prompt": "p"}] * len(prompts), done, fns, w, G,
+                                                    "group", st.objective.longest_row(T, k), per_row=k, shared=True)
+    assert (a > 0).any() and (a < 0).any() and per_fn.shape == (n, 1) and batch["advantages"].shape == (2, G)
     put = lambda b: jax.device_put({k: v.astype(np.float32) if v.dtype == np.float64 else v  # noqa: E731
                                     for k, v in b.items()}, st.batch_sharding)
     trained = rollout.with_old_logps(st, state["params"], put(batch))
@@ -390,6 +408,6 @@ def test_a_round_sampled_by_the_engine_trains_with_ratio_exactly_one(tmp_path):
     params = jax.device_get(state["params"])
     for sign in (-1, 1):
         m = jax.device_get(st.train(st.init_with(jax.tree.map(np.asarray, params), 0),
-                                    {**trained, "advantages": put({"a": sign * a.astype(np.float32)})["a"]})[1])
+                                    {**trained, "advantages": put({"a": sign * batch["advantages"]})["a"]})[1])
         assert [float(m[k]) for k in ("clip_ratio/low_mean", "clip_ratio/high_mean")] == [0.0, 0.0], sign
 

@@ -25,6 +25,7 @@ from helpers import float64_config, float64_llamas, random_groups, steps_for, ti
 from jaxpar.formats import hf  # noqa: E402
 from jaxpar.rl import advantages as adv_mod  # noqa: E402
 from jaxpar.rl import importance, rewards  # noqa: E402
+from jaxpar.rl import rows as rows_mod  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_grpo_trl")
 
@@ -120,6 +121,9 @@ CASES = {  # loss type, use_bias_correction_kl, the old log-probs' noise (0: rat
     "dapo_uncorrected_off_policy": ("dapo", False, 0.3, "none"),
     "dapo_token_truncate_ratio_one": ("dapo", True, 0.0, "token_truncate"),
     "grpo_sequence_mask_off_policy": ("grpo", True, 0.3, "sequence_mask"),
+    # the shared-prompt rows (`rl/rows.py`): per-completion means and per-completion importance ratios within a row
+    "grpo_sequence_truncate_off_policy_shared": ("grpo", True, 0.3, "sequence_truncate"),
+    "dapo_token_mask_off_policy_shared": ("dapo", False, 0.3, "token_mask"),
 }
 
 
@@ -127,6 +131,7 @@ CASES = {  # loss type, use_bias_correction_kl, the old log-probs' noise (0: rat
 def test_grpo_equals_trls_own_compute_loss(models, case, tmp_path, monkeypatch):
     import torch
     loss_type, bias_kl, noise, mode = CASES[case]
+    shared = case.endswith("_shared")
     prompts, completions, advantages = make_round()
     trainer = trl_trainer(models, tmp_path, loss_type, bias_kl)
     inputs = trl_inputs(prompts, completions, advantages)
@@ -157,15 +162,18 @@ def test_grpo_equals_trls_own_compute_loss(models, case, tmp_path, monkeypatch):
     want = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
     rows = lambda x: [x[i, :len(c)].numpy() for i, c in enumerate(completions)]  # noqa: E731
-    batch = adv_mod.completion_batch(prompts, completions, rows(inputs.get("old_per_token_logps", lp)), advantages,
-                                     T, ref=rows(inputs["ref_per_token_logps"]))
-    if mode != "none":  # jaxpar's ratios of the same log-probs (`rl/importance.py`), `[rows, seq]` as the batch has
-        batch["is_ratio"] = importance.ratios(batch["old"], adv_mod.completion_batch(
-            prompts, completions, rows(sampled), advantages, T)["old"], batch["mask"], mode, 0.0,
-            1.02 if "mask" in mode else 1.03)[0]
+    k = G if shared else 1  # shared-prompt rows: a group's prompt once, its G completions (`rl/rows.py`)
+    laid = rows_mod.training_batch(prompts[::G] if shared else prompts, completions, G if shared else 1, k,
+                                   T - MAX_LEN + k * (MAX_LEN + 1) if shared else T, shared, advantages,
+                                   rows(inputs.get("old_per_token_logps", lp)), rows(inputs["ref_per_token_logps"]))
+    batch = laid.batch
+    if mode != "none":  # jaxpar's ratios of the same log-probs (`rl/importance.py`), laid out as the batch is
+        batch["is_ratio"] = importance.ratios(batch["old"], rows_mod.place(laid, rows(sampled)), batch["mask"], mode,
+                                              0.0, 1.02 if "mask" in mode else 1.03, rows_mod.members(batch), k)[0]
     if not noise:
         del batch["old"]  # the policy's own log-probs, detached: ratio exactly 1
     metrics, grads = jaxpar_step(models[0], loss_type, bias_kl, batch, mode)
+    assert ("segments" in batch) == shared
     np.testing.assert_allclose(float(metrics["loss"]), loss.item(), rtol=RTOL)
     for name in ("kl", "entropy"):
         np.testing.assert_allclose(float(metrics[name]), want[name], rtol=RTOL, atol=1e-12, err_msg=name)

@@ -64,6 +64,9 @@ POST_TRAINING = (
       "`vllm_importance_sampling_clip_max`)", lambda v: 0 < v < _INF, "a finite number > 0"),
     K("grpo.importance_sampling_min", 0.0, float, "its lower bound C_min (0: none, TRL's `clip_min=None`)",
       lambda v: 0 <= v < _INF, "a finite number >= 0"),
+    K("grpo.shared_prompt", True, bool, "train on rows that hold a prompt once and its completions, each seeing the "
+      "prompt and itself, packed to their length (False: a row per completion, padded to model.seq_len + 1) "
+      "([rl](rl.md#the-shared-prompt-rows))"),
     K("grpo.routing_replay", True, bool, "a mixture of experts: every pass over a round routes each token to the "
       "experts it had when sampled ([rl](rl.md#how-a-run-goes))"),
 )

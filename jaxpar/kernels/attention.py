@@ -23,7 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxpar.kernels import blockwise
+from jaxpar.kernels import blockwise, segments
 from jaxpar.parallel import context
 from jaxpar.parallel.logical import context_rank, context_split, gather_context, per_shard
 from jaxpar.parallel.shard_map_body import vary_like
@@ -84,7 +84,7 @@ def xla(q, k, v, mask=None, segment_ids=None, causal: bool = True):
     attends to every other (a bidirectional encoder, ViT)."""
     dt = q.dtype
     if segment_ids is not None:
-        same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+        same = segments.visible(segment_ids[:, None, :, None], segment_ids[:, None, None, :])
         mask = same & (jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool)) if causal else True)
     elif not causal and mask is None:
         mask = jnp.ones((1, 1, q.shape[1], k.shape[1]), bool)

@@ -6,7 +6,7 @@ Causality is by each token's index in its original sequence (`q_idx`, `k_idx`), 
 context parallelism hands each device a load-balanced permutation of the sequence (`jaxpar/parallel/context.py`), whose
 queries attend to the keys gathered from every device. A tile whose keys all come after its queries is skipped
 (`lax.cond`): the causal half of the work is never done. With segment ids (packed documents) a query attends only
-to keys of its own segment.
+to keys of its own segment, or of its shared prefix (`jaxpar/kernels/segments.py`).
 
 Shapes: q `[batch, tq, heads, head_dim]`; k, v `[batch, tk, kv_heads, head_dim]` with heads a multiple of kv_heads
 (grouped-query attention: query head j reads KV head j // (heads / kv_heads), as Hugging Face's `repeat_kv`; the
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.dtypes import at_least_f32
+from jaxpar.kernels import segments
 from jaxpar.parallel.shard_map_body import vary, vary_like
 
 
@@ -45,7 +46,7 @@ def _scores(q, k, qi, ki, qs, ks, scale, f):
     s = jnp.einsum("bqgrd,bkgd->bgrqk", q.astype(f), k.astype(f)) * scale
     ok = (qi[:, None] >= ki[None, :])[None]
     if qs is not None:
-        ok = ok & (qs[:, :, None] == ks[:, None, :])
+        ok = ok & segments.visible(qs[:, :, None], ks[:, None, :])
     return jnp.where(ok[:, None, None], s, -jnp.inf)
 
 

@@ -17,13 +17,20 @@ from __future__ import annotations
 import numpy as np
 
 
-def ratios(old, sampled, mask, mode: str, lo: float = 0.0, hi: float = 3.0) -> tuple[np.ndarray, dict]:
+def ratios(old, sampled, mask, mode: str, lo: float = 0.0, hi: float = 3.0, members=None,
+           per_row: int = 1) -> tuple[np.ndarray, dict]:
     """old, sampled, mask `[rows, seq]` -> (each position's ratio `[rows, seq]` float64 (a completion's one ratio
-    on all its positions for `sequence_*`), TRL's metrics of the round)."""
+    on all its positions for `sequence_*`), TRL's metrics of the round). `members` `[rows, seq]`: each position's
+    completion within its row (`rows.members`; None: one per row), `per_row` of them a row."""
     old, sampled, mask = (np.asarray(a, np.float64) for a in (old, sampled, mask))
     d = np.nan_to_num((old - sampled) * mask, nan=0.0)
     per_sequence = mode.startswith("sequence")
-    r = np.exp(d.sum(-1, keepdims=True) if per_sequence else d)
+    own = np.zeros(mask.shape, np.int64) if members is None else np.asarray(members)
+    if per_sequence:  # a completion's sum of d, `[rows, per_row]`
+        one_hot = own[..., None] == np.arange(per_row)
+        r = np.exp(np.einsum("rt,rtk->rk", d, one_hot))
+    else:
+        r = np.exp(d)
     lo_, hi_ = (lo if lo > 0 else None), hi
     if mode.endswith("truncate"):
         r = np.clip(r, lo_, hi_)
@@ -41,14 +48,5 @@ def ratios(old, sampled, mask, mode: str, lo: float = 0.0, hi: float = 3.0) -> t
                "sampling/importance_sampling_ratio/min": stat(np.min, flat),
                "sampling/importance_sampling_ratio/mean": stat(np.mean, flat),
                "sampling/importance_sampling_ratio/max": stat(np.max, flat)}
-    return np.broadcast_to(r, mask.shape).copy(), metrics
+    return (np.take_along_axis(r, own, axis=1) if per_sequence else r), metrics
 
-
-def sampled_logps(prompts, completions, seq: int) -> np.ndarray:
-    """Each completion's sampling log-probs (`Completion.logprobs`) at its batch positions `[rows, seq]` (row i:
-    prompts[i] then completions[i], position t predicting token t + 1), as `advantages.completion_batch` lays out
-    `old`."""
-    out = np.zeros((len(completions), seq))
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        out[i, len(p) - 1:len(p) - 1 + len(c.logprobs)] = c.logprobs
-    return out

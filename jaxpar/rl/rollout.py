@@ -19,6 +19,7 @@ import numpy as np
 from jaxpar.generate.engine import Request
 from jaxpar.rl import advantages as adv
 from jaxpar.rl import rewards
+from jaxpar.rl import rows as rows_mod
 
 
 def sample(engine, prompts, group: int, max_new_tokens: int, seed, stop_ids=(), **sampling) -> list:
@@ -33,22 +34,23 @@ def sample(engine, prompts, group: int, max_new_tokens: int, seed, stop_ids=(), 
 
 
 class Round(NamedTuple):
-    batch: dict  # the objective's batch (`advantages.completion_batch`)
+    batch: dict  # the objective's batch (`rows.training_batch`)
     per_function: np.ndarray  # `[N, F]` each reward function's value (NaN: None)
     rewards: np.ndarray  # `[N]` their weighted sum (NaN: unscorable)
     advantages: np.ndarray  # `[N]`
     zero_std: np.ndarray  # `[N]` whether the completion's group (or batch) had rewards all alike
+    rows: rows_mod.Rows  # where each completion's tokens sit in the batch
 
 
 def round_batch(prompts, records, completions, fns, weights, group: int, scale: str, seq: int, texts=None,
                 mask_truncated: bool = False, max_completion_length: int = 0, replay: bool = False,
-                **reward_kwargs) -> Round:
+                per_row: int = 1, shared: bool = False, **reward_kwargs) -> Round:
     """A round scored (`Round`): `records[p]` prompt p's record, `texts` each completion as the reward functions see
     it (default: its text, else its token ids written out), `reward_kwargs` more keywords for them (the loop's
     `trainer_state`, `log_extra`, `log_metric`: `rewards.RewardLog.kwargs`); with `replay` (a mixture of experts) the
     batch's `routes`: the experts the engine routed each position to (`Completion.prompt_experts`, then
-    `.experts`)."""
-    rows = [p for p in prompts for _ in range(group)]
+    `.experts`). Its rows: `shared` rows of `per_row` completions each, at most `seq` positions long
+    (`GRPO.longest_row`), else one per row of `seq` + 1 tokens (`rows.py`)."""
     recs = [r for r in records for _ in range(group)]
     ids = [list(c.tokens) for c in completions]
     shown = texts if texts is not None else [c.text if c.text is not None else str(c.tokens) for c in completions]
@@ -59,7 +61,9 @@ def round_batch(prompts, records, completions, fns, weights, group: int, scale: 
     truncated = np.array([c.finish_reason == "length" for c in completions]) if mask_truncated else None
     old = [np.asarray(c.model_logprobs, np.float64) for c in completions]
     routes = [np.concatenate([c.prompt_experts, c.experts]) for c in completions] if replay else None
-    return Round(adv.completion_batch(rows, ids, old, a, seq, truncated, routes=routes), per_fn, total, a, zero_std)
+    laid = rows_mod.training_batch(prompts, ids, group, per_row, seq, shared, a, old, truncated=truncated,
+                                   routes=routes)
+    return Round(laid.batch, per_fn, total, a, zero_std, laid)
 
 
 def with_old_logps(steps, params, batch):

@@ -18,7 +18,9 @@ Metrics under TRL's names, averaged over the rounds since the last log: `reward`
 `num_tokens` (prompt and completion tokens sampled since the run began). Where a step's time goes: `time/generate_s`
 and `time/score_s` (a round's sampling and its reward functions, seconds), `rollout_tokens_per_s` (completion tokens
 per second of generation), `time/train_s` (per step: the log interval's wall time without its rounds' sampling and
-scoring: the training passes, and any checkpoint save in it). What reward functions log with `log_metric`
+scoring: the training passes, and any checkpoint save in it); `tokens/prefill` (prompt tokens the engine prefilled
+per round: each prompt once) and `tokens/train` (the positions a training pass over the round runs: rows x their
+length, `rows.py`). What reward functions log with `log_metric`
 (each round's mean, averaged over the rounds, under its name, TRL's rule). `grpo.log_completions` completions of each
 log step's round go to WORKDIR/completions.jsonl (prompt, completion, rewards, the columns reward functions logged with
 `log_extra`, advantage), and to a W&B table when W&B is on. Reward functions are called as TRL calls them
@@ -43,7 +45,7 @@ from jaxpar.dtypes import at_least_f32
 from jaxpar.data.prompts import stop_ids
 from jaxpar.generate.engine import Engine, Request
 from jaxpar.rl import advantages as adv
-from jaxpar.rl import importance, rewards, rollout
+from jaxpar.rl import importance, rewards, rollout, rows
 from jaxpar.train.feed import Feed
 
 DIR = "rollouts"
@@ -77,6 +79,9 @@ class Rounds(Feed):
         self.sampling = {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k)}
         self.float = np.dtype(at_least_f32(config.train.compute_dtype))
         self.importance = str(g.importance_sampling)
+        obj, lay = steps.objective, steps.layout  # the rows: shared-prompt rows of K completions (`rows.py`), or one each
+        self.shared, self.per_row = obj.shared_prompt, obj.per_row(self.B, lay.batch_split * lay.microbatches)
+        self.longest = obj.longest_row(self.T, self.per_row)
         self.tokenizer, self.stops = data.load_tokenizer(info.tokenizer_dir), stop_ids(info, config)
         self.round, self.host, self.placed, self.num_tokens = -1, None, None, 0
         self.seen, self.shown = collections.defaultdict(list), []
@@ -112,14 +117,14 @@ class Rounds(Feed):
             g = self.config.grpo
             ratio, stats = importance.ratios(jax.device_get(placed["old"]), self.host["sampled"], self.host["mask"],
                                              self.importance, float(g.importance_sampling_min),
-                                             float(g.importance_sampling_max))
+                                             float(g.importance_sampling_max), rows.members(self.host), self.per_row)
             self.host["is_ratio"] = ratio
             placed["is_ratio"] = jax.device_put(ratio.astype(self.float), self.steps.batch_sharding)
         return (placed if self.mu > 1 else {k: v for k, v in placed.items() if k != "old"}), stats
 
     def place(self, host: dict) -> dict:
         keys = ("tokens", "mask", "advantages") + (("old",) if "old" in host and self.mu > 1 else ()) + \
-            (("routes",) if "routes" in host else ()) + (("is_ratio",) if "is_ratio" in host else ())
+            tuple(k for k in ("routes", "is_ratio", "segments", "positions") if k in host)
         rows = {k: host[k].astype(self.float) if host[k].dtype.kind == "f" else host[k] for k in keys}
         return jax.device_put(rows, self.steps.batch_sharding)
 
@@ -135,15 +140,17 @@ class Rounds(Feed):
         counted = int(sum(len(p) for p in prompts) * self.G + lengths.sum())
         self.num_tokens += counted  # (before scoring: TRL's trainer_state counts the round's tokens)
         g, log = self.config.grpo, rewards.RewardLog(len(done))
-        rnd = rollout.round_batch(prompts, recs, done, self.fns, self.weights, self.G, g.scale_rewards, self.T,
-                                  texts=shown, mask_truncated=bool(g.mask_truncated_completions),
+        rnd = rollout.round_batch(prompts, recs, done, self.fns, self.weights, self.G, g.scale_rewards,
+                                  self.longest, texts=shown, mask_truncated=bool(g.mask_truncated_completions),
                                   max_completion_length=self.room, replay=self.steps.objective.routing_replay,
+                                  per_row=self.per_row, shared=self.shared,
                                   **log.kwargs(self.trainer_state(r * self.mu)))
         self.keep_shown(r, recs, shown, rnd.per_function, rnd.advantages, log.extra)
         batch = {k: v for k, v in rnd.batch.items() if k != "old"}  # (the engine's: the training forward replaces)
         if self.importance != "none":  # the engine's sampling log-probs, for the importance ratios
-            batch["sampled"] = importance.sampled_logps([p for p in prompts for _ in range(self.G)], done, self.T)
-        took = {"time/generate_s": t1 - t0, "time/score_s": time.perf_counter() - t1}
+            batch["sampled"] = rows.place(rnd.rows, [c.logprobs for c in done])
+        took = {"time/generate_s": t1 - t0, "time/score_s": time.perf_counter() - t1,
+                "tokens/prefill": self.prefilled, "tokens/train": batch["mask"].size}
         self.sampling_s += sum(took.values())
         took["rollout_tokens_per_s"] = lengths.sum() / max(took["time/generate_s"], 1e-9)
         return batch | {"tokens_counted": np.asarray(counted)}, log.means() | self.stats(rnd, lengths, done) | took
@@ -159,7 +166,9 @@ class Rounds(Feed):
         engine = Engine.on_steps(self.steps, params, self.config, tokenizer=self.tokenizer,
                                  slots=len(prompts) * self.G, prompt_experts=self.steps.objective.routing_replay)
         seeds = [_round_seed(self.seed, r, k) for k in range(len(prompts))]
-        return rollout.sample(engine, prompts, self.G, self.room, seeds, self.stops, **self.sampling)
+        done = rollout.sample(engine, prompts, self.G, self.room, seeds, self.stops, **self.sampling)
+        self.prefilled = engine.stats["prefill_tokens"]
+        return done
 
     def stats(self, rnd, lengths, done) -> dict:
         per_fn, total, zero_std = rnd.per_function, rnd.rewards, rnd.zero_std

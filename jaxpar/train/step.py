@@ -3,7 +3,8 @@
 A batch is `{"tokens": int32 [global_batch, seq + 1]}` (inputs are tokens[:, :-1], targets tokens[:, 1:]) with an
 optional `"mask": float32 [global_batch, seq]` of loss weights and optional `"segments": int32 [global_batch, seq + 1]`
 (packed documents: attention stays within a segment, positions restart at each, and a segment's last token predicts
-nothing), sharded on `data`. The loss is the mean next-token
+nothing; GRPO's shared-prompt rows: `jaxpar/kernels/segments.py`) and optional `"positions": int32 [global_batch,
+seq + 1]` (the tokens' positions, where segments do not restart them), sharded on `data`. The loss is the mean next-token
 cross-entropy (nats/token, float32) over all masked-in tokens of the whole global batch, so `train.microbatches`
 accumulated microbatches give exactly the step on the whole batch, also when they hold different numbers of tokens.
 
@@ -40,8 +41,12 @@ __all__ = ["build", "Steps", "StepSettings", "init_state", "model_config", "spli
 
 
 def model_config(config, vocab_real: int, tensor: int) -> gpt.ModelConfig:
-    """The model of a run config (`model.config_from`)."""
-    return gpt.config_from(config, vocab_real, tensor)
+    """The model of a run config (`model.config_from`); `model.attention='auto'` is XLA's for an objective whose rows
+    share prefixes (the fused kernels see a query's own segment only: `kernels/segments.py`)."""
+    cfg = gpt.config_from(config, vocab_real, tensor)
+    if cfg.attention == "auto" and objectives.from_config(config).shares_prefixes:
+        cfg = dataclasses.replace(cfg, attention="xla")
+    return cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +121,13 @@ def microbatched(batch, m: int, context: int = 1):
     inputs, targets, mask, seg = split_batch(batch)
     ids = jnp.arange(inputs.shape[0], dtype=jnp.int32)
     xs = {"x": inputs, "y": targets, "w": mask} | ({} if seg is None else {"seg": seg})
+    if "positions" in batch:  # (GRPO's shared-prompt rows: a completion continues its prompt's positions)
+        xs["pos"] = batch["positions"][:, :-1]
     if context > 1:
-        pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape) if seg is None \
-            else gpt.segment_positions(seg)
+        pos = xs.get("pos")
+        if pos is None:
+            pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape) if seg is None \
+                else gpt.segment_positions(seg)
         order = jnp.asarray(balanced_order(inputs.shape[1], context))
         xs = jax.tree.map(lambda a: a[:, order], {**xs, "pos": pos})
     rows = {k: batch[k] for k in ROW_INPUTS if k in batch}
@@ -247,7 +256,7 @@ def mean_loss_and_grads(st: StepSettings, cfg: gpt.ModelConfig, grad_fn, sh: Sha
     mask, xs = microbatched(batch, lo.microbatches, lo.context)
     seg = xs.get("seg")
     total = obj.total(mask.astype(at_least_f32(cfg.compute_dtype)),  # float64 in float64 runs
-                      None if seg is None else split_batch(batch)[3])
+                      None if seg is None else split_batch(batch)[3], batch)
     total = jnp.maximum(total, 1.0)
     lsum, grads, stats, count = grad_fn.loss_and_grads(params, xs, scale / total, rng, scale / mask.shape[0])
     grads = jax.lax.with_sharding_constraint(grads, sh.grads)

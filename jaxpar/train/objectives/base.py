@@ -24,6 +24,7 @@ class Objective:
     reference = ""  # its reference model: "" | copy | adapters_off | adapters | batch
     packing = ""  # the `data.packing` its data needs whatever the records ("": `auto` judges the records)
     dropout = True  # whether the model's dropout runs in its training passes (DPO: `dpo.dropout`)
+    shares_prefixes = False  # its rows' segment ids name shared prefixes (`kernels/segments.py`: GRPO's shared rows)
 
     @classmethod
     def from_config(cls, config) -> "Objective":
@@ -39,7 +40,7 @@ class Objective:
         """The rows of a step's global batch (what microbatches and data shards split): `train.global_batch_size`."""
         return int(config.train.global_batch_size)
 
-    def batch_shapes(self, config, default: dict) -> dict:
+    def batch_shapes(self, config, default: dict, layout=None) -> dict:
         """{name: (shape, dtype)} of a global batch of its steps; `default` the data's (`data.batch_shapes`)."""
         return default
 
@@ -60,7 +61,7 @@ class Objective:
     def head(self, fwd, params, x, mb):
         raise NotImplementedError
 
-    def total(self, mask, seg):
+    def total(self, mask, seg, batch):
         return mask.sum()
 
     def metrics(self, count, total) -> dict:

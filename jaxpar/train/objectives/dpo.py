@@ -92,7 +92,7 @@ class DPO(Objective):
                            s((reward[..., 0] > reward[..., 1]).astype(lp.dtype)), s(pol[..., 0]), s(pol[..., 1])])
         return s(per_pair), count
 
-    def total(self, mask, seg):
+    def total(self, mask, seg, batch):
         n = pair_sums(jnp.ones_like(mask), mask, seg)
         return ((n[..., 0] > 0) & (n[..., 1] > 0)).sum(dtype=mask.dtype)
 

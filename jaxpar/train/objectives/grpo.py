@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.dtypes import at_least_f32
+from jaxpar.kernels import segments
 from jaxpar.kernels.cross_entropy import place_rows
 from jaxpar.train.objectives.base import Objective
 _CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -54,6 +55,7 @@ class GRPO(Objective):
     routing_replay: bool = False  # a MoE model's batches carry `routes`: the experts of each position when sampled
     use_bias_correction_kl: bool = True  # the KL term's k3 times the ratio r (TRL's `use_bias_correction_kl`)
     importance_sampling: bool = False  # batches carry `is_ratio` `[rows, seq]` (`rl/importance.py`) times the loss
+    shared_prompt: bool = False  # rows of a prompt once and K completions (`rl/rows.py`, `kernels/segments.py`)
     name = "grpo"
     section = "grpo"
     data_kinds = ("prompts",)
@@ -72,7 +74,12 @@ class GRPO(Objective):
         return cls(str(g.loss_type), eps, float(g.epsilon_high) or eps, beta, int(g.max_completion_length),
                    int(g.num_generations), int(g.num_iterations), cls.starting_model(config) if beta > 0 else "",
                    float(g.temperature), bool(g.routing_replay) and int(config.model.experts) > 0,
-                   bool(g.use_bias_correction_kl), str(g.importance_sampling) != "none")
+                   bool(g.use_bias_correction_kl), str(g.importance_sampling) != "none", bool(g.shared_prompt))
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether its rows' segment ids name shared prefixes (attention through the kernels that read them)."""
+        return self.shared_prompt
 
     def reference_head(self, rows: int):
         return TokenLogps(rows, self.temperature)
@@ -81,12 +88,32 @@ class GRPO(Objective):
         """A step's `train.global_batch_size` prompts x G completions, a row each."""
         return int(config.train.global_batch_size) * self.num_generations
 
-    def batch_shapes(self, config, default: dict) -> dict:
-        """A round's batch: a row per completion, its prompt then itself; their loss mask, advantages, with mu > 1
-        the old policy's per-token log-probs and, with routing replay, each position's experts in every layer."""
-        rows, T, m = self.rows(config), int(config.model.seq_len), config.model
+    def per_row(self, prompts: int, split: int) -> int:
+        """Completions a shared-prompt row holds: the most (a divisor of G) whose rows still divide by `split` (data
+        shards x microbatches); 1 without sharing."""
+        G = self.num_generations
+        if not self.shared_prompt:
+            return 1
+        return max(k for k in range(1, G + 1) if G % k == 0 and (prompts * G // k) % split == 0)
+
+    def longest_row(self, seq: int, per_row: int) -> int:
+        """The most input positions a row can need: a shared row's prompt of the most tokens (seq + 1 - room) less
+        its last, then `per_row` segments of a whole completion and a copy of the prompt's last token; else seq."""
+        room = self.max_completion_length
+        return seq - room + per_row * (room + 1) if self.shared_prompt else seq
+
+    def batch_shapes(self, config, default: dict, layout=None) -> dict:
+        """A round's batch at its longest: its rows (a completion each, its prompt then itself; or shared-prompt
+        rows: `rl/rows.py`), their loss mask, advantages, with mu > 1 the old policy's per-token log-probs and, with
+        routing replay, each position's experts in every layer. `layout`: the step's (its data shards and
+        microbatches split the rows)."""
+        B, m = int(config.train.global_batch_size), config.model
+        k = self.per_row(B, 1 if layout is None else layout.batch_split * layout.microbatches)
+        rows, T = self.rows(config) // k, self.longest_row(int(m.seq_len), k)
         f = np.dtype(at_least_f32(config.train.compute_dtype))
-        out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows,), f)}
+        out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows, k), f)}
+        out |= {"segments": ((rows, T + 1), np.int32), "positions": ((rows, T + 1), np.int32)} \
+            if self.shared_prompt else {}
         out |= {"old": ((rows, T), f)} if self.num_iterations > 1 else {}
         out |= {"is_ratio": ((rows, T), f)} if self.importance_sampling else {}
         return out | ({"routes": ((rows, T, int(m.layers), int(m.experts_per_token)), np.int32)}
@@ -103,18 +130,26 @@ class GRPO(Objective):
         if lay.context > 1:
             errs.append(f"train.objective='grpo' with mesh.context={lay.context}: GRPO's per-token log-probs are not "
                         f"context-parallel yet; set mesh.context=1.")
+        if config.grpo.shared_prompt and config.model.attention in ("cudnn", "pallas"):
+            errs.append(f"model.attention={config.model.attention!r} with grpo.shared_prompt=True: the fused kernel "
+                        f"sees a query's own segment only, not its shared prompt; set model.attention='auto' (XLA "
+                        f"for these rows) or grpo.shared_prompt=False.")
         return errs
 
-    def per_token(self, lp, mb):
-        """(per-token loss `[rows, seq]` (gspo, cispo: broadcast from `[rows, 1]`), the ratio r, its advantage, the
-        KL term's per-token k3 (times r with the bias correction; None at beta 0))."""
-        w = mb["w"]
-        adv = mb["advantages"].astype(lp.dtype)[:, None]
+    def per_token(self, lp, mb, own):
+        """(per-token loss `[rows, seq]`, the ratio r (gspo: the completion's, `[rows, K]`), its advantage (likewise,
+        `[rows, K]` for gspo else per token), the KL term's per-token k3 (times r with the bias correction; None at
+        beta 0)). `own`: `_Completions` of the rows."""
+        adv = mb["advantages"].astype(lp.dtype).reshape(lp.shape[0], -1)
         old = mb["old"].astype(lp.dtype) if "old" in mb else jax.lax.stop_gradient(lp)  # mu = 1: the policy's own
         log_ratio = lp - old
-        if self.loss_type == "gspo":
-            log_ratio = (log_ratio * w).sum(-1, keepdims=True) / jnp.maximum(w.sum(-1, keepdims=True), 1)
-        ratio = jnp.exp(log_ratio)
+        if self.loss_type == "gspo":  # one ratio a completion
+            seq_ratio = jnp.exp(own.sums(log_ratio) / jnp.maximum(own.sums(jnp.ones_like(lp)), 1))
+            ratio, counted = own.tokens(seq_ratio), (seq_ratio, adv)
+        else:
+            ratio = jnp.exp(log_ratio)
+            counted = (ratio, own.tokens(adv))
+        adv = own.tokens(adv)
         if self.loss_type == "cispo":
             loss = -jax.lax.stop_gradient(jnp.minimum(ratio, self.epsilon_high)) * adv * lp
         else:
@@ -126,7 +161,7 @@ class GRPO(Objective):
         if self.beta > 0:
             kl = self.kl(lp, mb) * ratio if self.use_bias_correction_kl else self.kl(lp, mb)
             loss = loss + self.beta * kl
-        return loss, ratio, adv, kl
+        return loss, *counted, kl
 
     @staticmethod
     def kl(lp, mb):
@@ -147,20 +182,22 @@ class GRPO(Objective):
         lp = fwd.token_logps(params, x, mb["y"], self.temperature)
         entropy = fwd.token_entropy(params, x, self.temperature).astype(lp.dtype)
         w = mb["w"].astype(lp.dtype)
-        loss, ratio, adv, kl = self.per_token(lp, mb)
-        per_seq = (loss * w).sum(-1)
+        own = _Completions(mb.get("seg"), w, mb["advantages"].size // w.shape[0])
+        loss, ratio, adv, kl = self.per_token(lp, mb, own)
+        per_seq = own.sums(loss)
         if self.loss_type in ("grpo", "gspo"):
-            per_seq = per_seq / jnp.maximum(w.sum(-1), 1)
+            per_seq = per_seq / jnp.maximum(own.sums(jnp.ones_like(lp)), 1)
         kl = (kl * w).sum() if self.beta > 0 else jnp.zeros((), lp.dtype)
-        count = jnp.stack([w.sum(), jnp.asarray(w.shape[0], lp.dtype), (entropy * w).sum(), kl,
+        count = jnp.stack([w.sum(), jnp.asarray(per_seq.size, lp.dtype), (entropy * w).sum(), kl,
                            *self.clip_sums(ratio, adv, w)])
         return per_seq.sum(), count
 
-    def total(self, mask, seg):
+    def total(self, mask, seg, batch):
+        completions = batch["advantages"].size  # (shared rows: K a row)
         if self.loss_type in ("grpo", "gspo"):
-            return jnp.asarray(mask.shape[0], mask.dtype)
+            return jnp.asarray(completions, mask.dtype)
         if self.loss_type == "dr_grpo":
-            return jnp.asarray(mask.shape[0] * self.max_completion_length, mask.dtype)
+            return jnp.asarray(completions * self.max_completion_length, mask.dtype)
         return mask.sum()
 
     def metrics(self, count, total) -> dict:
@@ -170,6 +207,24 @@ class GRPO(Objective):
         out = {"completion_tokens": count[0], "entropy": count[2] / tokens}
         out |= {k: count[4 + i] / clip_over for i, k in enumerate(clips)}
         return out | ({"kl": count[3] / tokens} if self.beta > 0 else {})
+
+
+class _Completions:
+    """Which completion of its row each position's target belongs to: with shared-prompt rows (`seg`: the inputs'
+    segment ids, `rl/rows.py`) a row's completions 0 .. K - 1 are its segments' members 1 .. K; else one a row."""
+
+    def __init__(self, seg, w, per_row: int):
+        own = jnp.zeros(w.shape, jnp.int32) if seg is None else jnp.clip(segments.member(seg) - 1, 0, per_row - 1)
+        self.own, self.w = own, w
+        self.one_hot = (own[..., None] == jnp.arange(per_row)).astype(w.dtype)
+
+    def sums(self, x):
+        """`[rows, seq]` -> each completion's sum over its masked-in tokens `[rows, K]`."""
+        return jnp.einsum("rt,rtk->rk", x * self.w, self.one_hot)
+
+    def tokens(self, x):
+        """`[rows, K]` per completion -> each position's `[rows, seq]`."""
+        return jnp.take_along_axis(x, self.own, axis=1)
 
 
 class TokenLogps:
