@@ -92,6 +92,7 @@ def test_a_grpo_run_samples_scores_and_trains_with_ratio_one(material, tmp_path,
         assert [r[f"clip_ratio/{k}_mean"] for k in ("low", "high", "region")] == [0.0] * 3, (step, r)
         assert r["completion_tokens"] == 16 * r["completions/mean_length"]  # 4 prompts x G = 4 completions
         assert r["time/generate_s"] > 0 and r["time/score_s"] > 0 and r["time/train_s"] > 0, r
+        assert 0 < r["tokens/prefill"] < r["tokens/train"] < 16 * 48  # each prompt prefilled once; shared rows
         assert r["rollout_tokens_per_s"] * r["time/generate_s"] == pytest.approx(r["completion_tokens"])
     assert got[1]["kl"] == 0.0 and got[4]["kl"] > 0
     assert got[1]["frac_reward_zero_std"] < 1 and got[1]["reward_std"] > 0  # a learning signal to follow
@@ -190,8 +191,9 @@ def test_an_expert_parallel_moe_run_has_ratio_one(material, tmp_path):
     first, second = rows(run)[1], rows(run)[2]
     assert [first[f"clip_ratio/{k}_mean"] for k in ("low", "high", "region")] == [0.0] * 3, first
     assert first["completion_tokens"] > 0 and second["clip_ratio/region_mean"] > 0
-    with np.load(run / "rollouts" / "step-1.npz") as f:  # 16 rows x 48 positions x 2 layers x top-2, -1 on padding
-        assert f["routes"].shape == (16, 48, 2, 2) and (f["routes"] >= 0).any() and (f["routes"] == -1).any()
+    with np.load(run / "rollouts" / "step-1.npz") as f:  # 4 shared-prompt rows (a prompt, its 4 completions) x 64
+        # positions x 2 layers x top-2, -1 on padding
+        assert f["routes"].shape == (4, 64, 2, 2) and (f["routes"] >= 0).any() and (f["routes"] == -1).any()
     shutil.copytree(run, parted)  # killed after step 1's checkpoint, inside round 0
     shutil.rmtree(parted / "checkpoints" / "2")
     os.remove(parted / "rollouts" / "step-2.npz")

@@ -149,9 +149,9 @@ class Rounds(Feed):
         batch = {k: v for k, v in rnd.batch.items() if k != "old"}  # (the engine's: the training forward replaces)
         if self.importance != "none":  # the engine's sampling log-probs, for the importance ratios
             batch["sampled"] = rows.place(rnd.rows, [c.logprobs for c in done])
-        took = {"time/generate_s": t1 - t0, "time/score_s": time.perf_counter() - t1,
-                "tokens/prefill": self.prefilled, "tokens/train": batch["mask"].size}
+        took = {"time/generate_s": t1 - t0, "time/score_s": time.perf_counter() - t1}
         self.sampling_s += sum(took.values())
+        took |= {"tokens/prefill": self.prefilled, "tokens/train": batch["mask"].size}
         took["rollout_tokens_per_s"] = lengths.sum() / max(took["time/generate_s"], 1e-9)
         return batch | {"tokens_counted": np.asarray(counted)}, log.means() | self.stats(rnd, lengths, done) | took
 
