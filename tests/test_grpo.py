@@ -173,7 +173,7 @@ def jaxpar_batch(rnd, s, inputs, st=None):
     adv, _ = adv_mod.advantages(adv_mod.rewards_of(per_fn, s["weights"]), G, s["scale"])
     k, seq = 1, T
     if st is not None:
-        k = st.objective.per_row(PROMPTS, st.layout.batch_split * st.layout.microbatches)
+        k = st.objective.per_row(PROMPTS, st.layout.batch_split * st.layout.microbatches, T)
         seq = st.objective.longest_row(T, k)
     return rows_mod.training_batch(prompts[::G] if st else prompts, completions, G if st else 1, k, seq,
                                    st is not None, adv, inputs["old"], inputs["ref"] if s["beta"] else None,
@@ -396,7 +396,7 @@ def test_a_round_sampled_by_the_engine_trains_with_ratio_exactly_one(tmp_path):
     done = rollout.sample(Engine.on_steps(st, state["params"], c), prompts, G, 8, seed=3, temperature=1.0)
     n = len(prompts) * G
     assert len(done) == n and len({tuple(x.tokens) for x in done}) > 1
-    k = st.objective.per_row(len(prompts), 1)  # shared-prompt rows (the default): G completions a row
+    k = st.objective.per_row(len(prompts), 1, T)  # shared-prompt rows (the default): G completions a row
     batch, per_fn, _, a, _, _ = rollout.round_batch(prompts, [{"prompt": "p"}] * len(prompts), done, fns, w, G,
                                                     "group", st.objective.longest_row(T, k), per_row=k, shared=True)
     assert (a > 0).any() and (a < 0).any() and per_fn.shape == (n, 1) and batch["advantages"].shape == (2, G)

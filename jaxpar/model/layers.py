@@ -116,24 +116,33 @@ class KVCache(NamedTuple):
         return ck, cv, mask[:, None], KVCache(ck, cv, self.pos + t)
 
 
+def cached_attention(q, k, v, mask):
+    """Attention of q `[b, t, heads, hd]` over a cache's k, v `[b, S, kv_heads, hd]` under `mask` `[b, 1, t, S]`, in
+    float32 (float64 in float64 runs), each query head reading its KV head in place (no repeated copy of the
+    cache): the decode step's, where the cache is the traffic."""
+    b, t, h, d = q.shape
+    g, f = k.shape[2], at_least_f32(q.dtype)
+    qg = q.reshape(b, t, g, h // g, d).astype(f)
+    s = jnp.einsum("btgrd,bsgd->bgrts", qg, k.astype(f)) / math.sqrt(d)
+    p = jax.nn.softmax(jnp.where(mask[:, :, None], s, -jnp.inf), axis=-1)
+    return jnp.einsum("bgrts,bsgd->btgrd", p, v.astype(f)).reshape(b, t, h, d).astype(q.dtype)
+
+
 def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, implementation: str = "xla",
                    causal: bool = True):
     """Causal self-attention with grouped-query heads: q `[b, t, heads, hd]`, k, v `[b, t, kv_heads, hd]` ->
     (`[b, t, heads, hd]` in q's dtype, cache). Query head j reads KV head j // (heads / kv_heads), as Hugging Face's
     `repeat_kv`. `implementation`: `model.attention` (`jaxpar/kernels/attention.py`: auto | xla | cudnn | pallas). With a
     cache, attends over the cache's filled positions with XLA in float32 (on every backend)."""
-    mask = None
     if cache is not None:
         k, v, mask, cache = cache.append(k, v)
-        dt, q, k, v = q.dtype, *(a.astype(jnp.float32) for a in (q, k, v))
-    elif context_split() > 1:  # this device holds a piece of every sequence: attend over the gathered K/V
+        return checkpoint_name(cached_attention(q, k, v, mask), "attention"), cache
+    if context_split() > 1:  # this device holds a piece of every sequence: attend over the gathered K/V
         return checkpoint_name(kernels.context_attention(q, k, v, segment_ids), "attention"), cache
     rep = q.shape[2] // k.shape[2]
     if rep > 1:  # under tensor parallelism each device then slices its own heads (KV heads split or replicated)
         k, v = (jnp.repeat(a, rep, axis=2) for a in (k, v))
     k, v = (constrain(a, ("batch", "seq", "heads", "kv")) for a in (k, v))
-    if cache is not None:
-        return checkpoint_name(kernels.xla(q, k, v, mask).astype(dt), "attention"), cache
     impl, _ = kernels.choose(implementation, q.dtype, q.shape[1], q.shape[3], segment_ids is not None,
                              causal=causal)
     return checkpoint_name(kernels.attention(q, k, v, segment_ids, impl, causal), "attention"), cache

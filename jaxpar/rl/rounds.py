@@ -79,8 +79,9 @@ class Rounds(Feed):
         self.sampling = {"temperature": float(g.temperature), "top_p": float(g.top_p), "top_k": int(g.top_k)}
         self.float = np.dtype(at_least_f32(config.train.compute_dtype))
         self.importance = str(g.importance_sampling)
-        obj, lay = steps.objective, steps.layout  # the rows: shared-prompt rows of K completions (`rows.py`), or one each
-        self.shared, self.per_row = obj.shared_prompt, obj.per_row(self.B, lay.batch_split * lay.microbatches)
+        obj, lay = steps.objective, steps.layout  # shared-prompt rows of K completions (`rows.py`), or one each
+        self.shared = obj.shared_prompt
+        self.per_row = obj.per_row(self.B, lay.batch_split * lay.microbatches, self.T)
         self.longest = obj.longest_row(self.T, self.per_row)
         self.tokenizer, self.stops = data.load_tokenizer(info.tokenizer_dir), stop_ids(info, config)
         self.round, self.host, self.placed, self.num_tokens = -1, None, None, 0

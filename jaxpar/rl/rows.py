@@ -7,9 +7,9 @@ shared-prompt rows (`grpo.shared_prompt`, the default).
   prompt's last token, so each has the position that predicts its first token: `p[:-1] | p[-1] c1 | p[-1] c2 | ...`.
   The prompt's segment id is 1, completion k's `segments.continuation(k, 1)`: a completion sees the prompt and
   itself, never its siblings (`jaxpar/kernels/segments.py`), and its tokens keep the positions of the unshared row
-  (`positions`). The row is as long as its tokens, rounded up to a bucket (`length`, at most `GRPO.longest_row`), so a round trains on about
-  P + G (R + 1) tokens per prompt instead of G (seq_len + 1). Each token's hidden state equals the unshared row's, so
-  loss and gradients do (`tests/test_grpo_shared.py`, float64).
+  (`positions`). The row is as long as its tokens, rounded up to a bucket (`length`, at most `GRPO.longest_row`),
+  so a round trains on about P + G (R + 1) tokens per prompt instead of G (seq_len + 1). Each token's hidden state
+  equals the unshared row's, so loss and gradients do (`tests/test_grpo.py`, `tests/test_grpo_trl.py`: float64).
 
 Either way completion i's token j is predicted at input position `start[i] + j` of row `row[i]` (`Rows`); `place`
 lays per-token values (log-probs, routes) out there. The batch: `tokens` `[rows, L + 1]`, `mask` `[rows, L]` (1 where

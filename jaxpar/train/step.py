@@ -41,12 +41,10 @@ __all__ = ["build", "Steps", "StepSettings", "init_state", "model_config", "spli
 
 
 def model_config(config, vocab_real: int, tensor: int) -> gpt.ModelConfig:
-    """The model of a run config (`model.config_from`); `model.attention='auto'` is XLA's for an objective whose rows
-    share prefixes (the fused kernels see a query's own segment only: `kernels/segments.py`)."""
-    cfg = gpt.config_from(config, vocab_real, tensor)
-    if cfg.attention == "auto" and objectives.from_config(config).shares_prefixes:
-        cfg = dataclasses.replace(cfg, attention="xla")
-    return cfg
+    """The model of a run config (`model.config_from`); attention 'auto' is XLA's for rows that share prefixes."""
+    cfg = gpt.config_from(config, vocab_real, tensor)  # (the fused kernels see a query's own segment only)
+    shares = cfg.attention == "auto" and objectives.from_config(config).shares_prefixes
+    return dataclasses.replace(cfg, attention="xla") if shares else cfg
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +122,8 @@ def microbatched(batch, m: int, context: int = 1):
     if "positions" in batch:  # (GRPO's shared-prompt rows: a completion continues its prompt's positions)
         xs["pos"] = batch["positions"][:, :-1]
     if context > 1:
-        pos = xs.get("pos")
-        if pos is None:
-            pos = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape) if seg is None \
-                else gpt.segment_positions(seg)
+        pos = xs["pos"] if "pos" in xs else gpt.segment_positions(seg) if seg is not None else \
+            jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         order = jnp.asarray(balanced_order(inputs.shape[1], context))
         xs = jax.tree.map(lambda a: a[:, order], {**xs, "pos": pos})
     rows = {k: batch[k] for k in ROW_INPUTS if k in batch}

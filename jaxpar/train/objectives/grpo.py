@@ -88,13 +88,15 @@ class GRPO(Objective):
         """A step's `train.global_batch_size` prompts x G completions, a row each."""
         return int(config.train.global_batch_size) * self.num_generations
 
-    def per_row(self, prompts: int, split: int) -> int:
+    def per_row(self, prompts: int, split: int, seq: int) -> int:
         """Completions a shared-prompt row holds: the most (a divisor of G) whose rows still divide by `split` (data
-        shards x microbatches); 1 without sharing."""
+        shards x microbatches) and whose longest row stays within 2 x `seq` positions (XLA's attention over a row is
+        quadratic in its length); 1 without sharing."""
         G = self.num_generations
         if not self.shared_prompt:
             return 1
-        return max(k for k in range(1, G + 1) if G % k == 0 and (prompts * G // k) % split == 0)
+        return max(k for k in range(1, G + 1) if G % k == 0 and (prompts * G // k) % split == 0
+                   and (k == 1 or self.longest_row(seq, k) <= 2 * seq))
 
     def longest_row(self, seq: int, per_row: int) -> int:
         """The most input positions a row can need: a shared row's prompt of the most tokens (seq + 1 - room) less
@@ -108,7 +110,7 @@ class GRPO(Objective):
         routing replay, each position's experts in every layer. `layout`: the step's (its data shards and
         microbatches split the rows)."""
         B, m = int(config.train.global_batch_size), config.model
-        k = self.per_row(B, 1 if layout is None else layout.batch_split * layout.microbatches)
+        k = self.per_row(B, 1 if layout is None else layout.batch_split * layout.microbatches, int(m.seq_len))
         rows, T = self.rows(config) // k, self.longest_row(int(m.seq_len), k)
         f = np.dtype(at_least_f32(config.train.compute_dtype))
         out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows, k), f)}
