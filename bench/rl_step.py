@@ -1,4 +1,4 @@
-"""A GRPO step's cost on GSM8K-shaped rounds, side by side in one run (prints JSON): 8 prompts of ~200 tokens x
+"""A GRPO step's cost on GSM8K-shaped rounds, side by side in one run (prints JSON): 8 prompts of 192 tokens x
 G = 8 completions of 16 tokens (a random tiny Llama, byte tokens, no end of turn: every completion runs to its
 16), one CPU device, `model.seq_len` 256; the rows one completion each (`grpo.shared_prompt=False`) and the
 shared-prompt rows (the default, `jaxpar/rl/rows.py`), and optionally another checkout (`--baseline DIR`, e.g. a
@@ -92,7 +92,7 @@ def main():
     a = ap.parse_args()
     root = tempfile.mkdtemp(prefix="rl_step_")
     material(root)
-    out = {"workload": {"prompts": PROMPTS, "num_generations": G, "prompt_tokens": PROMPT_LEN, "new_tokens": NEW,
+    out = {"workload": {"prompts": PROMPTS, "num_generations": G, "prompt_tokens": PROMPT_LEN - 8, "new_tokens": NEW,
                         "seq_len": SEQ, "devices": 1}, "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
     variants = ([("baseline", a.baseline, [])] if a.baseline else []) + [
         ("row_each", REPO, ["--config.grpo.shared_prompt=False"]), ("shared_prompt", REPO, [])]
