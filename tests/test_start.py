@@ -142,7 +142,7 @@ def test_the_loss_weight_of_host_rows_is_the_steps(points, pairs):
     for i in range(2):
         rows = b.rows(i)
         _, _, mask, seg = split_batch(rows)
-        assert data.loss_weight(rows, pairs) == int(obj.total(mask, seg)) > 0
+        assert data.loss_weight(rows, pairs) == int(obj.total(mask, seg, rows)) > 0
 
 
 def first_dpo_step(points, init_from, workdir, **over) -> dict:
