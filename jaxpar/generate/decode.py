@@ -93,14 +93,16 @@ class Decoder:
         t = tokens.shape[1]
         x = fwd.embed(params, tokens, positions=cache.pos[0][:, None] + jnp.arange(t))
 
-        def one(x, inp):
-            p, c, i = inp
+        def one(carry, inp):  # the stacked cache goes through: each layer writes its new positions in place
+            x, k, v = carry
+            p, i = inp
             p = p if self.prepare is None else self.prepare(p)
-            y, c, st = nnx.merge(fwd.block_def, p)(x, cfg, None, c, layer=i)
-            return y, (c, st["experts"] if cfg.experts else jnp.zeros((x.shape[0], t, 0), jnp.int32))
+            y, c, st = nnx.merge(fwd.block_def, p)(x, cfg, None, KVCache(k, v, cache.pos[0], i), layer=i)
+            return (y, c.k, c.v), st["experts"] if cfg.experts else jnp.zeros((x.shape[0], t, 0), jnp.int32)
 
-        x, (cache, experts) = jax.lax.scan(one, x, (gpt.split_params(params)[1], cache, jnp.arange(cfg.layers)))
-        return x, cache, experts
+        (x, k, v), experts = jax.lax.scan(one, (x, cache.k, cache.v),
+                                          (gpt.split_params(params)[1], jnp.arange(cfg.layers)))
+        return x, KVCache(k, v, cache.pos + t), experts
 
     def _prefill(self, params, tokens, lengths, length: int):
         """Prompts `[n, t]` (right-padded), their lengths `[n]` -> (next-token logits `[n, vocab]` float32, a cache

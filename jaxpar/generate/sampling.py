@@ -8,7 +8,8 @@ The filters run in the order Hugging Face's `generate` applies them (its logits 
 min-p): temperature, then top-k (the k most likely), top-p (the smallest set of the most likely tokens whose
 probability reaches p), min-p (tokens at least min_p times the most likely one's probability, Nguyen et al. 2024),
 each on the distribution the previous ones left. A row with no filter draws from the softmax of its logits directly
-(no sort of the vocabulary: 151,936 logits per token for Qwen3); a row with one sorts them once. (vLLM's sampler applies min-p before top-k and top-p, so with
+(no sort of the vocabulary: 151,936 logits per token for Qwen3); a row with one sorts them once. A draw inverts
+the distribution's CDF at one uniform number per row (`draw`), not a Gumbel variate per vocabulary entry. (vLLM's sampler applies min-p before top-k and top-p, so with
 min-p and another filter together the two can keep different sets.)
 
 A token's log-prob is reported under the distribution it was drawn from (temperature and filters applied); a greedy
@@ -54,6 +55,29 @@ def filters_on(s: Sampling, vocab: int):
     return ((s.top_k > 0) & (s.top_k < vocab)) | (s.top_p < 1) | (s.min_p > 0)
 
 
+BLOCK = 512  # vocabulary entries per block of `draw`'s two-level search
+
+
+def draw(keys, z):
+    """One token per row from softmax(z) (z `[b, V]` unnormalised logits, -inf = never), by inverting its CDF at one
+    uniform number per row (`keys` `[b]`): the block of `BLOCK` entries whose cumulative mass passes it, then the
+    entry within that block. A row costs one pass over its exponentiated logits and one uniform number, where a
+    Gumbel-max draw (`jax.random.categorical`) makes V random numbers a row (151,936 for Qwen3)."""
+    b, V = z.shape
+    nb = -(-V // BLOCK)
+    z = jnp.pad(z, ((0, 0), (0, nb * BLOCK - V)), constant_values=-jnp.inf)
+    p = jnp.exp(z - jnp.max(z, -1, keepdims=True)).reshape(b, nb, BLOCK)
+    mass = p.sum(-1)
+    below = jnp.cumsum(mass, -1)
+    u = jax.vmap(jax.random.uniform)(keys) * below[:, -1]
+    j = jnp.minimum(jnp.sum(below <= u[:, None], -1), jnp.argmax(jnp.where(mass > 0, jnp.arange(nb), -1), -1))
+    inside = jnp.take_along_axis(p, j[:, None, None], 1)[:, 0]  # [b, BLOCK]
+    rest = u - (jnp.take_along_axis(below, j[:, None], 1)[:, 0] - jnp.take_along_axis(mass, j[:, None], 1)[:, 0])
+    last = jnp.argmax(jnp.where(inside > 0, jnp.arange(BLOCK), -1), -1)  # (rounding never lands on a zero)
+    i = jnp.minimum(jnp.sum(jnp.cumsum(inside, -1) <= rest[:, None], -1), last)
+    return (j * BLOCK + i).astype(jnp.int32)
+
+
 def sample(logits, keys, s: Sampling, greedy_only: bool = False, any_filter: bool = True):
     """logits `[b, V]` (padded ids at -inf), keys `[b]` -> (tokens `[b]` int32, each token's log-prob under the
     sampling distribution (a greedy row: the model's) and under the model at temperature 1, float32 `[b]`).
@@ -71,12 +95,12 @@ def sample(logits, keys, s: Sampling, greedy_only: bool = False, any_filter: boo
     greedy = s.temperature <= 0
     z = logits / jnp.where(greedy, 1.0, s.temperature)[:, None]
     # no filter: a draw from softmax(z) itself (`categorical` takes unnormalised logits)
-    tok = jnp.where(greedy, jnp.argmax(z, -1), jax.vmap(jax.random.categorical)(keys, z)).astype(jnp.int32)
+    tok = jnp.where(greedy, jnp.argmax(z, -1), draw(keys, z)).astype(jnp.int32)
     lp = at(z, tok) - jax.nn.logsumexp(z, -1)
     if any_filter:
         order = jnp.argsort(-z, axis=-1, stable=True)  # the most likely first; ties by the lower id, as argmax
         kept = jax.nn.log_softmax(_filtered(jnp.take_along_axis(z, order, -1), s), -1)
-        pick = jax.vmap(jax.random.categorical)(keys, kept)
+        pick = draw(keys, kept)
         on = filters_on(s, z.shape[-1]) & ~greedy
         tok = jnp.where(on, at(order, pick).astype(jnp.int32), tok)
         lp = jnp.where(on, at(kept, pick), lp)

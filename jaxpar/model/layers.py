@@ -100,20 +100,32 @@ def apply_rope(x, positions, inv_freq):
 class KVCache(NamedTuple):
     """Keys and values of one layer, each row for its own positions [0, pos[row]) (post-RoPE for llama), `kv_heads`
     of them: rows of different lengths share one cache (ragged prompts, rows refilled one at a time). Stacked over
-    layers (a leading `[layers]` axis on every field) between decode steps."""
+    layers (a leading `[layers]` axis on every field) between decode steps. Inside a decode step's layer loop the
+    stack itself may go through (`layer` set: k, v `[layers, batch, max_len, ...]`, pos `[batch]`), so that a step
+    writes only its new positions into it, in place, and no layer's cache is copied out and back."""
     k: jax.Array  # [batch, max_len, kv_heads, head_dim], compute dtype
     v: jax.Array
     pos: jax.Array  # [batch] int32: positions filled in each row
+    layer: jax.Array | None = None  # the layer whose part of the stacked k, v this is
 
     def append(self, k, v):
         """k, v `[batch, t, kv_heads, head_dim]` for each row's positions pos..pos+t -> (all keys, all values, the
-        causal mask `[batch, 1, t, max_len]` over each row's filled positions, updated cache: pos + t). A row's
-        positions past its pos + t are stale (a shorter row of a padded prefill) and masked until overwritten."""
-        t, S = k.shape[1], self.k.shape[1]
-        put = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), p, 0))
-        ck, cv = put(self.k, k, self.pos), put(self.v, v, self.pos)
-        mask = jnp.arange(S)[None, None, :] <= (self.pos[:, None] + jnp.arange(t)[None, :])[:, :, None]
-        return ck, cv, mask[:, None], KVCache(ck, cv, self.pos + t)
+        causal mask `[batch, 1, t, max_len]` over each row's filled positions, updated cache: pos + t; a stacked
+        one keeps its pos, which its layer loop advances once). A row's positions past its pos + t are stale (a
+        shorter row of a padded prefill) and masked until overwritten."""
+        t = k.shape[1]
+        at = self.pos[:, None] + jnp.arange(t)[None, :]
+        if self.layer is None:
+            put = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), p, 0))
+            ck, cv = put(self.k, k, self.pos), put(self.v, v, self.pos)
+            keys, values, cache = ck, cv, KVCache(ck, cv, self.pos + t)
+        else:  # only the new positions written, into the stack
+            rows = jnp.arange(k.shape[0])[:, None]
+            ck = self.k.at[self.layer, rows, at].set(k.astype(self.k.dtype), mode="drop")
+            cv = self.v.at[self.layer, rows, at].set(v.astype(self.v.dtype), mode="drop")
+            keys, values, cache = ck[self.layer], cv[self.layer], self._replace(k=ck, v=cv)
+        mask = jnp.arange(keys.shape[1])[None, None, :] <= at[:, :, None]
+        return keys, values, mask[:, None], cache
 
 
 def cached_attention(q, k, v, mask):
