@@ -30,6 +30,7 @@ from jaxpar.parallel.sharding import param_specs
 from jaxpar.train import objectives
 
 CACHE_NAMES = (None, "batch", "seq", "kv_heads", "kv")  # the cache's logical axes (its layer axis is never split)
+POOL_NAMES = (None, "batch", None, "kv_heads", "kv")  # a paged pool's: its blocks split as the rows are
 
 
 def decode_rules(rules) -> tuple:
@@ -53,13 +54,32 @@ def cache_spec(cfg, rules, sizes: dict, batch: int, length: int) -> P:
     return _fitting(spec(CACHE_NAMES, rules), (cfg.layers, batch, length, cfg.kv_heads, cfg.head_dim), sizes)
 
 
-def empty(cfg, batch: int, length: int, sharding=None) -> KVCache:
-    """A cache of `batch` empty rows of `length` positions, every layer (inside jit: `sharding` constrains it)."""
-    shape, dt = (cfg.layers, batch, length, cfg.kv_heads, cfg.head_dim), jnp.dtype(cfg.compute_dtype)
+def pool_spec(cfg, rules, sizes: dict, blocks: int, block: int) -> P:
+    """The `PartitionSpec` of a paged pool's keys and values `[layers, blocks, block, kv_heads, head_dim]`."""
+    return _fitting(spec(POOL_NAMES, rules), (cfg.layers, blocks, block, cfg.kv_heads, cfg.head_dim), sizes)
+
+
+def block_bytes(cfg, block: int) -> int:
+    """Bytes of one block of a paged pool: keys and values of `block` positions, every layer."""
+    return 2 * cfg.layers * block * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+
+
+def empty_pool(cfg, blocks: int, block: int, batch: int, sharding=None) -> KVCache:
+    """A paged pool of `blocks` blocks of `block` positions and the positions of `batch` empty rows (inside jit)."""
+    return kv_zeros(cfg, (cfg.layers, blocks, block, cfg.kv_heads, cfg.head_dim), batch, sharding)
+
+
+def kv_zeros(cfg, shape, batch: int, sharding=None) -> KVCache:
+    dt = jnp.dtype(cfg.compute_dtype)
     k, v = jnp.zeros(shape, dt), jnp.zeros(shape, dt)
     if sharding is not None:
         k, v = (jax.lax.with_sharding_constraint(a, sharding) for a in (k, v))
     return KVCache(k, v, jnp.zeros((cfg.layers, batch), jnp.int32))
+
+
+def empty(cfg, batch: int, length: int, sharding=None) -> KVCache:
+    """A cache of `batch` empty rows of `length` positions, every layer (inside jit: `sharding` constrains it)."""
+    return kv_zeros(cfg, (cfg.layers, batch, length, cfg.kv_heads, cfg.head_dim), batch, sharding)
 
 
 def cache_bytes(cfg, batch: int, length: int, layout: Layout | None = None, rules=None) -> dict:

@@ -30,17 +30,20 @@ class Decoder:
     `rules`: the training rules (`config.step_rules`); the decode layout's are `cache.decode_rules` of them. `zero3`:
     the params are ZeRO-3 sharded, gathered here one layer at a time. `prefill_chunk` (a power of two): a prompt group
     longer than this prefills that many positions at a time (its attention scores c x the cache's length, not the
-    whole prompt's square)."""
+    whole prompt's square). `block` > 0: the running batch's cache is a paged pool of blocks of that many positions
+    (`paged.py`), its block table an argument of each call; 0: a dense row of the whole context per slot."""
 
-    def __init__(self, fwd: gpt.Forward, mesh=None, rules=(), zero3: bool = False, prefill_chunk: int = 512):
+    def __init__(self, fwd: gpt.Forward, mesh=None, rules=(), zero3: bool = False, prefill_chunk: int = 512,
+                 block: int = 0):
         self.fwd, self.cfg, self.mesh, self.prefill_chunk = fwd, fwd.cfg, mesh, int(prefill_chunk)
+        self.block = int(block)
         self.rules = kv.decode_rules(rules)
         self.prepare = None
         if mesh is not None and zero3:
             specs = kv.layer_specs(self.cfg, rules, mesh)
             self.prepare = lambda p: jax.tree.map(
                 lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), p, specs)
-        self.key = (self.cfg, mesh, self.rules, zero3, self.prefill_chunk)
+        self.key = (self.cfg, mesh, self.rules, zero3, self.prefill_chunk, self.block)
 
     # equal decoders (the same model, mesh, rules) share their compiled programs: `self` is a static argument
     def __hash__(self):
@@ -49,21 +52,23 @@ class Decoder:
     def __eq__(self, other):
         return isinstance(other, Decoder) and self.key == other.key
 
-    def empty(self, batch: int, length: int):
-        """The running batch's carry with every slot empty: (cache, logits `[batch, vocab]`, experts)."""
-        return _jit_empty(self, batch, length)
+    def empty(self, batch: int, length: int, blocks: int = 0):
+        """The running batch's carry with every slot empty: (cache, logits `[batch, vocab]`, experts); paged: a pool
+        of `blocks` blocks."""
+        return _jit_empty(self, batch, length, blocks)
 
-    def _empty(self, batch: int, length: int):
+    def _empty(self, batch: int, length: int, blocks: int):
         cfg = self.cfg
         k = cfg.experts_per_token if cfg.experts else 0
-        cache = kv.empty(cfg, batch, length, self.cache_sharding(batch, length))
+        cache = (kv.empty_pool(cfg, blocks, self.block, batch, self.pool_sharding(blocks)) if self.block else
+                 kv.empty(cfg, batch, length, self.cache_sharding(batch, length)))
         return cache, jnp.zeros((batch, cfg.vocab_size), jnp.float32), jnp.zeros((batch, cfg.layers, k), jnp.int32)
 
     def prefill(self, params, tokens, lengths, length: int):
         return _jit_prefill(self, params, tokens, lengths, length)
 
-    def insert(self, carry, rows, slots, src):
-        return _jit_insert(self, carry, rows, slots, src)
+    def insert(self, carry, rows, slots, src, table=None):
+        return _jit_insert(self, carry, rows, slots, src, table)
 
     def decode(self, params, carry, rows, sampling, steps: int, mode: str):
         return _jit_decode(self, params, carry, rows, sampling, steps, mode)
@@ -86,9 +91,14 @@ class Decoder:
             return None
         return NamedSharding(self.mesh, kv.cache_spec(self.cfg, self.rules, dict(self.mesh.shape), batch, length))
 
-    def _run(self, params, tokens, cache: KVCache):
+    def pool_sharding(self, blocks: int):
+        if self.mesh is None:
+            return None
+        return NamedSharding(self.mesh, kv.pool_spec(self.cfg, self.rules, dict(self.mesh.shape), blocks, self.block))
+
+    def _run(self, params, tokens, cache: KVCache, table=None):
         """tokens `[b, t]` at each row's next positions -> (last-layer activations `[b, t, embed]`, cache, the experts
-        each token used `[layers, b, t, k]` (k = 0 for a dense model))."""
+        each token used `[layers, b, t, k]` (k = 0 for a dense model)); `table`: a paged cache's block table."""
         cfg, fwd = self.cfg, self.fwd
         t = tokens.shape[1]
         x = fwd.embed(params, tokens, positions=cache.pos[0][:, None] + jnp.arange(t))
@@ -97,7 +107,7 @@ class Decoder:
             x, k, v = carry
             p, i = inp
             p = p if self.prepare is None else self.prepare(p)
-            y, c, st = nnx.merge(fwd.block_def, p)(x, cfg, None, KVCache(k, v, cache.pos[0], i), layer=i)
+            y, c, st = nnx.merge(fwd.block_def, p)(x, cfg, None, KVCache(k, v, cache.pos[0], i, table), layer=i)
             return (y, c.k, c.v), st["experts"] if cfg.experts else jnp.zeros((x.shape[0], t, 0), jnp.int32)
 
         (x, k, v), experts = jax.lax.scan(one, (x, cache.k, cache.v),
@@ -128,22 +138,34 @@ class Decoder:
         every = jnp.transpose(experts, (1, 2, 0, 3))
         return logits, cache, every[jnp.arange(n), lengths - 1], every
 
-    def _insert(self, carry, rows, slots, src):
+    def _insert(self, carry, rows, slots, src, table=None):
         """Put prefilled rows (cache, logits, experts: `_prefill`'s) into slots `[n]` of the running batch's `carry`
         (cache, logits, experts): slot `slots[j]` gets prefilled row `src[j]` (a prompt prefilled once for all the
-        slots that sample it); a slot index past the batch drops its entry (the padding of a prefill group)."""
+        slots that sample it); a slot index past the batch drops its entry (the padding of a prefill group). Paged:
+        each position goes to its slot's block in `table` (a full block two slots share gets the same values twice;
+        positions without a block are dropped)."""
         put = lambda a, b, axis: a.at[(slice(None),) * axis + (slots,)].set(  # noqa: E731
             jnp.take(b, src, axis=axis), mode="drop")
         cache, logits, experts = carry
         new_cache, new_logits, new_experts = rows
-        cache = KVCache(put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1), put(cache.pos, new_cache.pos, 1))
+        if table is None:
+            k, v = put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1)
+        else:
+            p, blocks = jnp.arange(new_cache.k.shape[2]), cache.k.shape[1]
+            tab = table.at[slots].get(mode="fill", fill_value=blocks)  # [n, width]
+            where = jnp.take_along_axis(tab, jnp.broadcast_to(p // self.block, (tab.shape[0], p.size)), axis=1,
+                                        mode="fill", fill_value=blocks)
+            page = lambda a, b: a.at[:, where, p % self.block].set(jnp.take(b, src, axis=1), mode="drop")  # noqa
+            k, v = page(cache.k, new_cache.k), page(cache.v, new_cache.v)
+        cache = KVCache(k, v, put(cache.pos, new_cache.pos, 1))
         return self._pin(cache), put(logits, new_logits, 0), put(experts, new_experts, 0)
 
     def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, mode: str):
         """Up to `steps` tokens for every slot, in one compiled loop that stops once every row is done or, when
         requests wait for a slot (`rows["wait"]`), once a row finishes. `carry` = (cache, next-token logits
         `[b, vocab]`, the experts behind those logits `[b, layers, k]`); `rows`: {seed, stream, index (tokens made so
-        far), max_new, done, stop_ids `[b, m]` (-1 = none)}, each `[b]` int32/bool, and `wait` (a bool). -> (carry,
+        far), max_new, done, stop_ids `[b, m]` (-1 = none)}, each `[b]` int32/bool, `wait` (a bool), `limit` (steps
+        this call may take: a paged cache's reserved blocks) and, paged, `table`. -> (carry,
         per step `[steps, b]`: token, its log-prob under the sampling distribution and under the model, the experts
         that chose it `[steps, b, layers, k]`, and whether the row was already done before it (a token to drop; every
         step the loop did not reach is)). `mode` (static): `greedy` (every row), `plain` (no row filters: nothing
@@ -158,7 +180,7 @@ class Decoder:
             keys = row_keys(rows["seed"], rows["stream"], index)
             tok, lp_sampled, lp_model = sample(logits, keys, sampling, mode == "greedy", mode == "filtered")
             ends = jnp.any(tok[:, None] == rows["stop_ids"], -1) | (index + 1 >= rows["max_new"])
-            x, cache, new_experts = self._run(params, tok[:, None], cache)
+            x, cache, new_experts = self._run(params, tok[:, None], cache, rows.get("table"))
             logits2 = fwd.logits(params, x)[:, 0]
             bufs = tuple(buf.at[i].set(v) for buf, v in zip(bufs, (tok, lp_sampled, lp_model, experts, done)))
             carry = (cache, logits2, jnp.swapaxes(new_experts[:, :, 0], 0, 1))
@@ -166,7 +188,7 @@ class Decoder:
 
         def going(state):
             i, _, _, done, _ = state
-            return (i < steps) & ~jnp.all(done) & ~(rows["wait"] & jnp.any(done & ~rows["done"]))
+            return (i < rows["limit"]) & ~jnp.all(done) & ~(rows["wait"] & jnp.any(done & ~rows["done"]))
 
         with self._scope():
             _, carry, _, _, out = jax.lax.while_loop(going, step, (0, carry, rows["index"], rows["done"], bufs))
@@ -174,7 +196,8 @@ class Decoder:
 
     def _pin(self, cache: KVCache) -> KVCache:
         """`cache` constrained to its sharding (rows over data x expert, KV heads over tensor)."""
-        sharding = self.cache_sharding(cache.k.shape[1], cache.k.shape[2])
+        sharding = (self.pool_sharding(cache.k.shape[1]) if self.block else
+                    self.cache_sharding(cache.k.shape[1], cache.k.shape[2]))
         if sharding is None:
             return cache
         return cache._replace(k=jax.lax.with_sharding_constraint(cache.k, sharding),
@@ -190,7 +213,7 @@ class Decoder:
             return fwd.token_logps(params, x[:, :-1], tokens[:, 1:])
 
 
-_jit_empty = jax.jit(Decoder._empty, static_argnums=(0, 1, 2))
+_jit_empty = jax.jit(Decoder._empty, static_argnums=(0, 1, 2, 3))
 _jit_prefill = jax.jit(Decoder._prefill, static_argnums=(0, 4))
 _jit_insert = jax.jit(Decoder._insert, static_argnums=(0,), donate_argnums=(1,))
 _jit_decode = jax.jit(Decoder._decode, static_argnums=(0, 5, 6), donate_argnums=(2,))

@@ -38,7 +38,7 @@ import numpy as np
 from jaxpar import model as gpt
 from jaxpar.config import step_rules
 from jaxpar.config_keys import DEFAULT_RULES
-from jaxpar.generate import cache as kv
+from jaxpar.generate import cache as kv, paged
 from jaxpar.generate.decode import Decoder, bucket
 from jaxpar.generate.sampling import Sampling
 
@@ -86,8 +86,8 @@ def check(req: Request, where: str, context: int, tokenizer=None) -> None:
 class _Row:
     """A slot's request as it runs: what it has made so far."""
 
-    def __init__(self, i: int, req: Request, max_new: int):
-        self.i, self.req, self.max_new = i, req, max_new
+    def __init__(self, i: int, req: Request, max_new: int, admitted: int = 0):
+        self.i, self.req, self.max_new, self.admitted = i, req, max_new, admitted
         self.tokens, self.lps, self.lpm, self.experts = [], [], [], []
         self.finish, self.prompt_experts = None, None
 
@@ -98,11 +98,14 @@ class Engine:
     a mixture of experts' completions also carry their prompt positions' experts (fetched from each prefill: GRPO's
     routing replay asks for them, nothing else pays for them); `share_prefill`: the requests admitted together that
     share a prompt prefill it once (False: a prefill row each; the outputs are the same); `prefill_chunk`: prompts
-    longer than this prefill that many positions at a time (`decode.Decoder`)."""
+    longer than this prefill that many positions at a time (`decode.Decoder`); `kv_block` > 0: the KV cache is paged in
+    blocks of that many positions (`paged.py`), `kv_memory` bytes of them in all (default: as many as the dense
+    cache of every slot's whole context), else (0) each slot holds a dense row of the whole context."""
 
     def __init__(self, fwd: gpt.Forward, params, *, mesh=None, rules=DEFAULT_RULES, zero3: bool = False,
                  layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 128, refill: bool = True,
-                 prompt_experts: bool = False, share_prefill: bool = True, prefill_chunk: int = 512):
+                 prompt_experts: bool = False, share_prefill: bool = True, prefill_chunk: int = 512,
+                 kv_block: int = 0, kv_memory: int | None = None):
         self.fwd, self.cfg, self.tokenizer = fwd, fwd.cfg, tokenizer
         self.prompt_experts = prompt_experts and fwd.cfg.experts > 0
         self.mesh, self.slots, self.chunk, self.refill = mesh, slots, chunk, refill
@@ -110,7 +113,10 @@ class Engine:
         self.stats = {"prefill_calls": 0, "decode_calls": 0, "prefill_tokens": 0}  # of the last `generate`
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk}: give a power of two >= 16.")
-        self.decoder = Decoder(fwd, mesh, rules, zero3, prefill_chunk)
+        if kv_block < 0 or (kv_memory is not None and kv_block == 0):
+            raise ValueError(f"kv_block={kv_block}, kv_memory={kv_memory}: a paged cache needs kv_block >= 1.")
+        self.kv_block, self.kv_memory = kv_block, kv_memory
+        self.decoder = Decoder(fwd, mesh, rules, zero3, prefill_chunk, kv_block)
         self.params = params if mesh is None else kv.decode_params(params, fwd.cfg, rules, mesh, zero3, layer_order)
 
     @classmethod
@@ -142,35 +148,111 @@ class Engine:
             for r in requests) else "plain"  # (`sampling.filters_on`: what the compiled step must hold)
         stops = max(1, max(len(r.stop_ids) for r in requests))
         B = self.slots
-        carry = self.decoder.empty(B, length)
+        pages = self._pages(requests, news, length)
+        carry = self.decoder.empty(B, length, pages.blocks if pages else 0)
         rows = {"seed": np.zeros(B, np.int32), "stream": np.zeros(B, np.int32), "index": np.zeros(B, np.int32),
                 "max_new": np.ones(B, np.int32), "done": np.ones(B, bool),
                 "stop_ids": np.full((B, stops), -1, np.int32)}
         knobs = {"temperature": np.zeros(B, np.float32), "top_k": np.zeros(B, np.int32),
                  "top_p": np.ones(B, np.float32), "min_p": np.zeros(B, np.float32)}
         self.stats = {"prefill_calls": 0, "decode_calls": 0, "prefill_tokens": 0}  # of the last `generate`
+        if pages is not None:
+            self.stats.update(kv_blocks=pages.blocks, kv_peak_blocks=0, preempted=0)
         slot: list[_Row | None] = [None] * B
         queue, out = collections.deque(range(len(requests))), [None] * len(requests)
+        admitted = 0
         while queue or any(slot):
             free = [s for s in range(B) if slot[s] is None]
             if queue and free and (self.refill or len(free) == B):
-                take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-                for i, s in zip(take, free):
-                    slot[s] = _Row(i, requests[i], news[i])
+                placed = self._place(queue, free, requests, pages, slot)
+                for i, s in placed:
+                    slot[s], admitted = _Row(i, requests[i], news[i], admitted), admitted + 1
                     self._arm(rows, knobs, s, requests[i], news[i])
-                carry, routed = self._admit(carry, [requests[i].prompt for i in take], free[:len(take)], length)
-                for j, s in enumerate(free[:len(take)] if routed is not None else ()):
-                    slot[s].prompt_experts = routed[j, :len(slot[s].req.prompt) - 1].copy()
-                self.stats["prefill_calls"] += 1
+                if placed:
+                    carry, routed = self._admit(carry, [requests[i].prompt for i, _ in placed],
+                                                [s for _, s in placed], length, pages)
+                    for j, (_, s) in enumerate(placed if routed is not None else ()):
+                        slot[s].prompt_experts = routed[j, :len(slot[s].req.prompt) - 1].copy()
+                    self.stats["prefill_calls"] += 1
+            rows["limit"] = np.asarray(self.chunk if pages is None else self._reserve(pages, slot, queue, rows))
+            if pages is not None:
+                rows["table"] = pages.table
+            if not any(slot):
+                continue
             self.stats["decode_calls"] += 1
             rows["wait"] = np.asarray(bool(queue) and self.refill)  # (a finished row then ends the call: refill)
             carry, got = self.decoder.decode(self.params, carry, {k: jnp.asarray(v) for k, v in rows.items()},
                                              Sampling(**{k: jnp.asarray(v) for k, v in knobs.items()}),
                                              self.chunk, mode)
-            made = self._collect(jax.device_get(got), slot, rows, out)
+            made = self._collect(jax.device_get(got), slot, rows, out, pages)
             if progress is not None:
                 progress(made)
+        if pages is not None:
+            self.stats["kv_peak_blocks"] = pages.peak
         return out
+
+    # ---- the paged cache's blocks ------------------------------------------------------------------------------
+
+    def _pages(self, requests, news, length: int):
+        """The block tables of a paged cache for this call (None: dense): `kv_memory` bytes of blocks, split as the
+        rows are; a request whose prompt + completion cannot fit one shard's part is one line."""
+        if not self.kv_block:
+            return None
+        block, B = self.kv_block, self.slots
+        split = self.decoder.row_split() if B % self.decoder.row_split() == 0 else 1
+        width = paged.blocks_for(length, block)
+        blocks = B * width if self.kv_memory is None else int(self.kv_memory) // kv.block_bytes(self.cfg, block)
+        blocks -= blocks % split
+        for i, (r, n) in enumerate(zip(requests, news)):
+            need = paged.blocks_for(len(r.prompt) + n - 1, block)
+            if need > blocks // split:
+                raise ValueError(
+                    f"request {i}: a prompt of {len(r.prompt)} + {n} new tokens needs {need} KV blocks of {block} "
+                    f"positions; kv_memory={self.kv_memory} holds {blocks // split} per shard of the rows (raise "
+                    f"kv_memory to at least {need * split * kv.block_bytes(self.cfg, block)} bytes).")
+        pages = paged.Blocks(blocks, block, B, width, split)
+        pages.tight = blocks < B * width  # (a pool smaller than the dense cache keeps a block to spare per row)
+        return pages
+
+    def _place(self, queue, free, requests, pages, slot) -> list:
+        """Take requests off `queue` into `free` slots, in order: [(request, slot)]; paged, while their prompts'
+        blocks fit (a prompt sampled again in the same shard shares the first one's full blocks)."""
+        if pages is None:
+            return [(queue.popleft(), s) for s in free[:len(queue)]]
+        placed, owner = [], {}
+        running = collections.Counter(pages.shard(s) for s, r in enumerate(slot) if r is not None)
+        for s in free:
+            if not queue:
+                break
+            p = requests[queue[0]].prompt
+            key, sh = (tuple(p), pages.shard(s)), pages.shard(s)
+            mine = key in owner and self.share_prefill
+            need = paged.blocks_for(len(p), pages.block) - (len(p) // pages.block if mine else 0)
+            if pages.spare(s) < need + (running[sh] if pages.tight else 0):
+                break
+            pages.share(s, owner[key], len(p)) if mine else pages.grow(s, len(p))
+            owner.setdefault(key, s)
+            running[sh] += 1
+            placed.append((queue.popleft(), s))
+        return placed
+
+    def _reserve(self, pages, slot, queue, rows) -> int:
+        """Reserve the blocks of the steps the next decode call takes -> those steps; a shard short of a block for
+        even one step gives back its latest admitted row (queued again: it recomputes the same tokens)."""
+        while any(slot):
+            running = [(s, len(r.req.prompt) + len(r.tokens), len(r.req.prompt) + r.max_new - 1)
+                       for s, r in enumerate(slot) if r is not None]  # (the last token's own keys are never read)
+            steps, short = paged.steps_that_fit(pages, running, self.chunk)
+            if steps:
+                for s, pos, end in running:
+                    pages.grow(s, min(pos + steps, end))
+                return steps
+            victim = max((r.admitted, s) for s, r in enumerate(slot) if r is not None and pages.shard(s) in short)[1]
+            queue.appendleft(slot[victim].i)
+            pages.release(victim)
+            slot[victim], rows["done"][victim] = None, True
+            self.stats["preempted"] += 1
+        return 0
 
     @staticmethod
     def _arm(rows, knobs, s: int, r: Request, max_new: int) -> None:
@@ -181,7 +263,7 @@ class Engine:
         knobs["temperature"][s], knobs["top_k"][s] = r.temperature, r.top_k
         knobs["top_p"][s], knobs["min_p"][s] = r.top_p, r.min_p
 
-    def _admit(self, carry, prompts, slots, length: int):
+    def _admit(self, carry, prompts, slots, length: int, pages=None):
         """Prefill `prompts` into `slots`, each distinct prompt once (the G samples of a GRPO group, `--n` samples of a
         record: one prefill, its cache rows copied into each slot), the distinct ones a group padded to a power of two
         rows and positions. -> (carry, the experts of each prompt's positions `[len(prompts), t, layers, k]` on the
@@ -205,12 +287,14 @@ class Engine:
         take = np.zeros(m, np.int32)
         take[:len(src)] = src
         logits, cache, experts, every = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                                             length)
+                                                             length if pages is None else t)
         self.stats["prefill_tokens"] += sum(map(len, uniq))
         routed = np.asarray(jax.device_get(every))[src] if self.prompt_experts else None
-        return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where), jnp.asarray(take)), routed
+        table = None if pages is None else jnp.asarray(pages.table)
+        return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where), jnp.asarray(take),
+                                   table), routed
 
-    def _collect(self, got, slot, rows, out) -> int:
+    def _collect(self, got, slot, rows, out, pages=None) -> int:
         """Take a decode call's tokens into the rows; finish rows (stop id, stop string, length). -> tokens taken."""
         toks, lps, lpm, experts, before = got
         made = 0
@@ -232,6 +316,8 @@ class Engine:
             if row.finish:
                 out[row.i] = self._completion(row)
                 slot[s], rows["done"][s] = None, True
+                if pages is not None:
+                    pages.release(s)
         return made
 
     def _stop_string(self, row: _Row) -> bool:

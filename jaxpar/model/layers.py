@@ -102,11 +102,14 @@ class KVCache(NamedTuple):
     of them: rows of different lengths share one cache (ragged prompts, rows refilled one at a time). Stacked over
     layers (a leading `[layers]` axis on every field) between decode steps. Inside a decode step's layer loop the
     stack itself may go through (`layer` set: k, v `[layers, batch, max_len, ...]`, pos `[batch]`), so that a step
-    writes only its new positions into it, in place, and no layer's cache is copied out and back."""
+    writes only its new positions into it, in place, and no layer's cache is copied out and back. Paged (`table`
+    set, always stacked): k, v are a pool `[layers, blocks, block, kv_heads, head_dim]` and row r's position p lives
+    in block `table[r, p // block]` at `p % block`; an entry past the pool (unreserved) drops writes, reads zeros."""
     k: jax.Array  # [batch, max_len, kv_heads, head_dim], compute dtype
     v: jax.Array
     pos: jax.Array  # [batch] int32: positions filled in each row
     layer: jax.Array | None = None  # the layer whose part of the stacked k, v this is
+    table: jax.Array | None = None  # [batch, blocks per row] int32: a paged cache's block table
 
     def append(self, k, v):
         """k, v `[batch, t, kv_heads, head_dim]` for each row's positions pos..pos+t -> (all keys, all values, the
@@ -115,7 +118,9 @@ class KVCache(NamedTuple):
         shorter row of a padded prefill) and masked until overwritten."""
         t = k.shape[1]
         at = self.pos[:, None] + jnp.arange(t)[None, :]
-        if self.layer is None:
+        if self.table is not None:
+            keys, values, cache = self._paged(k, v, at)
+        elif self.layer is None:
             put = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), p, 0))
             ck, cv = put(self.k, k, self.pos), put(self.v, v, self.pos)
             keys, values, cache = ck, cv, KVCache(ck, cv, self.pos + t)
@@ -126,6 +131,17 @@ class KVCache(NamedTuple):
             keys, values, cache = ck[self.layer], cv[self.layer], self._replace(k=ck, v=cv)
         mask = jnp.arange(keys.shape[1])[None, None, :] <= at[:, :, None]
         return keys, values, mask[:, None], cache
+
+    def _paged(self, k, v, at):
+        """`append`'s writes and reads on a paged pool: the new positions written into their rows' blocks, each row's
+        blocks read back in order as `[batch, blocks per row x block, ...]` (one layer's, transiently)."""
+        b, block = k.shape[0], self.k.shape[2]
+        where = jnp.take_along_axis(self.table, at // block, axis=1, mode="fill", fill_value=self.k.shape[1])
+        ck = self.k.at[self.layer, where, at % block].set(k.astype(self.k.dtype), mode="drop")
+        cv = self.v.at[self.layer, where, at % block].set(v.astype(self.v.dtype), mode="drop")
+        read = lambda c: c.at[self.layer, self.table].get(mode="fill", fill_value=0).reshape(  # noqa: E731
+            b, -1, *c.shape[3:])
+        return read(ck), read(cv), self._replace(k=ck, v=cv)
 
 
 def cached_attention(q, k, v, mask):

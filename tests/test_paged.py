@@ -1,0 +1,81 @@
+"""The paged KV cache (`jaxpar/generate/paged.py`): the same completions as the dense cache (tokens equal, log-probs
+within 1e-6, a MoE's experts equal) with a pool as large as the dense cache, and with one much smaller, where rows
+wait, are given back and recomputed; the blocks' bookkeeping; a request no pool holds is one line. The training
+layouts run it in `test_generate.py`'s layout test."""
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_generate import SAMPLED, V, models  # noqa: E402,F401  (the module's tiny checkpoints)
+from jaxpar.formats import hf  # noqa: E402
+from jaxpar.generate import cache as kv, paged  # noqa: E402
+from jaxpar.generate.engine import Engine, Request  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("test_paged")
+
+
+def ragged_round(seed: int = 0) -> list:
+    """6 prompts of 1-40 tokens x 3 samples each (greedy, plain temperature, filtered), 1-60 new tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(6):
+        prompt = rng.integers(1, V, rng.integers(1, 41)).tolist()
+        for g, knobs in enumerate(({}, {"temperature": 1.0}, SAMPLED)):
+            out.append(Request(prompt, max_new_tokens=int(rng.integers(1, 61)), seed=i, stream=g, **knobs))
+    return out
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want):
+        assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-6)
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6)
+        if w.experts is not None:
+            np.testing.assert_array_equal(g.experts, w.experts)
+            np.testing.assert_array_equal(g.prompt_experts, w.prompt_experts)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_a_paged_cache_generates_what_the_dense_one_does_in_the_memory_of_its_tokens(models, kind):
+    fwd, params, _ = hf.load(str(models[kind][1]))
+    reqs = ragged_round()
+    want = Engine(fwd, params, slots=8, prompt_experts=True).generate(reqs)
+    roomy = Engine(fwd, params, slots=8, prompt_experts=True, kv_block=16)
+    assert_same(roomy.generate(reqs), want)
+    assert roomy.stats["preempted"] == 0 and roomy.stats["kv_peak_blocks"] <= roomy.stats["kv_blocks"] == 8 * 4
+    # a pool of 14 blocks of 8 positions: 112 positions, where 8 dense slots of the model's context hold 512
+    tight = Engine(fwd, params, slots=8, prompt_experts=True, kv_block=8, kv_memory=14 * kv.block_bytes(fwd.cfg, 8))
+    assert_same(tight.generate(reqs), want)
+    assert tight.stats["preempted"] > 0 and tight.stats["kv_peak_blocks"] <= tight.stats["kv_blocks"] == 14
+    per_position = kv.block_bytes(fwd.cfg, 8) // 8
+    assert kv.cache_bytes(fwd.cfg, 8, fwd.cfg.max_positions)["total"] == 512 * per_position > tight.kv_memory
+
+
+def test_samples_of_a_prompt_share_its_full_blocks_and_give_them_back():
+    pages = paged.Blocks(blocks=12, block=4, slots=4, width=8, split=2)  # shards {slots 0, 1}, {2, 3}
+    pages.grow(0, 10)  # 3 blocks: 2 full, 1 partial
+    pages.share(1, 0, 10)  # the 2 full ones shared, a partial of its own
+    assert list(pages.table[1, :2]) == list(pages.table[0, :2]) and pages.table[1, 2] != pages.table[0, 2]
+    assert pages.in_use() == 4 and pages.spare(0) == 2 and pages.spare(2) == 6
+    assert set(pages.table[0, :3]) | set(pages.table[1, :3]) <= set(range(6))  # the first shard's half of the pool
+    pages.release(0)
+    assert pages.in_use() == 3 and list(pages.table[0]) == [12] * 8  # the shared ones kept for slot 1
+    pages.release(1)
+    assert pages.in_use() == 0 and pages.peak == 4
+    pages.grow(2, 8)
+    assert paged.steps_that_fit(pages, [(2, 8, 30)], 100) == (16, set())  # 4 blocks spare in its shard: 16 positions
+    pages.grow(0, 20)  # the first shard's whole half
+    assert paged.steps_that_fit(pages, [(0, 20, 30)], 100) == (4, set())  # the end of its last block
+    pages.grow(0, 24)
+    assert paged.steps_that_fit(pages, [(0, 24, 30)], 100) == (0, {0})  # none spare: it gives a row back
+
+
+def test_a_request_no_pool_holds_is_one_line(models):
+    fwd, params, _ = hf.load(str(models["qwen3"][1]))
+    engine = Engine(fwd, params, kv_block=8, kv_memory=2 * kv.block_bytes(fwd.cfg, 8))
+    with pytest.raises(ValueError, match=r"request 0: a prompt of 10 \+ 20 new tokens needs 4 KV blocks of 8 "):
+        engine.generate([Request(list(range(1, 11)), max_new_tokens=20)])
+    with pytest.raises(ValueError, match="a paged cache needs kv_block >= 1"):
+        Engine(fwd, params, kv_memory=1 << 20)
