@@ -257,7 +257,8 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     engine = Engine.on_steps(steps, placed, config, slots=8, prompt_experts=True)  # each prompt prefilled once
     got = engine.generate(reqs)
     assert 2 * engine.stats["prefill_tokens"] == alone.stats["prefill_tokens"] == 2 * sum(map(len, PROMPTS[:4]))
-    for g, w in zip(got, want):
+    pages = Engine.on_steps(steps, placed, config, slots=8, prompt_experts=True, kv_block=8)  # a paged cache
+    for g, w in zip(got + pages.generate(reqs), want + want):
         assert g.tokens == w.tokens
         np.testing.assert_allclose(g.model_logprobs, w.model_logprobs, atol=1e-5)
         if w.experts is not None:
@@ -270,6 +271,8 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     assert shard[3] == steps.cfg.kv_heads // over.get("mesh.tensor", 1)
     priced = cache_bytes(steps.cfg, 8, 64, steps.layout, step_rules(config))
     assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}
+    pool = pages.decoder.pool_sharding(64).shard_shape((shape[0], 64, 8) + shape[3:])
+    assert pool[1] == shard[1] * 8 and pool[3] == shard[3]  # the pool's blocks split as the rows
     leaf = jax.tree.leaves(engine.params)[0]
     assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
     if name == "pipeline":  # the decode layout: the layers gathered over stage, in their canonical order

@@ -2,6 +2,10 @@
 within 1e-6, a MoE's experts equal) with a pool as large as the dense cache, and with one much smaller, where rows
 wait, are given back and recomputed; the blocks' bookkeeping; a request no pool holds is one line. The training
 layouts run it in `test_generate.py`'s layout test."""
+import math
+import re
+
+import jax
 import numpy as np
 import pytest
 
@@ -79,3 +83,26 @@ def test_a_request_no_pool_holds_is_one_line(models):
         engine.generate([Request(list(range(1, 11)), max_new_tokens=20)])
     with pytest.raises(ValueError, match="a paged cache needs kv_block >= 1"):
         Engine(fwd, params, kv_memory=1 << 20)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
+def test_a_split_pool_is_read_and_written_on_its_devices(models, monkeypatch):
+    """On (data 4, tensor 2) the pool's blocks split as the rows: the decode step moves no block between devices
+    (no collective of the rows' gathered keys: only the tensor split's activations and the sampler's logits)."""
+    from jaxpar.generate import decode
+    from jaxpar.layout import Layout
+    from jaxpar.parallel.mesh import make_mesh
+
+    fwd, params, _ = hf.load(str(models["qwen3"][1]))
+    mesh = make_mesh(Layout(data=4, tensor=2, stage=1, microbatches=1), jax.devices()[:8])
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    want = Engine(fwd, params, slots=8).generate(ragged_round()[:8])
+    seen, compiled = [], decode._jit_decode
+    monkeypatch.setattr(decode, "_jit_decode", lambda *a: seen.append(compiled.lower(*a).compile().as_text())
+                        or compiled(*a))
+    assert_same(Engine(fwd, params, mesh=mesh, slots=8, kv_block=8).generate(ragged_round()[:8]), want)
+    moved = [line for line in seen[0].splitlines() if re.search(r"= \S+ (all-gather|all-reduce|all-to-all|"
+                                                                r"collective-permute)\(", line)]
+    sizes = [math.prod(int(n) for n in re.search(r"\[([\d,]*)\]", line).group(1).split(",") if n) for line in moved]
+    view = 8 * 64 * (fwd.cfg.kv_heads // 2) * fwd.cfg.head_dim  # one layer's keys of every row, as a device holds
+    assert moved and max(sizes) < view, moved  # (a gather across the split all-reduces that view each layer)

@@ -151,8 +151,11 @@ class Decoder:
         if table is None:
             k, v = put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1)
         else:
-            p, blocks = jnp.arange(new_cache.k.shape[2]), cache.k.shape[1]
-            tab = table.at[slots].get(mode="fill", fill_value=blocks)  # [n, width]
+            p, blocks, (parts, per_part) = jnp.arange(new_cache.k.shape[2]), cache.k.shape[1], table.shape[:2]
+            part = (jnp.arange(parts * per_part) // per_part)[:, None]  # the local tables in the pool's numbers
+            whole = jnp.where(table.reshape(parts * per_part, -1) < blocks // parts,
+                              table.reshape(parts * per_part, -1) + part * (blocks // parts), blocks)
+            tab = whole.at[slots].get(mode="fill", fill_value=blocks)  # [n, width]
             where = jnp.take_along_axis(tab, jnp.broadcast_to(p // self.block, (tab.shape[0], p.size)), axis=1,
                                         mode="fill", fill_value=blocks)
             page = lambda a, b: a.at[:, where, p % self.block].set(jnp.take(b, src, axis=1), mode="drop")  # noqa

@@ -176,7 +176,7 @@ class Engine:
                     self.stats["prefill_calls"] += 1
             rows["limit"] = np.asarray(self.chunk if pages is None else self._reserve(pages, slot, queue, rows))
             if pages is not None:
-                rows["table"] = pages.table
+                rows["table"] = pages.local()
             if not any(slot):
                 continue
             self.stats["decode_calls"] += 1
@@ -290,7 +290,7 @@ class Engine:
                                                              length if pages is None else t)
         self.stats["prefill_tokens"] += sum(map(len, uniq))
         routed = np.asarray(jax.device_get(every))[src] if self.prompt_experts else None
-        table = None if pages is None else jnp.asarray(pages.table)
+        table = None if pages is None else jnp.asarray(pages.local())
         return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where), jnp.asarray(take),
                                    table), routed
 

@@ -72,6 +72,14 @@ class Blocks:
                 self.free[self.shard(slot)].append(int(b))
         self.table[slot], self.held[slot] = self.blocks, 0
 
+    def local(self) -> np.ndarray:
+        """The tables as the device reads them: `[split, slots / split, width]`, each shard's blocks numbered within
+        its part of the pool (none: the part's size)."""
+        per = self.blocks // self.split
+        shard = (np.arange(self.table.shape[0]) // self.rows_per_shard)[:, None]
+        out = np.where(self.table < self.blocks, self.table - shard * per, per).astype(np.int32)
+        return out.reshape(self.split, self.rows_per_shard, -1)
+
     def in_use(self) -> int:
         return self.blocks - sum(map(len, self.free))
 

@@ -103,13 +103,14 @@ class KVCache(NamedTuple):
     layers (a leading `[layers]` axis on every field) between decode steps. Inside a decode step's layer loop the
     stack itself may go through (`layer` set: k, v `[layers, batch, max_len, ...]`, pos `[batch]`), so that a step
     writes only its new positions into it, in place, and no layer's cache is copied out and back. Paged (`table`
-    set, always stacked): k, v are a pool `[layers, blocks, block, kv_heads, head_dim]` and row r's position p lives
-    in block `table[r, p // block]` at `p % block`; an entry past the pool (unreserved) drops writes, reads zeros."""
+    set, always stacked): k, v are a pool `[layers, blocks, block, kv_heads, head_dim]` in equal parts, and position p
+    of row r of part q lives in block `table[q, r, p // block]` of part q at `p % block`; an entry past the part
+    (unreserved) drops writes and reads zeros."""
     k: jax.Array  # [batch, max_len, kv_heads, head_dim], compute dtype
     v: jax.Array
     pos: jax.Array  # [batch] int32: positions filled in each row
     layer: jax.Array | None = None  # the layer whose part of the stacked k, v this is
-    table: jax.Array | None = None  # [batch, blocks per row] int32: a paged cache's block table
+    table: jax.Array | None = None  # [parts, batch / parts, blocks per row] int32: a paged cache's block tables
 
     def append(self, k, v):
         """k, v `[batch, t, kv_heads, head_dim]` for each row's positions pos..pos+t -> (all keys, all values, the
@@ -134,14 +135,25 @@ class KVCache(NamedTuple):
 
     def _paged(self, k, v, at):
         """`append`'s writes and reads on a paged pool: the new positions written into their rows' blocks, each row's
-        blocks read back in order as `[batch, blocks per row x block, ...]` (one layer's, transiently)."""
-        b, block = k.shape[0], self.k.shape[2]
-        where = jnp.take_along_axis(self.table, at // block, axis=1, mode="fill", fill_value=self.k.shape[1])
-        ck = self.k.at[self.layer, where, at % block].set(k.astype(self.k.dtype), mode="drop")
-        cv = self.v.at[self.layer, where, at % block].set(v.astype(self.v.dtype), mode="drop")
-        read = lambda c: c.at[self.layer, self.table].get(mode="fill", fill_value=0).reshape(  # noqa: E731
-            b, -1, *c.shape[3:])
-        return read(ck), read(cv), self._replace(k=ck, v=cv)
+        blocks read back in order as `[batch, blocks per row x block, ...]` (one layer's, transiently). The pool is
+        in `parts = table.shape[0]` equal parts, row part p of the batch reading only part p (local block numbers):
+        a split of both over the same devices keeps every write and read on its device."""
+        parts, block, blocks = self.table.shape[0], self.k.shape[2], self.k.shape[1] // self.table.shape[0]
+        split = lambda a: a.reshape(parts, a.shape[0] // parts, *a.shape[1:])  # noqa: E731  rows -> parts x rows
+        at, k, v = split(at), split(k), split(v)
+        where = jnp.take_along_axis(self.table, at // block, axis=2, mode="fill", fill_value=blocks)
+
+        def one(pool, table, where, at, new):  # one part: pool [layers, blocks, block, ...]
+            pool = pool.at[self.layer, where, at % block].set(new.astype(pool.dtype), mode="drop")
+            return pool, pool.at[self.layer, table].get(mode="fill", fill_value=0)
+
+        def paged(c, new):
+            pool, read = jax.vmap(one, in_axes=(1, 0, 0, 0, 0), out_axes=(1, 0))(
+                c.reshape(c.shape[0], parts, blocks, *c.shape[2:]), self.table, where, at, new)
+            return pool.reshape(c.shape), read.reshape(at.shape[0] * at.shape[1], -1, *c.shape[3:])
+
+        (ck, keys), (cv, values) = paged(self.k, k), paged(self.v, v)
+        return keys, values, self._replace(k=ck, v=cv)
 
 
 def cached_attention(q, k, v, mask):
