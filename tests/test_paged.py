@@ -82,7 +82,7 @@ def test_a_request_no_pool_holds_is_one_line(models):
     with pytest.raises(ValueError, match=r"request 0: a prompt of 10 \+ 20 new tokens needs 4 KV blocks of 8 "):
         engine.generate([Request(list(range(1, 11)), max_new_tokens=20)])
     with pytest.raises(ValueError, match="a paged cache needs kv_block >= 1"):
-        Engine(fwd, params, kv_memory=1 << 20)
+        Engine(fwd, params, kv_block=0, kv_memory=1 << 20)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")

@@ -67,6 +67,11 @@ POST_TRAINING = (
     K("grpo.shared_prompt", True, bool, "train on rows that hold a prompt once and its completions, each seeing the "
       "prompt and itself, packed to their length (False: a row per completion, padded to model.seq_len + 1) "
       "([rl](rl.md#the-shared-prompt-rows))"),
+    K("grpo.kv_block", 16, int, "the rounds' KV cache in blocks of this many positions, reserved as completions "
+      "grow (0: a dense row of model.seq_len per completion) ([generate](generate.md#the-paged-kv-cache))",
+      lambda v: v >= 0, "an integer >= 0"),
+    K("grpo.kv_cache_gib", 0.0, float, "the paged KV cache's GiB on each device; completions that do not fit wait "
+      "(0: as much as a dense row per completion)", lambda v: 0 <= v < _INF, "a number >= 0"),
     K("grpo.routing_replay", True, bool, "a mixture of experts: every pass over a round routes each token to the "
       "experts it had when sampled ([rl](rl.md#how-a-run-goes))"),
 )

@@ -1,6 +1,6 @@
 """Generate completions of a JSONL file of prompts: `python -m jaxpar.generate --model SRC --prompts IN.jsonl --out
 OUT.jsonl [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--min_p M] [--seed S] [--n N]
-[--slots B] [--config.mesh.data=D --config.mesh.tensor=T ...]`.
+[--slots B] [--kv_block K] [--kv_cache_gib G] [--config.mesh.data=D --config.mesh.tensor=T ...]`.
 
 SRC: a run directory, an export, `hf:DIR` or `hf:ORG/NAME` (`source.py`). Records: `records.py`; a string prompt is
 encoded with the tokenizer's special tokens (BOS), a conversation by the chat template, and a completion ends at any
@@ -18,7 +18,7 @@ import time
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from jaxpar.data import special
-from jaxpar.generate import records, source
+from jaxpar.generate import cache as kv, records, source
 from jaxpar.generate.engine import Engine, Request, check
 
 
@@ -36,6 +36,9 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--slots", type=int, default=16, help="rows decoded together")
+    p.add_argument("--kv_block", type=int, default=16, help="KV cache blocks of this many positions (0: dense rows)")
+    p.add_argument("--kv_cache_gib", type=float, default=0.0,
+                   help="the paged KV cache's GiB on each device (0: a whole context per slot)")
     p.add_argument("--progress", type=int, default=1, help="0: no progress bar")
     args, rest = p.parse_known_args(argv)
     mesh = {}
@@ -48,7 +51,8 @@ def parse(argv):
 
 
 RANGES = {"top_p": ("(0, 1]", lambda v: 0 < v <= 1), "min_p": ("[0, 1]", lambda v: 0 <= v <= 1),
-          "top_k": (">= 0", lambda v: v >= 0), "n": (">= 1", lambda v: v >= 1), "slots": (">= 1", lambda v: v >= 1)}
+          "top_k": (">= 0", lambda v: v >= 0), "n": (">= 1", lambda v: v >= 1), "slots": (">= 1", lambda v: v >= 1),
+          "kv_block": (">= 0", lambda v: v >= 0), "kv_cache_gib": (">= 0", lambda v: v >= 0)}
 
 
 def requests_of(lines, args, src, context: int):
@@ -82,14 +86,14 @@ def run(args, mesh) -> int:
     src = source.load(args.model, mesh)
     context = src.fwd.cfg.max_positions
     reqs = requests_of(todo, args, src, context)
-    engine = Engine.of_source(src, slots=args.slots)
+    engine = Engine.of_source(src, slots=args.slots, **kv.engine_options(args))
     return _write(engine, todo, reqs, args, skip, len(lines))
 
 
 def _write(engine, todo, reqs, args, skip: int, total: int) -> int:
     """Generate the records in groups (written in order as each group ends), with a progress bar."""
     group = max(1, 4 * args.slots // args.n)
-    made, t0 = [0], time.perf_counter()
+    made, t0, kv_use = [0], time.perf_counter(), None
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not args.progress, transient=False) as bar:
         task = bar.add_task("records", total=total, completed=skip)
@@ -101,13 +105,25 @@ def _write(engine, todo, reqs, args, skip: int, total: int) -> int:
         with open(args.out, "a", encoding="utf-8") as f:
             for at in range(0, len(todo), group):
                 done = engine.generate(reqs[at * args.n:(at + group) * args.n], tick)
+                kv_use = _kv_use(engine.stats, kv_use)
                 for i, (_, rec) in enumerate(todo[at:at + group]):
                     f.write(json.dumps(records.output(rec, done[i * args.n:(i + 1) * args.n], args.n)) + "\n")
                 f.flush()
                 bar.update(task, advance=len(todo[at:at + group]))
     print(f"{len(todo)} records ({skip} already in {args.out}), {made[0]} tokens in "
           f"{time.perf_counter() - t0:.1f} s; written to {args.out}", file=sys.stderr)
+    if kv_use:
+        print(f"KV cache: at most {kv_use[0]} of {kv_use[1]} blocks of {engine.kv_block} positions in use; "
+              f"{kv_use[2]} rows given back and recomputed", file=sys.stderr)
     return 0
+
+
+def _kv_use(stats: dict, before):
+    """(peak blocks, pool blocks, rows given back) of the paged cache over the calls so far (None: dense)."""
+    if "kv_blocks" not in stats:
+        return before
+    peak, blocks, back = before or (0, 0, 0)
+    return max(peak, stats["kv_peak_blocks"]), max(blocks, stats["kv_blocks"]), back + stats["preempted"]
 
 
 def main(argv=None) -> int:

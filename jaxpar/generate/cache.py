@@ -44,7 +44,7 @@ def _fitting(p: P, shape, sizes: dict) -> P:
     out = []
     for entry, dim in zip(tuple(p) + (None,) * (len(shape) - len(p)), shape):
         axes = mesh_axes(entry)
-        n = math.prod(sizes[a] for a in axes)
+        n = math.prod(sizes.get(a, 1) for a in axes)
         out.append(entry if axes and dim % n == 0 else None)
     return P(*out)
 
@@ -62,6 +62,31 @@ def pool_spec(cfg, rules, sizes: dict, blocks: int, block: int) -> P:
 def block_bytes(cfg, block: int) -> int:
     """Bytes of one block of a paged pool: keys and values of `block` positions, every layer."""
     return 2 * cfg.layers * block * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+
+
+def pool_bytes(cfg, blocks: int, block: int, sizes: dict | None = None, rules=None) -> dict:
+    """A paged pool's bytes, {"total", "per_device"}, over a mesh of axis `sizes` (default one device) under the
+    decode `rules` (default: of `config_keys.DEFAULT_RULES`), split as `pool_spec`."""
+    sizes = sizes or {}
+    p = pool_spec(cfg, rules or decode_rules(DEFAULT_RULES), sizes, blocks, block)
+    split = math.prod(math.prod(sizes.get(a, 1) for a in mesh_axes(e)) for e in p)
+    return {"total": blocks * block_bytes(cfg, block), "per_device": blocks * block_bytes(cfg, block) // split}
+
+
+def pool_blocks(cfg, block: int, memory: int | None, rows: int, positions: int, sizes: dict, rules) -> tuple:
+    """(blocks, parts) of the paged pool an engine of `rows` slots holds: `memory` bytes a device (None: a slot's
+    `positions` each), in `parts` equal parts, one per shard of the rows (data x expert; 1 if they do not divide)."""
+    split = math.prod(sizes.get(a, 1) for a in mesh_axes(spec(CACHE_NAMES, rules)[1]))
+    split = split if rows % split == 0 else 1
+    one = pool_bytes(cfg, split, block, sizes, rules)["per_device"]  # a block in each part
+    blocks = rows * -(-positions // block) if memory is None else int(memory) // one * split
+    return blocks - blocks % split, split
+
+
+def engine_options(section) -> dict:
+    """The engine's KV options of a config section with `kv_block` and `kv_cache_gib` (GRPO's)."""
+    gib = float(section.kv_cache_gib)
+    return {"kv_block": int(section.kv_block), "kv_memory": int(gib * (1 << 30)) if gib else None}
 
 
 def empty_pool(cfg, blocks: int, block: int, batch: int, sharding=None) -> KVCache:
@@ -136,12 +161,18 @@ def decode_params(params, cfg, rules, mesh, zero3: bool, layer_order=None):
 
 
 def dry_run_entry(config, num_devices: int) -> dict:
-    """What `train.py --dry_run` reports of generation on the run's layout: the KV cache of a decode batch of a
-    step's rows (`train.global_batch_size`; GRPO's completions: x `grpo.num_generations`) of `model.seq_len`
-    positions ({"rows", "positions", "total", "per_device"} bytes)."""
+    """What `train.py --dry_run` reports of generation on the run's layout: the dense KV cache of a decode batch of
+    a step's rows (`train.global_batch_size`; GRPO's completions: x `grpo.num_generations`) of `model.seq_len`
+    positions ({"rows", "positions", "total", "per_device"} bytes) and, for GRPO's paged cache, its pool ("paged":
+    {"block", "blocks", "total", "per_device"})."""
     config = gpt.derived(peft.apply(start.apply(config, say=False)))
     layout = Layout.from_config(config, num_devices)
     cfg = gpt.config_from(config, int(config.model.vocab_size) or 256, layout.tensor)
     rows, positions = objectives.from_config(config).rows(config), int(config.model.seq_len)  # (GRPO: x G)
-    return {"rows": rows, "positions": positions,
-            **cache_bytes(cfg, rows, positions, layout, step_rules(config))}
+    out = {"rows": rows, "positions": positions, **cache_bytes(cfg, rows, positions, layout, step_rules(config))}
+    opts = engine_options(config.grpo) if config.train.objective == "grpo" else {"kv_block": 0}
+    if opts["kv_block"]:  # the paged pool a round's engine holds
+        rules, block = decode_rules(step_rules(config)), opts["kv_block"]
+        blocks, _ = pool_blocks(cfg, block, opts["kv_memory"], rows, positions, layout.mesh_shape, rules)
+        out["paged"] = {"block": block, "blocks": blocks, **pool_bytes(cfg, blocks, block, layout.mesh_shape, rules)}
+    return out

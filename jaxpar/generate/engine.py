@@ -99,13 +99,13 @@ class Engine:
     routing replay asks for them, nothing else pays for them); `share_prefill`: the requests admitted together that
     share a prompt prefill it once (False: a prefill row each; the outputs are the same); `prefill_chunk`: prompts
     longer than this prefill that many positions at a time (`decode.Decoder`); `kv_block` > 0: the KV cache is paged in
-    blocks of that many positions (`paged.py`), `kv_memory` bytes of them in all (default: as many as the dense
-    cache of every slot's whole context), else (0) each slot holds a dense row of the whole context."""
+    blocks of that many positions (`paged.py`), `kv_memory` bytes of them on each device (default: as many as the
+    dense cache of every slot's whole context), else (0) each slot holds a dense row of the whole context."""
 
     def __init__(self, fwd: gpt.Forward, params, *, mesh=None, rules=DEFAULT_RULES, zero3: bool = False,
                  layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 128, refill: bool = True,
                  prompt_experts: bool = False, share_prefill: bool = True, prefill_chunk: int = 512,
-                 kv_block: int = 0, kv_memory: int | None = None):
+                 kv_block: int = 16, kv_memory: int | None = None):
         self.fwd, self.cfg, self.tokenizer = fwd, fwd.cfg, tokenizer
         self.prompt_experts = prompt_experts and fwd.cfg.experts > 0
         self.mesh, self.slots, self.chunk, self.refill = mesh, slots, chunk, refill
@@ -199,17 +199,17 @@ class Engine:
         if not self.kv_block:
             return None
         block, B = self.kv_block, self.slots
-        split = self.decoder.row_split() if B % self.decoder.row_split() == 0 else 1
-        width = paged.blocks_for(length, block)
-        blocks = B * width if self.kv_memory is None else int(self.kv_memory) // kv.block_bytes(self.cfg, block)
-        blocks -= blocks % split
+        sizes = dict(self.mesh.shape) if self.mesh is not None else {}
+        blocks, split = kv.pool_blocks(self.cfg, block, self.kv_memory, B, length, sizes, self.decoder.rules)
+        width, one = paged.blocks_for(length, block), kv.pool_bytes(self.cfg, split, block, sizes,
+                                                                   self.decoder.rules)["per_device"]
         for i, (r, n) in enumerate(zip(requests, news)):
             need = paged.blocks_for(len(r.prompt) + n - 1, block)
             if need > blocks // split:
                 raise ValueError(
                     f"request {i}: a prompt of {len(r.prompt)} + {n} new tokens needs {need} KV blocks of {block} "
-                    f"positions; kv_memory={self.kv_memory} holds {blocks // split} per shard of the rows (raise "
-                    f"kv_memory to at least {need * split * kv.block_bytes(self.cfg, block)} bytes).")
+                    f"positions; kv_memory={self.kv_memory} bytes a device holds {blocks // split} (raise it to at "
+                    f"least {need * one} bytes).")
         pages = paged.Blocks(blocks, block, B, width, split)
         pages.tight = blocks < B * width  # (a pool smaller than the dense cache keeps a block to spare per row)
         return pages

@@ -43,6 +43,7 @@ from jaxpar import data
 from jaxpar.cluster import watchdog
 from jaxpar.dtypes import at_least_f32
 from jaxpar.data.prompts import stop_ids
+from jaxpar.generate import cache as kv
 from jaxpar.generate.engine import Engine, Request
 from jaxpar.rl import advantages as adv
 from jaxpar.rl import importance, rewards, rollout, rows
@@ -165,7 +166,8 @@ class Rounds(Feed):
 
     def generate(self, params, prompts, r: int) -> list:
         engine = Engine.on_steps(self.steps, params, self.config, tokenizer=self.tokenizer,
-                                 slots=len(prompts) * self.G, prompt_experts=self.steps.objective.routing_replay)
+                                 slots=len(prompts) * self.G, prompt_experts=self.steps.objective.routing_replay,
+                                 **kv.engine_options(self.config.grpo))
         seeds = [_round_seed(self.seed, r, k) for k in range(len(prompts))]
         done = rollout.sample(engine, prompts, self.G, self.room, seeds, self.stops, **self.sampling)
         self.prefilled = engine.stats["prefill_tokens"]
