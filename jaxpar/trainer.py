@@ -91,6 +91,10 @@ def dry_run(config, workdir: str) -> dict:
         kv = rep["kv_cache"]
         print(f"KV cache (generation, {kv['rows']} rows x {kv['positions']} positions): {kv['per_device']:,} bytes "
               f"per device, {kv['total']:,} in all (docs/generate.md)")
+        if "paged" in kv:
+            pg = kv["paged"]
+            print(f"paged KV pool (grpo.kv_block, grpo.kv_cache_gib): {pg['blocks']:,} blocks of {pg['block']} "
+                  f"positions, {pg['per_device']:,} bytes per device, {pg['total']:,} in all")
         print(f"written to {os.path.join(workdir, 'compile_report.json')}")
     return rep
 

@@ -335,6 +335,19 @@ def test_the_dry_run_prices_the_kv_cache_of_the_layout():
     assert dry_run_entry(c, 8)["per_device"] == total // 2 // 4
 
 
+def test_the_dry_run_prices_grpos_paged_pool():
+    """GRPO's rounds: a pool of blocks of `grpo.kv_block` positions, as large as the dense cache by default, else
+    `grpo.kv_cache_gib` a device in blocks split over data (the rows) and tensor (the KV heads)."""
+    c = tiny_config(**{"model.arch": "llama", "model.kv_heads": 2, "mesh.data": 4, "mesh.tensor": 2,
+                       "train.objective": "grpo", "grpo.kv_block": 8})
+    rows, block = 16 * 8, 2 * 4 * 8 * 2 * (32 // 8) * 4  # prompts x G; a block: k, v x layers x 8 x KV heads x hd
+    assert dry_run_entry(c, 8)["paged"] == {"block": 8, "blocks": rows * 2, "total": rows * 2 * block,
+                                            "per_device": rows * 2 * block // 8}
+    c.grpo.kv_cache_gib = 1000 * block / 2 / 2 ** 30  # a device holds half of each of its part's blocks (tensor 2)
+    assert dry_run_entry(c, 8)["paged"] == {"block": 8, "blocks": 4000, "total": 4000 * block,
+                                            "per_device": 1000 * block // 2}  # 1,000 in each data shard's part
+
+
 def test_rules_read_back_from_a_run_directory_key_the_same_programs():
     """A run's config.json holds its rules as lists: the decode layout's rules are the same hashable tuples (equal
     decoders share their compiled programs)."""
