@@ -208,6 +208,26 @@ def test_sampler_filters_equal_their_formula():
     np.testing.assert_array_equal(np.asarray(alone[1])[:, 0], lps[:, 0])
 
 
+def test_the_greedy_head_in_vocabulary_blocks_is_argmax_and_the_log_softmax():
+    """`sampling.greedy_head` (the greedy decode step's head, no logits written): the token of `argmax` (ties to the
+    lower id, padded ids never) and its log-softmax, with the vocabulary in 2 parts x 8 blocks."""
+    import jax.numpy as jnp
+
+    from jaxpar.generate.sampling import greedy_head, vocab_blocks
+
+    rng = np.random.default_rng(0)
+    w, h = rng.normal(size=(8, 96)).astype(np.float32), rng.normal(size=(5, 8)).astype(np.float32)
+    w[:, 7] *= 5
+    w[:, 70] = w[:, 7]  # the same logit twice: id 7 (block 1 of part 0) and 70 (block 3 of part 1)
+    h[0] = 3 * w[:, 7]
+    w[:, 95] = 100 * h[1]  # the likeliest logit of row 1 is a padded id: never chosen
+    tok, lp = greedy_head(jnp.asarray(h), vocab_blocks(jnp.asarray(w), parts=2), jnp.float32, vocab_real=90)
+    z = (h.astype(np.float64) @ w.astype(np.float64))[:, :90]
+    want = z.argmax(-1)
+    assert want[0] == 7 and list(np.asarray(tok)) == list(want)
+    np.testing.assert_allclose(lp, -np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)), atol=2e-5)  # (row 0: ln 1/2)
+
+
 def test_the_longest_prompt_gets_its_whole_budget(models):
     """Prompt + completion fill the model's context + 1 tokens (a training row): the last token is sampled from the
     context's last position, as transformers samples it."""

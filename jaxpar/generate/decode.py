@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 
 from jaxpar import model as gpt
 from jaxpar.generate import cache as kv
-from jaxpar.generate.sampling import Sampling, row_keys, sample
+from jaxpar.generate.sampling import Sampling, greedy_head, row_keys, sample, vocab_blocks
 from jaxpar.model.layers import KVCache
 from jaxpar.parallel.logical import activation_rules, mesh_axes, spec
 
@@ -173,20 +173,24 @@ class Decoder:
         that chose it `[steps, b, layers, k]`, and whether the row was already done before it (a token to drop; every
         step the loop did not reach is)). `mode` (static): `greedy` (every row), `plain` (no row filters: nothing
         sorted) or `filtered` (`sampling.sample`)."""
-        fwd, b = self.fwd, rows["done"].shape[0]
+        fwd, b, greedy = self.fwd, rows["done"].shape[0], mode == "greedy"
         bufs = (jnp.zeros((steps, b), jnp.int32), jnp.zeros((steps, b), jnp.float32),
                 jnp.zeros((steps, b), jnp.float32), jnp.zeros((steps,) + carry[2].shape, jnp.int32),
                 jnp.ones((steps, b), bool))
 
-        def step(state):
-            i, (cache, logits, experts), index, done, bufs = state
-            keys = row_keys(rows["seed"], rows["stream"], index)
-            tok, lp_sampled, lp_model = sample(logits, keys, sampling, mode == "greedy", mode == "filtered")
+        def step(state):  # `head`: the next-token logits, or greedy, (token, its log-prob, the activations behind)
+            i, (cache, head, experts), index, done, bufs = state
+            if greedy:
+                tok, lp_sampled, _ = head
+                lp_model = lp_sampled
+            else:
+                keys = row_keys(rows["seed"], rows["stream"], index)
+                tok, lp_sampled, lp_model = sample(head, keys, sampling, False, mode == "filtered")
             ends = jnp.any(tok[:, None] == rows["stop_ids"], -1) | (index + 1 >= rows["max_new"])
             x, cache, new_experts = self._run(params, tok[:, None], cache, rows.get("table"))
-            logits2 = fwd.logits(params, x)[:, 0]
+            head = self._greedy(params, x, wb) if greedy else fwd.logits(params, x)[:, 0]
             bufs = tuple(buf.at[i].set(v) for buf, v in zip(bufs, (tok, lp_sampled, lp_model, experts, done)))
-            carry = (cache, logits2, jnp.swapaxes(new_experts[:, :, 0], 0, 1))
+            carry = (cache, head, jnp.swapaxes(new_experts[:, :, 0], 0, 1))
             return i + 1, carry, index + (~done).astype(jnp.int32), done | ends, bufs
 
         def going(state):
@@ -194,8 +198,27 @@ class Decoder:
             return (i < rows["limit"]) & ~jnp.all(done) & ~(rows["wait"] & jnp.any(done & ~rows["done"]))
 
         with self._scope():
-            _, carry, _, _, out = jax.lax.while_loop(going, step, (0, carry, rows["index"], rows["done"], bufs))
+            logits, wb = carry[1], self._vocab_blocks(params) if greedy else None
+            if greedy:  # the first token from the carried logits, the others from the head in blocks
+                tok, lp, _ = sample(logits, None, sampling, True)
+                carry = (carry[0], (tok, lp, jnp.zeros((b, 1, self.cfg.embed), self.fwd.cdt)), carry[2])
+            i, carry, _, _, out = jax.lax.while_loop(going, step, (0, carry, rows["index"], rows["done"], bufs))
+            if greedy:  # the next call's logits: the last step's, once
+                logits = jnp.where(i > 0, fwd.logits(params, carry[1][2])[:, 0], logits)
+                carry = (carry[0], logits, carry[2])
         return (self._pin(carry[0]), *carry[1:]), out
+
+    def _vocab_blocks(self, params):
+        """The unembedding in vocabulary blocks (`sampling.vocab_blocks`), over its split on this mesh."""
+        w = self.fwd.unembed(params, jnp.zeros((1, self.cfg.embed), self.fwd.cdt))[1]
+        vocab = spec(("vocab",), self.rules)[0]
+        parts = 1 if self.mesh is None else math.prod(dict(self.mesh.shape)[a] for a in mesh_axes(vocab))
+        return vocab_blocks(w, parts if w.shape[1] % parts == 0 else 1)
+
+    def _greedy(self, params, x, wb):
+        """x `[b, 1, embed]` -> (the greedy next token, its log-prob, x) by `sampling.greedy_head`."""
+        h, _, dt = self.fwd.unembed(params, x[:, 0])
+        return (*greedy_head(h, wb, dt, self.cfg.vocab_real), x)
 
     def _pin(self, cache: KVCache) -> KVCache:
         """`cache` constrained to its sharding (rows over data x expert, KV heads over tensor)."""

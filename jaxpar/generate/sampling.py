@@ -106,3 +106,38 @@ def sample(logits, keys, s: Sampling, greedy_only: bool = False, any_filter: boo
         lp = jnp.where(on, at(kept, pick), lp)
     lp_model = at(logits, tok) - norm
     return tok, jnp.where(greedy, lp_model, lp), lp_model
+
+
+def vocab_blocks(w, parts: int = 1, blocks: int = 8):
+    """The unembedding w `[embed, vocab]` as `[n, parts, vocab / (parts n), embed]`: the vocabulary in `parts` (its
+    split over devices) x n blocks (`blocks`, or the most of 4, 2, 1 that divide it), block j of every part together
+    (one copy a decode call; for tied embeddings a reshape of `wte`)."""
+    E, V = w.shape
+    n = next(k for k in (blocks, 4, 2, 1) if V % (parts * k) == 0)
+    return jnp.moveaxis(w.T.reshape(parts, n, V // (parts * n), E), 1, 0)
+
+
+def greedy_head(h, wb, dt, vocab_real: int):
+    """The greedy token `[b]` int32 and its log-prob of the logits of h `[b, embed]` under the unembedding in blocks
+    `wb` (`vocab_blocks`), in `dt`, ids from `vocab_real` on excluded, without writing the logits: a block's logits
+    give their max, first arg-max and exp-sum while they are in cache (the logsumexp by running rescaling). Ties go
+    to the lower id, as `argmax`'s."""
+    n, parts, blk, E = wb.shape
+    ids = (jnp.arange(parts)[:, None] * (n * blk) + jnp.arange(blk)).reshape(-1)  # block 0's ids, part by part
+
+    def one(carry, inp):
+        m, idx, s = carry
+        wj, j = inp
+        z = jnp.einsum("bd,kd->bk", h, wj, preferred_element_type=dt)  # (2-D: a 3-D product ran 2x slower on CPU)
+        at = ids + j * blk
+        z = jnp.where(at < vocab_real, z, -jnp.inf)
+        top = z.max(1)
+        first = jnp.min(jnp.where(z == top[:, None], at, n * parts * blk), 1)
+        new = jnp.maximum(m, top)
+        s = s * jnp.exp(m - new) + jnp.exp(z - new[:, None]).sum(1)
+        return (new, jnp.where((top > m) | ((top == m) & (first < idx)), first, idx), s), None
+
+    b = h.shape[0]
+    init = (jnp.full(b, -jnp.inf, dt), jnp.zeros(b, jnp.int32), jnp.zeros(b, dt))
+    (_, tok, s), _ = jax.lax.scan(one, init, (wb.reshape(n, parts * blk, E), jnp.arange(n)))
+    return tok, (-jnp.log(s)).astype(jnp.float32)  # the max's log-prob: max - (max + log s)

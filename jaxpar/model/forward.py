@@ -111,12 +111,17 @@ class Forward:
         y, _, st = nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments, layer, replay)
         return (y, st) if stats else y
 
+    def unembed(self, params, x):
+        """x `[..., embed]` -> (x after the final norm, the unembedding `[embed, vocab]` in the compute dtype, the
+        logits' dtype): what `logits` multiplies."""
+        w = params["wte"].T if self.cfg.tie_embeddings else params["lm_head"]
+        return nnx.merge(self.norm_def, params["ln_f"])(x), w.astype(self.cdt), at_least_f32(self.cdt)
+
     def logits(self, params, x):
         """x `[batch, seq, embed]` -> float32 logits `[batch, seq, vocab]`, padded ids set to -inf."""
         cfg = self.cfg
-        h = nnx.merge(self.norm_def, params["ln_f"])(x)
-        w = params["wte"].T if cfg.tie_embeddings else params["lm_head"]
-        z = jnp.einsum("btd,dv->btv", h, w.astype(self.cdt), preferred_element_type=at_least_f32(self.cdt))
+        h, w, dt = self.unembed(params, x)
+        z = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=dt)
         z = constrain(z, ("batch", "seq", "vocab"))
         if cfg.vocab_real < cfg.vocab_size:
             z = jnp.where(jnp.arange(cfg.vocab_size) < cfg.vocab_real, z, -jnp.inf)
