@@ -208,8 +208,8 @@ class Engine:
             if need > blocks // split:
                 raise ValueError(
                     f"request {i}: a prompt of {len(r.prompt)} + {n} new tokens needs {need} KV blocks of {block} "
-                    f"positions; kv_memory={self.kv_memory} bytes a device holds {blocks // split} (raise it to at "
-                    f"least {need * one} bytes).")
+                    f"positions; a pool of {self.kv_memory:,} bytes a device holds {blocks // split} (give it at "
+                    f"least {need * one:,} bytes: --kv_cache_gib / grpo.kv_cache_gib {need * one / 2 ** 30:.3g}).")
         pages = paged.Blocks(blocks, block, B, width, split)
         pages.tight = blocks < B * width  # (a pool smaller than the dense cache keeps a block to spare per row)
         return pages
