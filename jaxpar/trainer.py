@@ -93,7 +93,7 @@ def dry_run(config, workdir: str) -> dict:
               f"per device, {kv['total']:,} in all (docs/generate.md)")
         if "paged" in kv:
             pg = kv["paged"]
-            print(f"paged KV pool (grpo.kv_block, grpo.kv_cache_gib): {pg['blocks']:,} blocks of {pg['block']} "
+            print(f"paged KV pool (grpo.kv_block, grpo.kv_cache_gib): {pg['kv_blocks']:,} blocks of {pg['block']} "
                   f"positions, {pg['per_device']:,} bytes per device, {pg['total']:,} in all")
         print(f"written to {os.path.join(workdir, 'compile_report.json')}")
     return rep

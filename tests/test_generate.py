@@ -14,9 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 
+import tiny_checkpoints  # noqa: E402
 from helpers import run_config, steps_for, tiny_config  # noqa: E402
+from tiny_checkpoints import SAMPLED, V  # noqa: E402
 from jaxpar.config import step_rules  # noqa: E402
-from jaxpar.data import ByteTokenizer  # noqa: E402
 from jaxpar.generate.cache import cache_bytes, decode_param_bytes, dry_run_entry  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
 from jaxpar.generate.sampling import Sampling, sample  # noqa: E402
@@ -25,40 +26,12 @@ from jaxpar.formats import hf  # noqa: E402
 pytestmark = pytest.mark.xdist_group("test_generate")
 needs8 = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
 
-V = 300
-COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
-              max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
-KINDS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(  # 4 layers: 2 stages x 2 virtual
-        **{**COMMON, "num_hidden_layers": 4}, intermediate_size=48)),
-    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, intermediate_size=48,
-                                                                            head_dim=16)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=32, n_layer=2, n_head=4, vocab_size=V, n_positions=64, bos_token_id=0, eos_token_id=0)),
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        **COMMON, intermediate_size=48, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
-        norm_topk_prob=True)),
-}
 PROMPTS = [np.random.default_rng(i).integers(1, V, n).tolist() for i, n in enumerate((3, 9, 14, 5, 7))]
-SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{kind: (transformers model, directory)}: every tensor random (norm scales away from 1)."""
-    out = {}
-    for kind, make in KINDS.items():
-        torch.manual_seed(0)
-        model = make()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(torch.randn_like(p) * (0.3 if p.ndim == 1 else 0.1) + (1.0 if "norm" in name or "ln" in name
-                                                                                  else 0.0))
-        d = tmp_path_factory.mktemp(kind)
-        model.eval().save_pretrained(d)
-        ByteTokenizer.to_hf().save(str(d / "tokenizer.json"))
-        out[kind] = (model, d)
-    return out
+    return tiny_checkpoints.save(tmp_path_factory)
 
 
 def hf_greedy(model, prompt, n):
@@ -77,7 +50,7 @@ def hf_greedy(model, prompt, n):
     return toks, np.asarray(lps), experts
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(tiny_checkpoints.KINDS))
 def test_greedy_equals_transformers_and_log_probs_equal_the_training_forward(models, kind):
     model, d = models[kind]
     fwd, params, tok = hf.load(str(d))
@@ -361,10 +334,10 @@ def test_the_dry_run_prices_grpos_paged_pool():
     c = tiny_config(**{"model.arch": "llama", "model.kv_heads": 2, "mesh.data": 4, "mesh.tensor": 2,
                        "train.objective": "grpo", "grpo.kv_block": 8})
     rows, block = 16 * 8, 2 * 4 * 8 * 2 * (32 // 8) * 4  # prompts x G; a block: k, v x layers x 8 x KV heads x hd
-    assert dry_run_entry(c, 8)["paged"] == {"block": 8, "blocks": rows * 2, "total": rows * 2 * block,
+    assert dry_run_entry(c, 8)["paged"] == {"block": 8, "kv_blocks": rows * 2, "total": rows * 2 * block,
                                             "per_device": rows * 2 * block // 8}
     c.grpo.kv_cache_gib = 1000 * block / 2 / 2 ** 30  # a device holds half of each of its part's blocks (tensor 2)
-    assert dry_run_entry(c, 8)["paged"] == {"block": 8, "blocks": 4000, "total": 4000 * block,
+    assert dry_run_entry(c, 8)["paged"] == {"block": 8, "kv_blocks": 4000, "total": 4000 * block,
                                             "per_device": 1000 * block // 2}  # 1,000 in each data shard's part
 
 

@@ -1,7 +1,7 @@
 """The paged KV cache (`jaxpar/generate/paged.py`): the same completions as the dense cache (tokens equal, log-probs
 within 1e-6, a MoE's experts equal) with a pool as large as the dense cache, and with one much smaller, where rows
 wait, are given back and recomputed; the blocks' bookkeeping; a request no pool holds is one line. The training
-layouts run it in `test_generate.py`'s layout test."""
+layouts run it in `test_generate.py`'s layout test, on the same tiny checkpoints (`tiny_checkpoints.py`)."""
 import math
 import re
 
@@ -12,12 +12,18 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from test_generate import SAMPLED, V, models  # noqa: E402,F401  (the module's tiny checkpoints)
+import tiny_checkpoints  # noqa: E402
+from tiny_checkpoints import SAMPLED, V  # noqa: E402
 from jaxpar.formats import hf  # noqa: E402
 from jaxpar.generate import cache as kv, paged  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_paged")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return tiny_checkpoints.save(tmp_path_factory, ("qwen3", "qwen3_moe"))
 
 
 def ragged_round(seed: int = 0) -> list:

@@ -164,15 +164,17 @@ def dry_run_entry(config, num_devices: int) -> dict:
     """What `train.py --dry_run` reports of generation on the run's layout: the dense KV cache of a decode batch of
     a step's rows (`train.global_batch_size`; GRPO's completions: x `grpo.num_generations`) of `model.seq_len`
     positions ({"rows", "positions", "total", "per_device"} bytes) and, for GRPO's paged cache, its pool ("paged":
-    {"block", "blocks", "total", "per_device"})."""
+    {"block", "kv_blocks", "total", "per_device"})."""
     config = gpt.derived(peft.apply(start.apply(config, say=False)))
     layout = Layout.from_config(config, num_devices)
     cfg = gpt.config_from(config, int(config.model.vocab_size) or 256, layout.tensor)
-    rows, positions = objectives.from_config(config).rows(config), int(config.model.seq_len)  # (GRPO: x G)
+    obj = objectives.from_config(config)
+    rows, positions = obj.rows(config), int(config.model.seq_len)  # (GRPO: x G)
     out = {"rows": rows, "positions": positions, **cache_bytes(cfg, rows, positions, layout, step_rules(config))}
-    opts = engine_options(config.grpo) if config.train.objective == "grpo" else {"kv_block": 0}
+    section = config.get(obj.section) if obj.section else None  # an objective that samples (GRPO): its KV keys
+    opts = engine_options(section) if section is not None and "kv_block" in section else {"kv_block": 0}
     if opts["kv_block"]:  # the paged pool a round's engine holds
         rules, block = decode_rules(step_rules(config)), opts["kv_block"]
-        blocks, _ = pool_blocks(cfg, block, opts["kv_memory"], rows, positions, layout.mesh_shape, rules)
-        out["paged"] = {"block": block, "blocks": blocks, **pool_bytes(cfg, blocks, block, layout.mesh_shape, rules)}
+        n, _ = pool_blocks(cfg, block, opts["kv_memory"], rows, positions, layout.mesh_shape, rules)
+        out["paged"] = {"block": block, "kv_blocks": n, **pool_bytes(cfg, n, block, layout.mesh_shape, rules)}
     return out
