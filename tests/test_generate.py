@@ -245,7 +245,7 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     fwd, params, _ = hf.load(str(d))
     reqs = [Request(p, max_new_tokens=6) for p in PROMPTS[:4]] + \
            [Request(p, max_new_tokens=6, seed=3, **SAMPLED) for p in PROMPTS[:4]]
-    alone = Engine(fwd, params, slots=8, prompt_experts=True, share_prefill=False)  # a prefill row per request
+    alone = Engine(fwd, params, slots=8, prompt_experts=True, share_prefill=False, kv_block=0)  # dense, unshared
     want = alone.generate(reqs)
     engine = Engine.on_steps(steps, placed, config, slots=8, prompt_experts=True)  # each prompt prefilled once
     got = engine.generate(reqs)

@@ -51,7 +51,7 @@ def assert_same(got, want):
 def test_a_paged_cache_generates_what_the_dense_one_does_in_the_memory_of_its_tokens(models, kind):
     fwd, params, _ = hf.load(str(models[kind][1]))
     reqs = ragged_round()
-    want = Engine(fwd, params, slots=8, prompt_experts=True).generate(reqs)
+    want = Engine(fwd, params, slots=8, prompt_experts=True, kv_block=0).generate(reqs)  # dense
     roomy = Engine(fwd, params, slots=8, prompt_experts=True, kv_block=16)
     assert_same(roomy.generate(reqs), want)
     assert roomy.stats["preempted"] == 0 and roomy.stats["kv_peak_blocks"] <= roomy.stats["kv_blocks"] == 8 * 4
@@ -59,6 +59,9 @@ def test_a_paged_cache_generates_what_the_dense_one_does_in_the_memory_of_its_to
     tight = Engine(fwd, params, slots=8, prompt_experts=True, kv_block=8, kv_memory=14 * kv.block_bytes(fwd.cfg, 8))
     assert_same(tight.generate(reqs), want)
     assert tight.stats["preempted"] > 0 and tight.stats["kv_peak_blocks"] <= tight.stats["kv_blocks"] == 14
+    greedy = [r for r in reqs if r.temperature == 0]  # all greedy: every token from the head in blocks, whichever
+    small = Engine(fwd, params, slots=8, prompt_experts=True, kv_block=8, kv_memory=tight.kv_memory, chunk=5)
+    assert_same(small.generate(greedy), [w for w, r in zip(want, reqs) if r.temperature == 0])  # call it starts
     per_position = kv.block_bytes(fwd.cfg, 8) // 8
     assert kv.cache_bytes(fwd.cfg, 8, fwd.cfg.max_positions)["total"] == 512 * per_position > tight.kv_memory
 
@@ -102,7 +105,7 @@ def test_a_split_pool_is_read_and_written_on_its_devices(models, monkeypatch):
     fwd, params, _ = hf.load(str(models["qwen3"][1]))
     mesh = make_mesh(Layout(data=4, tensor=2, stage=1, microbatches=1), jax.devices()[:8])
     params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    want = Engine(fwd, params, slots=8).generate(ragged_round()[:8])
+    want = Engine(fwd, params, slots=8, kv_block=0).generate(ragged_round()[:8])
     seen, compiled = [], decode._jit_decode
     monkeypatch.setattr(decode, "_jit_decode", lambda *a: seen.append(compiled.lower(*a).compile().as_text())
                         or compiled(*a))

@@ -53,7 +53,8 @@ class Decoder:
         return isinstance(other, Decoder) and self.key == other.key
 
     def empty(self, batch: int, length: int, blocks: int = 0):
-        """The running batch's carry with every slot empty: (cache, logits `[batch, vocab]`, experts); paged: a pool
+        """The running batch's carry with every slot empty: (cache, the last layer's activations `[batch, embed]` whose
+        head gives the next token, experts); paged: a pool
         of `blocks` blocks."""
         return _jit_empty(self, batch, length, blocks)
 
@@ -62,7 +63,7 @@ class Decoder:
         k = cfg.experts_per_token if cfg.experts else 0
         cache = (kv.empty_pool(cfg, blocks, self.block, batch, self.pool_sharding(blocks)) if self.block else
                  kv.empty(cfg, batch, length, self.cache_sharding(batch, length)))
-        return cache, jnp.zeros((batch, cfg.vocab_size), jnp.float32), jnp.zeros((batch, cfg.layers, k), jnp.int32)
+        return cache, jnp.zeros((batch, cfg.embed), self.fwd.cdt), jnp.zeros((batch, cfg.layers, k), jnp.int32)
 
     def prefill(self, params, tokens, lengths, length: int):
         return _jit_prefill(self, params, tokens, lengths, length)
@@ -115,7 +116,7 @@ class Decoder:
         return x, KVCache(k, v, cache.pos + t), experts
 
     def _prefill(self, params, tokens, lengths, length: int):
-        """Prompts `[n, t]` (right-padded), their lengths `[n]` -> (next-token logits `[n, vocab]` float32, a cache
+        """Prompts `[n, t]` (right-padded), their lengths `[n]` -> (each prompt's last activations `[n, embed]`, a cache
         of n rows of `length` positions holding them, the experts of each prompt's last token `[n, layers, k]`, the
         experts of every position `[n, t, layers, k]`)."""
         n, t = tokens.shape
@@ -133,21 +134,20 @@ class Decoder:
                 x = jnp.swapaxes(xs, 0, 1).reshape(n, t, xs.shape[-1])  # [chunks, n, c, E] -> [n, t, E]
                 experts = jnp.moveaxis(es, 0, 2).reshape(es.shape[1], n, t, es.shape[-1])  # -> [layers, n, t, k]
             last = x[jnp.arange(n), lengths - 1]
-            logits = self.fwd.logits(params, last[:, None])[:, 0]
         cache = cache._replace(pos=jnp.broadcast_to(lengths, cache.pos.shape).astype(jnp.int32))
         every = jnp.transpose(experts, (1, 2, 0, 3))
-        return logits, cache, every[jnp.arange(n), lengths - 1], every
+        return last, cache, every[jnp.arange(n), lengths - 1], every
 
     def _insert(self, carry, rows, slots, src, table=None):
-        """Put prefilled rows (cache, logits, experts: `_prefill`'s) into slots `[n]` of the running batch's `carry`
-        (cache, logits, experts): slot `slots[j]` gets prefilled row `src[j]` (a prompt prefilled once for all the
+        """Put prefilled rows (cache, activations, experts: `_prefill`'s) into slots `[n]` of the running batch's
+        `carry` (cache, activations, experts): slot `slots[j]` gets prefilled row `src[j]` (a prompt prefilled once for all the
         slots that sample it); a slot index past the batch drops its entry (the padding of a prefill group). Paged:
         each position goes to its slot's block in `table` (a full block two slots share gets the same values twice;
         positions without a block are dropped)."""
         put = lambda a, b, axis: a.at[(slice(None),) * axis + (slots,)].set(  # noqa: E731
             jnp.take(b, src, axis=axis), mode="drop")
-        cache, logits, experts = carry
-        new_cache, new_logits, new_experts = rows
+        cache, last, experts = carry
+        new_cache, new_last, new_experts = rows
         if table is None:
             k, v = put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1)
         else:
@@ -161,12 +161,12 @@ class Decoder:
             page = lambda a, b: a.at[:, where, p % self.block].set(jnp.take(b, src, axis=1), mode="drop")  # noqa
             k, v = page(cache.k, new_cache.k), page(cache.v, new_cache.v)
         cache = KVCache(k, v, put(cache.pos, new_cache.pos, 1))
-        return self._pin(cache), put(logits, new_logits, 0), put(experts, new_experts, 0)
+        return self._pin(cache), put(last, new_last, 0), put(experts, new_experts, 0)
 
     def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, mode: str):
         """Up to `steps` tokens for every slot, in one compiled loop that stops once every row is done or, when
-        requests wait for a slot (`rows["wait"]`), once a row finishes. `carry` = (cache, next-token logits
-        `[b, vocab]`, the experts behind those logits `[b, layers, k]`); `rows`: {seed, stream, index (tokens made so
+        requests wait for a slot (`rows["wait"]`), once a row finishes. `carry` = (cache, the last activations
+        `[b, embed]` whose head gives each row's next token, the experts behind them `[b, layers, k]`); `rows`: {seed, stream, index (tokens made so
         far), max_new, done, stop_ids `[b, m]` (-1 = none)}, each `[b]` int32/bool, `wait` (a bool), `limit` (steps
         this call may take: a paged cache's reserved blocks) and, paged, `table`. -> (carry,
         per step `[steps, b]`: token, its log-prob under the sampling distribution and under the model, the experts
@@ -178,19 +178,19 @@ class Decoder:
                 jnp.zeros((steps, b), jnp.float32), jnp.zeros((steps,) + carry[2].shape, jnp.int32),
                 jnp.ones((steps, b), bool))
 
-        def step(state):  # `head`: the next-token logits, or greedy, (token, its log-prob, the activations behind)
-            i, (cache, head, experts), index, done, bufs = state
+        def step(state):  # every token from the carried activations' head, one way for greedy (whatever the call)
+            i, (cache, last, experts), index, done, bufs = state
             if greedy:
-                tok, lp_sampled, _ = head
+                tok, lp_sampled = self._greedy(params, last, wb)
                 lp_model = lp_sampled
             else:
                 keys = row_keys(rows["seed"], rows["stream"], index)
-                tok, lp_sampled, lp_model = sample(head, keys, sampling, False, mode == "filtered")
+                logits = fwd.logits(params, last[:, None])[:, 0]
+                tok, lp_sampled, lp_model = sample(logits, keys, sampling, False, mode == "filtered")
             ends = jnp.any(tok[:, None] == rows["stop_ids"], -1) | (index + 1 >= rows["max_new"])
             x, cache, new_experts = self._run(params, tok[:, None], cache, rows.get("table"))
-            head = self._greedy(params, x, wb) if greedy else fwd.logits(params, x)[:, 0]
             bufs = tuple(buf.at[i].set(v) for buf, v in zip(bufs, (tok, lp_sampled, lp_model, experts, done)))
-            carry = (cache, head, jnp.swapaxes(new_experts[:, :, 0], 0, 1))
+            carry = (cache, x[:, 0].astype(last.dtype), jnp.swapaxes(new_experts[:, :, 0], 0, 1))
             return i + 1, carry, index + (~done).astype(jnp.int32), done | ends, bufs
 
         def going(state):
@@ -198,14 +198,8 @@ class Decoder:
             return (i < rows["limit"]) & ~jnp.all(done) & ~(rows["wait"] & jnp.any(done & ~rows["done"]))
 
         with self._scope():
-            logits, wb = carry[1], self._vocab_blocks(params) if greedy else None
-            if greedy:  # the first token from the carried logits, the others from the head in blocks
-                tok, lp, _ = sample(logits, None, sampling, True)
-                carry = (carry[0], (tok, lp, jnp.zeros((b, 1, self.cfg.embed), self.fwd.cdt)), carry[2])
-            i, carry, _, _, out = jax.lax.while_loop(going, step, (0, carry, rows["index"], rows["done"], bufs))
-            if greedy:  # the next call's logits: the last step's, once
-                logits = jnp.where(i > 0, fwd.logits(params, carry[1][2])[:, 0], logits)
-                carry = (carry[0], logits, carry[2])
+            wb = self._vocab_blocks(params) if greedy else None  # (the unembedding in blocks, once a call)
+            _, carry, _, _, out = jax.lax.while_loop(going, step, (0, carry, rows["index"], rows["done"], bufs))
         return (self._pin(carry[0]), *carry[1:]), out
 
     def _vocab_blocks(self, params):
@@ -216,9 +210,9 @@ class Decoder:
         return vocab_blocks(w, parts if w.shape[1] % parts == 0 else 1)
 
     def _greedy(self, params, x, wb):
-        """x `[b, 1, embed]` -> (the greedy next token, its log-prob, x) by `sampling.greedy_head`."""
-        h, _, dt = self.fwd.unembed(params, x[:, 0])
-        return (*greedy_head(h, wb, dt, self.cfg.vocab_real), x)
+        """x `[b, embed]` -> (the greedy next token, its log-prob) by `sampling.greedy_head`."""
+        h, _, dt = self.fwd.unembed(params, x)
+        return greedy_head(h, wb, dt, self.cfg.vocab_real)
 
     def _pin(self, cache: KVCache) -> KVCache:
         """`cache` constrained to its sharding (rows over data x expert, KV heads over tensor)."""

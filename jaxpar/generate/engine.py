@@ -286,12 +286,12 @@ class Engine:
         where[:len(slots)] = slots
         take = np.zeros(m, np.int32)
         take[:len(src)] = src
-        logits, cache, experts, every = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                                             length if pages is None else t)
+        last, cache, experts, every = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                                           length if pages is None else t)
         self.stats["prefill_tokens"] += sum(map(len, uniq))
         routed = np.asarray(jax.device_get(every))[src] if self.prompt_experts else None
         table = None if pages is None else jnp.asarray(pages.local())
-        return self.decoder.insert(carry, (cache, logits, experts), jnp.asarray(where), jnp.asarray(take),
+        return self.decoder.insert(carry, (cache, last, experts), jnp.asarray(where), jnp.asarray(take),
                                    table), routed
 
     def _collect(self, got, slot, rows, out, pages=None) -> int:
