@@ -53,9 +53,8 @@ class Decoder:
         return isinstance(other, Decoder) and self.key == other.key
 
     def empty(self, batch: int, length: int, blocks: int = 0):
-        """The running batch's carry with every slot empty: (cache, the last layer's activations `[batch, embed]` whose
-        head gives the next token, experts); paged: a pool
-        of `blocks` blocks."""
+        """The running batch's carry with every slot empty: (cache, the last layer's activations `[batch, embed]`
+        whose head gives the next token, experts); paged: a pool of `blocks` blocks."""
         return _jit_empty(self, batch, length, blocks)
 
     def _empty(self, batch: int, length: int, blocks: int):
@@ -140,10 +139,10 @@ class Decoder:
 
     def _insert(self, carry, rows, slots, src, table=None):
         """Put prefilled rows (cache, activations, experts: `_prefill`'s) into slots `[n]` of the running batch's
-        `carry` (cache, activations, experts): slot `slots[j]` gets prefilled row `src[j]` (a prompt prefilled once for all the
-        slots that sample it); a slot index past the batch drops its entry (the padding of a prefill group). Paged:
-        each position goes to its slot's block in `table` (a full block two slots share gets the same values twice;
-        positions without a block are dropped)."""
+        `carry` (cache, activations, experts): slot `slots[j]` gets prefilled row `src[j]` (a prompt prefilled once
+        for all the slots that sample it); a slot index past the batch drops its entry (a prefill group's padding).
+        Paged: each position goes to its slot's block in `table` `[slots, width]` (the pool's numbers: a full block
+        two slots share gets the same values twice; positions without a block are dropped)."""
         put = lambda a, b, axis: a.at[(slice(None),) * axis + (slots,)].set(  # noqa: E731
             jnp.take(b, src, axis=axis), mode="drop")
         cache, last, experts = carry
@@ -151,11 +150,8 @@ class Decoder:
         if table is None:
             k, v = put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1)
         else:
-            p, blocks, (parts, per_part) = jnp.arange(new_cache.k.shape[2]), cache.k.shape[1], table.shape[:2]
-            part = (jnp.arange(parts * per_part) // per_part)[:, None]  # the local tables in the pool's numbers
-            whole = jnp.where(table.reshape(parts * per_part, -1) < blocks // parts,
-                              table.reshape(parts * per_part, -1) + part * (blocks // parts), blocks)
-            tab = whole.at[slots].get(mode="fill", fill_value=blocks)  # [n, width]
+            p, blocks = jnp.arange(new_cache.k.shape[2]), cache.k.shape[1]
+            tab = table.at[slots].get(mode="fill", fill_value=blocks)  # [n, width]
             where = jnp.take_along_axis(tab, jnp.broadcast_to(p // self.block, (tab.shape[0], p.size)), axis=1,
                                         mode="fill", fill_value=blocks)
             page = lambda a, b: a.at[:, where, p % self.block].set(jnp.take(b, src, axis=1), mode="drop")  # noqa
@@ -166,9 +162,10 @@ class Decoder:
     def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, mode: str):
         """Up to `steps` tokens for every slot, in one compiled loop that stops once every row is done or, when
         requests wait for a slot (`rows["wait"]`), once a row finishes. `carry` = (cache, the last activations
-        `[b, embed]` whose head gives each row's next token, the experts behind them `[b, layers, k]`); `rows`: {seed, stream, index (tokens made so
-        far), max_new, done, stop_ids `[b, m]` (-1 = none)}, each `[b]` int32/bool, `wait` (a bool), `limit` (steps
-        this call may take: a paged cache's reserved blocks) and, paged, `table`. -> (carry,
+        `[b, embed]` whose head gives each row's next token, the experts behind them `[b, layers, k]`); `rows`: {seed,
+        stream, index (tokens made so far), max_new, done, stop_ids `[b, m]` (-1 = none)}, each `[b]` int32/bool,
+        `wait` (a bool), `limit` (steps this call may take: a paged cache's reserved blocks) and, paged, `table`
+        (`paged.Blocks.local`). -> (carry,
         per step `[steps, b]`: token, its log-prob under the sampling distribution and under the model, the experts
         that chose it `[steps, b, layers, k]`, and whether the row was already done before it (a token to drop; every
         step the loop did not reach is)). `mode` (static): `greedy` (every row), `plain` (no row filters: nothing
@@ -204,15 +201,14 @@ class Decoder:
 
     def _vocab_blocks(self, params):
         """The unembedding in vocabulary blocks (`sampling.vocab_blocks`), over its split on this mesh."""
-        w = self.fwd.unembed(params, jnp.zeros((1, self.cfg.embed), self.fwd.cdt))[1]
+        w = self.fwd.unembedding(params)[0]
         vocab = spec(("vocab",), self.rules)[0]
         parts = 1 if self.mesh is None else math.prod(dict(self.mesh.shape)[a] for a in mesh_axes(vocab))
         return vocab_blocks(w, parts if w.shape[1] % parts == 0 else 1)
 
     def _greedy(self, params, x, wb):
         """x `[b, embed]` -> (the greedy next token, its log-prob) by `sampling.greedy_head`."""
-        h, _, dt = self.fwd.unembed(params, x)
-        return greedy_head(h, wb, dt, self.cfg.vocab_real)
+        return greedy_head(self.fwd.final_norm(params, x), wb, self.fwd.unembedding(params)[1], self.cfg.vocab_real)
 
     def _pin(self, cache: KVCache) -> KVCache:
         """`cache` constrained to its sharding (rows over data x expert, KV heads over tensor)."""

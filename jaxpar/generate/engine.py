@@ -210,9 +210,7 @@ class Engine:
                     f"request {i}: a prompt of {len(r.prompt)} + {n} new tokens needs {need} KV blocks of {block} "
                     f"positions; a pool of {self.kv_memory:,} bytes a device holds {blocks // split} (give it at "
                     f"least {need * one:,} bytes: --kv_cache_gib / grpo.kv_cache_gib {need * one / 2 ** 30:.3g}).")
-        pages = paged.Blocks(blocks, block, B, width, split)
-        pages.tight = blocks < B * width  # (a pool smaller than the dense cache keeps a block to spare per row)
-        return pages
+        return paged.Blocks(blocks, block, B, width, split, tight=blocks < B * width)
 
     def _place(self, queue, free, requests, pages, slot) -> list:
         """Take requests off `queue` into `free` slots, in order: [(request, slot)]; paged, while their prompts'
@@ -290,7 +288,7 @@ class Engine:
                                                            length if pages is None else t)
         self.stats["prefill_tokens"] += sum(map(len, uniq))
         routed = np.asarray(jax.device_get(every))[src] if self.prompt_experts else None
-        table = None if pages is None else jnp.asarray(pages.local())
+        table = None if pages is None else jnp.asarray(pages.table)  # (the pool's numbers: one scatter a group)
         return self.decoder.insert(carry, (cache, last, experts), jnp.asarray(where), jnp.asarray(take),
                                    table), routed
 

@@ -23,9 +23,9 @@ def blocks_for(positions: int, block: int) -> int:
 
 class Blocks:
     """The block tables of `slots` rows of `width` blocks over a pool of `blocks` blocks of `block` positions, split
-    into `split` equal parts (one per shard of the rows)."""
+    into `split` equal parts (one per shard of the rows); `tight`: smaller than every slot's whole context."""
 
-    def __init__(self, blocks: int, block: int, slots: int, width: int, split: int = 1):
+    def __init__(self, blocks: int, block: int, slots: int, width: int, split: int = 1, tight: bool = False):
         self.blocks, self.block, self.split = blocks, block, split
         self.table = np.full((slots, width), blocks, np.int32)
         per = blocks // split
@@ -34,7 +34,7 @@ class Blocks:
         self.held = np.zeros(slots, np.int32)  # table entries in use per slot
         self.rows_per_shard = slots // split
         self.peak = 0
-        self.tight = False  # a pool smaller than every slot's whole context (the engine keeps headroom)
+        self.tight = tight  # a pool smaller than every slot's whole context (the engine keeps headroom)
 
     def shard(self, slot: int) -> int:
         return slot // self.rows_per_shard

@@ -111,17 +111,20 @@ class Forward:
         y, _, st = nnx.merge(self.block_def, layer_params)(x, cfg, drop, None, positions, segments, layer, replay)
         return (y, st) if stats else y
 
-    def unembed(self, params, x):
-        """x `[..., embed]` -> (x after the final norm, the unembedding `[embed, vocab]` in the compute dtype, the
-        logits' dtype): what `logits` multiplies."""
+    def final_norm(self, params, x):
+        """x `[..., embed]` after the final norm: what `logits` multiplies by the `unembedding`."""
+        return nnx.merge(self.norm_def, params["ln_f"])(x)
+
+    def unembedding(self, params):
+        """(The unembedding `[embed, vocab]` in the compute dtype, the logits' dtype)."""
         w = params["wte"].T if self.cfg.tie_embeddings else params["lm_head"]
-        return nnx.merge(self.norm_def, params["ln_f"])(x), w.astype(self.cdt), at_least_f32(self.cdt)
+        return w.astype(self.cdt), at_least_f32(self.cdt)
 
     def logits(self, params, x):
         """x `[batch, seq, embed]` -> float32 logits `[batch, seq, vocab]`, padded ids set to -inf."""
         cfg = self.cfg
-        h, w, dt = self.unembed(params, x)
-        z = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=dt)
+        w, dt = self.unembedding(params)
+        z = jnp.einsum("btd,dv->btv", self.final_norm(params, x), w, preferred_element_type=dt)
         z = constrain(z, ("batch", "seq", "vocab"))
         if cfg.vocab_real < cfg.vocab_size:
             z = jnp.where(jnp.arange(cfg.vocab_size) < cfg.vocab_real, z, -jnp.inf)
