@@ -264,8 +264,8 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     assert shard[3] == steps.cfg.kv_heads // over.get("mesh.tensor", 1)
     priced = cache_bytes(steps.cfg, 8, 64, steps.layout, step_rules(config))
     assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}
-    pool = pages.decoder.pool_sharding(64).shard_shape((shape[0], 64, 8) + shape[3:])
-    assert pool[1] == shard[1] * 8 and pool[3] == shard[3]  # the pool's blocks split as the rows
+    pool = pages.decoder.pool_sharding(64).shard_shape((shape[3], shape[0], 64, 8, shape[4]))
+    assert pool[2] == shard[1] * 8 and pool[0] == shard[3]  # the pool's blocks split as the rows
     leaf = jax.tree.leaves(engine.params)[0]
     assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
     if name == "pipeline":  # the decode layout: the layers gathered over stage, in their canonical order

@@ -5,6 +5,7 @@ kernel's Triton call, or with XLA's `[seq, seq]` attention scores, means the ker
 `bench/gpu.py --smoke` runs here too, so the one-shot GPU bench cannot rot.
 
 Kernels join here as they are added: one case per (kernel, layout kind) that only a GPU compiles."""
+import dataclasses
 import json
 import os
 import re
@@ -192,3 +193,37 @@ def test_gpu_bench_smoke_runs_every_row():
     assert len(result["rows"]) == 9 and not result["skipped"], result
     assert [r for r in result["rows"] if "error" in r] == []
     assert result["loss_check"] and "error" not in result["loss_check"], result["loss_check"]
+
+
+def test_a_paged_decode_step_lowers_for_cuda_with_the_paged_kernel(monkeypatch):
+    """The engine's decode step on (data 2, tensor 2), bf16, KV blocks of 16, `model.attention=pallas` (what
+    `auto` takes on a GPU): lowered for CUDA, each layer's attention is JAX's Pallas paged-attention kernel (Triton)
+    reading the pool in place, and no row's keys are gathered out of the pool (the XLA path's `[rows, positions,
+    kv_heads, head_dim]` read, which the control with `xla` has)."""
+    from jaxpar import model as gpt
+    from jaxpar.generate import decode
+    from jaxpar.generate.engine import Engine, Request
+    from jaxpar.layout import Layout
+    from jaxpar.parallel.mesh import make_mesh
+
+    config = gpu_config((2, 2, 1), LLAMA)
+    cfg = gpt.config_from(config, VOCAB, 2)
+    mesh = make_mesh(Layout.from_config(config, 4), jax.devices()[:4])
+    params = jax.device_put(gpt.init_params(cfg, jax.random.key(0)), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+    seen, compiled = [], decode._jit_decode
+    monkeypatch.setattr(decode, "_jit_decode", lambda *a: seen.append(a) or compiled(*a))
+    Engine(gpt.Forward(cfg), params, mesh=mesh, slots=4, kv_block=16, chunk=2).generate(
+        [Request([1, 2, 3], max_new_tokens=2)])
+    read = re.compile(r'"stablehlo.gather".*-> tensor<(\d+x){4}16x16xbf16>')  # [parts, kv heads, rows, width, ..]
+
+    def module(attention):
+        d = seen[0][0]
+        fwd = gpt.Forward(dataclasses.replace(cfg, attention=attention))
+        d = decode.Decoder(fwd, d.mesh, d.rules, *d.key[3:])
+        return jax.export.export(compiled, platforms=["cuda"], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call(TRITON)])(d, *seen[0][1:]).mlir_module()
+
+    kernel, control = module("pallas"), module("xla")
+    assert kernel.count(TRITON) >= 1 and "paged_attention" in kernel and TRITON not in control
+    assert not read.search(kernel) and len(read.findall(control)) >= 2  # the control reads keys and values

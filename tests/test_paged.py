@@ -2,6 +2,7 @@
 within 1e-6, a MoE's experts equal) with a pool as large as the dense cache, and with one much smaller, where rows
 wait, are given back and recomputed; the blocks' bookkeeping; a request no pool holds is one line. The training
 layouts run it in `test_generate.py`'s layout test, on the same tiny checkpoints (`tiny_checkpoints.py`)."""
+import dataclasses
 import math
 import re
 
@@ -17,6 +18,7 @@ from tiny_checkpoints import SAMPLED, V  # noqa: E402
 from jaxpar.formats import hf  # noqa: E402
 from jaxpar.generate import cache as kv, paged  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
+from jaxpar.model.forward import Forward  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_paged")
 
@@ -64,6 +66,20 @@ def test_a_paged_cache_generates_what_the_dense_one_does_in_the_memory_of_its_to
     assert_same(small.generate(greedy), [w for w, r in zip(want, reqs) if r.temperature == 0])  # call it starts
     per_position = kv.block_bytes(fwd.cfg, 8) // 8
     assert kv.cache_bytes(fwd.cfg, 8, fwd.cfg.max_positions)["total"] == 512 * per_position > tight.kv_memory
+
+
+def test_the_paged_decode_kernel_generates_what_xla_attention_does(models):
+    """`model.attention=pallas`: each decode step reads the pool through JAX's Pallas paged-attention kernel (what
+    `auto` takes on a GPU; here in Pallas' interpret mode): tokens equal, log-probs within 1e-6 of XLA's attention
+    over the gathered blocks, for greedy, plain and filtered rows (`test_lowering.py` lowers it for CUDA)."""
+    fwd, params, _ = hf.load(str(models["qwen3"][1]))
+    reqs = ragged_round(1)[:6]
+    want = Engine(fwd, params, slots=4, kv_block=16).generate(reqs)
+    kernel = Forward(dataclasses.replace(fwd.cfg, attention="pallas"))
+    assert_same(Engine(kernel, params, slots=4, kv_block=16).generate(reqs), want)
+    with pytest.raises(ValueError, match="model.attention='pallas' cannot decode here: the paged kernel needs "
+                                         "kv_block a power of two >= 16, not 8; use 'auto' or 'xla'"):
+        Engine(kernel, params, slots=4, kv_block=8).generate(reqs[:1])
 
 
 def test_samples_of_a_prompt_share_its_full_blocks_and_give_them_back():

@@ -20,7 +20,7 @@ from jaxpar.validate import validate
 from jaxpar import plan as planner
 from jaxpar import model as gpt
 from jaxpar import trainer
-from jaxpar.plan import cost, hardware, memory, target
+from jaxpar.plan import cost, hardware, memory, table, target
 from jaxpar.plan.space import Layout, Space, apply, candidates, set_layout
 from jaxpar.parallel.pipeline.registry import NAMES
 from jaxpar.train.step import model_config
@@ -345,3 +345,31 @@ def test_auto_that_cannot_be_resolved_is_one_clear_error(over, devices, match):
                        "model.expert_mlp": 32, **over})
     with pytest.raises(jcfg.ConfigError, match=match):
         target.resolve(c, 256, validate(c, 8), devices or jax.devices()[:8])
+
+
+def test_the_planner_prices_a_grpo_rounds_kv_pool():
+    """GRPO of Qwen3-1.7B's shape (`configs/grpo_qwen3_1p7b_gsm8k.py`) planned for 8 x H100: every layout's round
+    holds the paged pool of its 32 x 8 completions of 1,536 positions (96 blocks of 16 each; keys and values of 28
+    layers x 8 KV heads x 128 in bf16), split over the rows' shards (data) and the KV heads' (tensor): the bytes
+    counted here from the shape. A pool of 2 GiB a device holds what fits in 2 GiB; one of 100 GiB fits no layout,
+    and the table says why."""
+    spec = importlib.util.spec_from_file_location("grpo_cfg", ROOT / "configs" / "grpo_qwen3_1p7b_gsm8k.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    space = Space(tensor=(1, 2, 4), stage=(1, 2), expert=(1,), context=(1,), zero=(3,), offload=("none",),
+                  remat=("full",), sp=(False,), schedule=("1f1b",))
+    block_bytes = 2 * 28 * 16 * 8 * 128 * 2
+    p = planner.plan(mod.get_config(), hardware.cluster("h100", 8), space, compile_top=0)
+    assert {c.layout.tensor for c in p.ranked} == {1, 2, 4} and {c.layout.stage for c in p.ranked} == {1, 2}
+    for c in p.ranked:
+        g = c.generation
+        assert g["kv_blocks"] == 256 * 96 and g["kv_bytes"] == 256 * 96 * block_bytes // (c.layout.data * c.layout.tensor)
+        assert g["peak"] == g["kv_bytes"] + g["params_bytes"] and c.fits(p.capacity) is None
+    config = mod.get_config()
+    config.grpo.kv_cache_gib = 2.0
+    for c in planner.plan(config, hardware.cluster("h100", 8), space, compile_top=0).ranked:
+        assert 2 * 2 ** 30 - block_bytes // c.layout.tensor < c.generation["kv_bytes"] <= 2 * 2 ** 30
+    config.grpo.kv_cache_gib = 100.0
+    big = planner.plan(config, hardware.cluster("h100", 8), space, compile_top=0)
+    assert all(c.fits(big.capacity) is False for c in big.ranked)
+    assert table.why(big, big.ranked[0], big.ranked[0]).startswith("its round's generation does not fit (KV pool 100.0")

@@ -23,6 +23,7 @@ from jaxpar import model as gpt
 from jaxpar.config import step_rules
 from jaxpar.config_keys import DEFAULT_RULES
 from jaxpar.formats import peft, start
+from jaxpar.kernels.paged import POOL_NAMES
 from jaxpar.layout import Layout
 from jaxpar.model.layers import KVCache
 from jaxpar.parallel.logical import mesh_axes, spec
@@ -30,7 +31,6 @@ from jaxpar.parallel.sharding import param_specs
 from jaxpar.train import objectives
 
 CACHE_NAMES = (None, "batch", "seq", "kv_heads", "kv")  # the cache's logical axes (its layer axis is never split)
-POOL_NAMES = (None, "batch", None, "kv_heads", "kv")  # a paged pool's: its blocks split as the rows are
 
 
 def decode_rules(rules) -> tuple:
@@ -55,8 +55,8 @@ def cache_spec(cfg, rules, sizes: dict, batch: int, length: int) -> P:
 
 
 def pool_spec(cfg, rules, sizes: dict, blocks: int, block: int) -> P:
-    """The `PartitionSpec` of a paged pool's keys and values `[layers, blocks, block, kv_heads, head_dim]`."""
-    return _fitting(spec(POOL_NAMES, rules), (cfg.layers, blocks, block, cfg.kv_heads, cfg.head_dim), sizes)
+    """The `PartitionSpec` of a paged pool's keys and values `[kv_heads, layers, blocks, block, head_dim]`."""
+    return _fitting(spec(POOL_NAMES, rules), (cfg.kv_heads, cfg.layers, blocks, block, cfg.head_dim), sizes)
 
 
 def block_bytes(cfg, block: int) -> int:
@@ -91,7 +91,7 @@ def engine_options(section) -> dict:
 
 def empty_pool(cfg, blocks: int, block: int, batch: int, sharding=None) -> KVCache:
     """A paged pool of `blocks` blocks of `block` positions and the positions of `batch` empty rows (inside jit)."""
-    return kv_zeros(cfg, (cfg.layers, blocks, block, cfg.kv_heads, cfg.head_dim), batch, sharding)
+    return kv_zeros(cfg, (cfg.kv_heads, cfg.layers, blocks, block, cfg.head_dim), batch, sharding)
 
 
 def kv_zeros(cfg, shape, batch: int, sharding=None) -> KVCache:

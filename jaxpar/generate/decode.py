@@ -150,11 +150,12 @@ class Decoder:
         if table is None:
             k, v = put(cache.k, new_cache.k, 1), put(cache.v, new_cache.v, 1)
         else:
-            p, blocks = jnp.arange(new_cache.k.shape[2]), cache.k.shape[1]
+            p, blocks = jnp.arange(new_cache.k.shape[2]), cache.k.shape[2]
             tab = table.at[slots].get(mode="fill", fill_value=blocks)  # [n, width]
             where = jnp.take_along_axis(tab, jnp.broadcast_to(p // self.block, (tab.shape[0], p.size)), axis=1,
                                         mode="fill", fill_value=blocks)
-            page = lambda a, b: a.at[:, where, p % self.block].set(jnp.take(b, src, axis=1), mode="drop")  # noqa
+            page = lambda a, b: a.at[:, :, where, p % self.block].set(  # noqa: E731  [layers, n, len, kv_heads, hd]
+                jnp.moveaxis(jnp.take(b, src, axis=1), 3, 0), mode="drop")  # -> the pool's [kv_heads, layers, ..]
             k, v = page(cache.k, new_cache.k), page(cache.v, new_cache.v)
         cache = KVCache(k, v, put(cache.pos, new_cache.pos, 1))
         return self._pin(cache), put(last, new_last, 0), put(experts, new_experts, 0)
@@ -212,7 +213,7 @@ class Decoder:
 
     def _pin(self, cache: KVCache) -> KVCache:
         """`cache` constrained to its sharding (rows over data x expert, KV heads over tensor)."""
-        sharding = (self.pool_sharding(cache.k.shape[1]) if self.block else
+        sharding = (self.pool_sharding(cache.k.shape[2]) if self.block else
                     self.cache_sharding(cache.k.shape[1], cache.k.shape[2]))
         if sharding is None:
             return cache

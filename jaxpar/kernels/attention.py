@@ -121,7 +121,7 @@ def _mha_args(q, interpret: bool):
                  interpret, False, False)
 
 
-def _on_gpu(kernel):
+def on_gpu(kernel):
     """`kernel(interpret, *arrays)` compiled (Triton) on GPUs and in Pallas' interpret mode elsewhere, chosen when the
     program is lowered for its platform, not from this process's backend: a CPU-only host can lower the GPU program
     (`tests/test_lowering.py`)."""
@@ -153,14 +153,14 @@ def _pallas(q, k, v, segment_ids=None):
     def fwd(interpret, q, k, v, s):
         mod, args = _mha_args(q, interpret)
         return mod.mha(q, k, v, s, *args)
-    return _sharded(_on_gpu(fwd), (_QKV,) * 3 + (_SEG,), _QKV, q, k, v, segment_ids)
+    return _sharded(on_gpu(fwd), (_QKV,) * 3 + (_SEG,), _QKV, q, k, v, segment_ids)
 
 
 def _pallas_fwd(q, k, v, segment_ids=None):
     def fwd(interpret, q, k, v, s):
         mod, args = _mha_args(q, interpret)
         return tuple(mod.mha(q, k, v, s, *args[:-1], True))  # return_residuals: (out, lse)
-    out, lse = _sharded(_on_gpu(fwd), (_QKV,) * 3 + (_SEG,), (_QKV, _LSE), q, k, v, segment_ids)
+    out, lse = _sharded(on_gpu(fwd), (_QKV,) * 3 + (_SEG,), (_QKV, _LSE), q, k, v, segment_ids)
     return out, (q, k, v, segment_ids, out, lse)
 
 
@@ -168,7 +168,7 @@ def _pallas_bwd(res, do):
     def bwd(interpret, q, k, v, s, o, lse, do):
         mod, args = _mha_args(q, interpret)
         return tuple(mod._mha_backward(*args, (q, k, v, s, o, lse), do)[:3])
-    grads = _sharded(_on_gpu(bwd), (_QKV,) * 3 + (_SEG, _QKV, _LSE, _QKV), (_QKV,) * 3, *res, do)
+    grads = _sharded(on_gpu(bwd), (_QKV,) * 3 + (_SEG, _QKV, _LSE, _QKV), (_QKV,) * 3, *res, do)
     return (*(vary_like(g, x) for g, x in zip(grads, res[:3])), None)
 
 

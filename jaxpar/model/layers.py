@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +25,7 @@ from jaxpar.model import moe
 from jaxpar.dtypes import at_least_f32  # noqa: F401 (re-exported)
 from jaxpar.parallel.logical import constrain, context_split
 from jaxpar.model import lora
+from jaxpar.model.kv_cache import KVCache  # noqa: F401 (re-exported)
 from jaxpar.model.base import LOGICAL, ROLE, matmul, param, swiglu  # noqa: F401 (re-exported)
 
 def _ones(dim, dtype, names=("embed",)):
@@ -97,86 +97,15 @@ def apply_rope(x, positions, inv_freq):
 
 # ---- attention --------------------------------------------------------------------------------------------------
 
-class KVCache(NamedTuple):
-    """Keys and values of one layer, each row for its own positions [0, pos[row]) (post-RoPE for llama), `kv_heads`
-    of them: rows of different lengths share one cache (ragged prompts, rows refilled one at a time). Stacked over
-    layers (a leading `[layers]` axis on every field) between decode steps. Inside a decode step's layer loop the
-    stack itself may go through (`layer` set: k, v `[layers, batch, max_len, ...]`, pos `[batch]`), so that a step
-    writes only its new positions into it, in place, and no layer's cache is copied out and back. Paged (`table`
-    set, always stacked): k, v are a pool `[layers, blocks, block, kv_heads, head_dim]` in equal parts, and position p
-    of row r of part q lives in block `table[q, r, p // block]` of part q at `p % block`; an entry past the part
-    (unreserved) drops writes and reads zeros."""
-    k: jax.Array  # [batch, max_len, kv_heads, head_dim], compute dtype
-    v: jax.Array
-    pos: jax.Array  # [batch] int32: positions filled in each row
-    layer: jax.Array | None = None  # the layer whose part of the stacked k, v this is
-    table: jax.Array | None = None  # [parts, batch / parts, blocks per row] int32: a paged cache's block tables
-
-    def append(self, k, v):
-        """k, v `[batch, t, kv_heads, head_dim]` for each row's positions pos..pos+t -> (all keys, all values, the
-        causal mask `[batch, 1, t, max_len]` over each row's filled positions, updated cache: pos + t; a stacked
-        one keeps its pos, which its layer loop advances once). A row's positions past its pos + t are stale (a
-        shorter row of a padded prefill) and masked until overwritten."""
-        t = k.shape[1]
-        at = self.pos[:, None] + jnp.arange(t)[None, :]
-        if self.table is not None:
-            keys, values, cache = self._paged(k, v, at)
-        elif self.layer is None:
-            put = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), p, 0))
-            ck, cv = put(self.k, k, self.pos), put(self.v, v, self.pos)
-            keys, values, cache = ck, cv, KVCache(ck, cv, self.pos + t)
-        else:  # only the new positions written, into the stack
-            rows = jnp.arange(k.shape[0])[:, None]
-            ck = self.k.at[self.layer, rows, at].set(k.astype(self.k.dtype), mode="drop")
-            cv = self.v.at[self.layer, rows, at].set(v.astype(self.v.dtype), mode="drop")
-            keys, values, cache = ck[self.layer], cv[self.layer], self._replace(k=ck, v=cv)
-        mask = jnp.arange(keys.shape[1])[None, None, :] <= at[:, :, None]
-        return keys, values, mask[:, None], cache
-
-    def _paged(self, k, v, at):
-        """`append`'s writes and reads on a paged pool: the new positions written into their rows' blocks, each row's
-        blocks read back in order as `[batch, blocks per row x block, ...]` (one layer's, transiently). The pool is
-        in `parts = table.shape[0]` equal parts, row part p of the batch reading only part p (local block numbers):
-        a split of both over the same devices keeps every write and read on its device."""
-        parts, block, blocks = self.table.shape[0], self.k.shape[2], self.k.shape[1] // self.table.shape[0]
-        split = lambda a: a.reshape(parts, a.shape[0] // parts, *a.shape[1:])  # noqa: E731  rows -> parts x rows
-        at, k, v = split(at), split(k), split(v)
-        where = jnp.take_along_axis(self.table, at // block, axis=2, mode="fill", fill_value=blocks)
-
-        def one(pool, table, where, at, new):  # one part: pool [layers, blocks, block, ...]
-            pool = pool.at[self.layer, where, at % block].set(new.astype(pool.dtype), mode="drop")
-            return pool, pool.at[self.layer, table].get(mode="fill", fill_value=0)
-
-        def paged(c, new):
-            pool, read = jax.vmap(one, in_axes=(1, 0, 0, 0, 0), out_axes=(1, 0))(
-                c.reshape(c.shape[0], parts, blocks, *c.shape[2:]), self.table, where, at, new)
-            return pool.reshape(c.shape), read.reshape(at.shape[0] * at.shape[1], -1, *c.shape[3:])
-
-        (ck, keys), (cv, values) = paged(self.k, k), paged(self.v, v)
-        return keys, values, self._replace(k=ck, v=cv)
-
-
-def cached_attention(q, k, v, mask):
-    """Attention of q `[b, t, heads, hd]` over a cache's k, v `[b, S, kv_heads, hd]` under `mask` `[b, 1, t, S]`, in
-    float32 (float64 in float64 runs), each query head reading its KV head in place (no repeated copy of the
-    cache): the decode step's, where the cache is the traffic."""
-    b, t, h, d = q.shape
-    g, f = k.shape[2], at_least_f32(q.dtype)
-    qg = q.reshape(b, t, g, h // g, d).astype(f)
-    s = jnp.einsum("btgrd,bsgd->bgrts", qg, k.astype(f)) / math.sqrt(d)
-    p = jax.nn.softmax(jnp.where(mask[:, :, None], s, -jnp.inf), axis=-1)
-    return jnp.einsum("bgrts,bsgd->btgrd", p, v.astype(f)).reshape(b, t, h, d).astype(q.dtype)
-
-
 def self_attention(q, k, v, cache: KVCache | None = None, segment_ids=None, implementation: str = "xla",
                    causal: bool = True):
     """Causal self-attention with grouped-query heads: q `[b, t, heads, hd]`, k, v `[b, t, kv_heads, hd]` ->
     (`[b, t, heads, hd]` in q's dtype, cache). Query head j reads KV head j // (heads / kv_heads), as Hugging Face's
     `repeat_kv`. `implementation`: `model.attention` (`jaxpar/kernels/attention.py`: auto | xla | cudnn | pallas). With a
-    cache, attends over the cache's filled positions with XLA in float32 (on every backend)."""
+    cache, attends over the cache's filled positions (`KVCache.attend`)."""
     if cache is not None:
-        k, v, mask, cache = cache.append(k, v)
-        return checkpoint_name(cached_attention(q, k, v, mask), "attention"), cache
+        out, cache = cache.attend(q, k, v, implementation)
+        return checkpoint_name(out, "attention"), cache
     if context_split() > 1:  # this device holds a piece of every sequence: attend over the gathered K/V
         return checkpoint_name(kernels.context_attention(q, k, v, segment_ids), "attention"), cache
     rep = q.shape[2] // k.shape[2]

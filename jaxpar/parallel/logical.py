@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -162,3 +163,14 @@ def _gather_context_bwd(axis, _, g):
 
 
 _gather_context.defvjp(lambda x, axis: (_gather_context(x, axis), None), _gather_context_bwd)
+
+
+def split_size(name: str) -> int:
+    """Devices the logical axis `name` is split over in the rules context in force (its mesh axes the compiler
+    still owns), 1 outside one."""
+    ctx = _RULES.get()
+    if ctx is None:
+        return 1
+    rules, mesh, manual = ctx
+    sizes = dict((mesh if mesh is not None else jax.sharding.get_abstract_mesh()).shape)
+    return math.prod(sizes.get(a, 1) for a in mesh_axes(spec((name,), rules, skip=manual)[0]))

@@ -26,6 +26,7 @@ class Candidate:
     time: dict  # cost.step_time
     estimate: tuple  # memory.estimate: (state, activation) bytes
     memory: dict | None = None  # memory.Compiler.memory (compiled or derived), None: not compiled
+    generation: dict | None = None  # memory.generation: an objective that samples (GRPO), its round's bytes
 
     def config(self, config):
         """A copy of `config` that trains this candidate: its layout's keys, and the implementation a MoE model's
@@ -45,7 +46,10 @@ class Candidate:
 
     def fits(self, capacity: float) -> bool | None:
         """True / False from the compiled bytes; uncompiled: False when the exact state bytes alone exceed
-        `capacity`, else None (an estimate is no verdict)."""
+        `capacity`, else None (an estimate is no verdict). A round's generation (its KV pool and the params in the
+        decode layout) that exceeds `capacity` does not fit either way."""
+        if self.generation is not None and self.generation["peak"] > capacity:
+            return False
         if self.memory is None:
             return False if self.estimate[0] > capacity else None
         return self.memory["peak"] <= capacity
@@ -78,7 +82,8 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
     model = cost.Model.from_config(config, vocab_of(config))
     capacity = cluster.device.memory * mem_fraction
     space = dataclasses.replace(space, gpus_per_node=cluster.gpus_per_node)
-    cands = [_candidate(model, lay, cluster) for lay in candidates(config, cluster.gpus, space)]
+    generation = memory.Generation(config)
+    cands = [_candidate(model, lay, cluster, generation) for lay in candidates(config, cluster.gpus, space)]
     cands.sort(key=lambda c: c.time["step_s"])
     compiler = memory.Compiler(config, model.vocab, devices) if devices else None
     found, ratio = 0, {}  # per kind of recompute: the smallest (compiled - state) / activation estimate seen
@@ -99,12 +104,13 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
     return Plan(model, cluster, capacity, cands, len(cands), compiler.compiles if compiler else 0)
 
 
-def _candidate(model: cost.Model, lay: Layout, cluster: Cluster) -> Candidate:
-    """A layout timed, and its memory estimated for the MoE implementation `auto` runs on it."""
+def _candidate(model: cost.Model, lay: Layout, cluster: Cluster, generation: memory.Generation) -> Candidate:
+    """A layout timed, its memory estimated for the MoE implementation `auto` runs on it, and an objective that
+    samples its round's generation bytes."""
     time = cost.step_time(model, lay, cluster)
     if "moe_impl" in time:
         model = dataclasses.replace(model, auto=False, ragged=time["moe_impl"] == "ragged")
-    return Candidate(lay, time, memory.estimate(model, lay))
+    return Candidate(lay, time, memory.estimate(model, lay), generation=generation(lay, model))
 
 
 def summary(p: Plan, c: Candidate) -> dict:
@@ -118,5 +124,5 @@ def summary(p: Plan, c: Candidate) -> dict:
             "hw_tflops_per_gpu": t["device_flops"] / t["step_s"] / 1e12,
             "memory_gib": c.peak() / GiB, "memory_source": c.memory["source"] if c.memory else "estimate",
             "host_gib": (c.memory["host"] if c.memory else m.host_bytes(c.layout)) / GiB,
-            "fits": c.fits(p.capacity), "time": t,
+            "fits": c.fits(p.capacity), "time": t, "generation": c.generation,
             "collectives_by_kind": c.memory.get("collectives_by_kind") if c.memory else None}

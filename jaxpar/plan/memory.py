@@ -13,6 +13,7 @@ import dataclasses
 
 from jaxpar.compiled import report_for, xla_cpu_aborts
 from jaxpar.config import MESH_AXES
+from jaxpar.generate.cache import dry_run_entry
 from jaxpar.plan.cost import Model, activation_bytes, data_collectives, recompute_passes
 from jaxpar.plan.space import Layout, apply
 from jaxpar.train.state import OFFLOADED
@@ -109,3 +110,26 @@ def estimate(model: Model, lay: Layout) -> tuple[float, float]:
     if lay.stage > 1 and lay.zero_stage >= 2:  # a pipeline gathers its stage's params and grads whole (README, limits)
         act += P * (4 + (model.param_bytes if lay.zero_stage == 3 else 0))
     return state, act + logits
+
+
+
+class Generation:
+    """An objective that samples on the training mesh (GRPO, on its paged KV cache): the round's generation bytes a
+    device holds on a layout, {"kv_blocks", "kv_bytes" (the pool `--dry_run` prints, `cache.dry_run_entry`),
+    "params_bytes" (the params in the decode layout: gathered over `stage`), "peak" (their sum: the engine's
+    temporaries, a decode step's activations, are not counted)}; None for an objective that does not sample. The
+    pool depends on the mesh alone: computed once per mesh shape."""
+
+    def __init__(self, config):
+        self.config, self.pools = config, {}
+
+    def __call__(self, lay: Layout, model: Model) -> dict | None:
+        mesh = (lay.data, lay.tensor, lay.stage, lay.expert, lay.context)
+        if mesh not in self.pools:
+            self.pools[mesh] = dry_run_entry(apply(self.config, lay), lay.data * lay.model_devices).get("paged")
+        paged = self.pools[mesh]
+        if paged is None:
+            return None
+        params = model.state_bytes(lay)["params"] * lay.stage
+        return {"kv_blocks": paged["kv_blocks"], "kv_bytes": paged["per_device"], "params_bytes": params,
+                "peak": params + paged["per_device"]}

@@ -12,6 +12,10 @@ _TERMS = (("bubble_s", "bubble"), ("tp_comm_s", "tensor-parallel comm"), ("pp_co
 def why(p: Plan, c, best) -> str:
     """The term that costs `c` the most against `best`; memory first."""
     if c.fits(p.capacity) is False:
+        if c.generation is not None and c.generation["peak"] > p.capacity:
+            g = c.generation
+            return f"its round's generation does not fit (KV pool {g['kv_bytes'] / GiB:.1f} + params " \
+                   f"{g['params_bytes'] / GiB:.1f} > {p.capacity / GiB:.1f} GiB; set grpo.kv_cache_gib)"
         if c.memory is None:
             return f"does not fit (params, gradients and optimizer state alone {c.estimate[0] / GiB:.1f} > " \
                    f"{p.capacity / GiB:.1f} GiB)"
@@ -52,12 +56,15 @@ def format_table(p: Plan, rs: list[dict]) -> str:
     head = (f"{cl.gpus} x {cl.device.name} ({cl.gpus_per_node} per node, {cl.intra.name} within, "
             f"{cl.nics_per_node} x {cl.inter.name} between nodes); {p.considered} layouts valid, {p.compiles} "
             f"compiled; memory limit {p.capacity / GiB:.1f} GiB per device")
+    gen = any(r.get("generation") for r in rs)  # an objective that samples: its round's KV pool and decode params
     lines = [head, f"{'#':>3} {'layout (data,tensor,stage)':<40} {'b':>3} {'tokens/s':>10} {'TFLOP/s':>8} "
-                   f"{'MFU':>6} {'GiB':>7} {'host':>6} {'GiB from':<16} {'fits':<5} why it loses"]
+                   f"{'MFU':>6} {'GiB':>7} {'host':>6} {'GiB from':<16} " + ("KV+params GiB " if gen else "")
+             + f"{'fits':<5} why it loses"]
     for i, r in enumerate(rs, 1):
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
+        g = r.get("generation")
+        kv = (f"{g['kv_bytes'] / GiB:6.2f}+{g['params_bytes'] / GiB:<6.2f} " if g else " " * 14) if gen else ""
         lines.append(f"{i:>3} {r['layout']:<40} {r['micro_batch']:>3} {r['tokens_per_s']:>10.4g} "
                      f"{r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%} {r['memory_gib']:>7.1f} {r['host_gib']:>6.1f} "
-                     f"{r['memory_source']:<16} "
-                     f"{fits:<5} {r['why']}")
+                     f"{r['memory_source']:<16} {kv}{fits:<5} {r['why']}")
     return "\n".join(lines)
