@@ -82,6 +82,24 @@ def test_the_paged_decode_kernel_generates_what_xla_attention_does(models):
         Engine(kernel, params, slots=4, kv_block=8).generate(reqs[:1])
 
 
+def test_a_grpo_runs_engine_decodes_with_the_runs_attention():
+    """GRPO's shared-prompt rows train with XLA's attention under `auto` (the fused kernels see a query's own segment,
+    not its shared prompt: `train.step.model_config`); the engine of its rounds keeps the run's `auto`, so a GPU
+    decodes through the paged kernel."""
+    from types import SimpleNamespace
+
+    from helpers import tiny_config
+    from jaxpar import model as gpt
+    from jaxpar.train.step import model_config
+
+    config = tiny_config(**{"train.objective": "grpo", "model.arch": "llama", "model.kv_heads": 2})
+    cfg = model_config(config, V, 1)
+    steps = SimpleNamespace(fwd=Forward(cfg), mesh=None, layout=SimpleNamespace(zero_stage=0), layer_order=None)
+    engine = Engine.on_steps(steps, gpt.init_params(cfg, jax.random.key(0)), config)
+    assert cfg.attention == "xla" and engine.cfg.attention == config.model.attention == "auto"
+    assert dataclasses.replace(engine.cfg, attention="xla") == cfg
+
+
 def test_samples_of_a_prompt_share_its_full_blocks_and_give_them_back():
     pages = paged.Blocks(blocks=12, block=4, slots=4, width=8, split=2)  # shards {slots 0, 1}, {2, 3}
     pages.grow(0, 10)  # 3 blocks: 2 full, 1 partial

@@ -121,8 +121,13 @@ class Engine:
 
     @classmethod
     def on_steps(cls, steps, params, config, **kw) -> "Engine":
-        """An engine on `steps`' mesh (`compiled.steps_for`) over `params` in its state shardings and layer order."""
-        return cls(steps.fwd, params, mesh=steps.mesh, rules=step_rules(config),
+        """An engine on `steps`' mesh (`compiled.steps_for`) over `params` in its state shardings and layer order,
+        with the run's own `model.attention` (a step whose rows share prefixes trains with XLA's under `auto`,
+        `train.step.model_config`; decoding takes what `auto` takes)."""
+        fwd = steps.fwd
+        if fwd.cfg.attention != str(config.model.attention):
+            fwd = gpt.Forward(dataclasses.replace(fwd.cfg, attention=str(config.model.attention)))
+        return cls(fwd, params, mesh=steps.mesh, rules=step_rules(config),
                    zero3=steps.layout.zero_stage == 3, layer_order=steps.layer_order, **kw)
 
     @classmethod
