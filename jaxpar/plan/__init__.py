@@ -12,7 +12,7 @@ import dataclasses
 
 from jaxpar.compiled import model_vocab
 from jaxpar.model import derived
-from jaxpar.plan import cost, memory
+from jaxpar.plan import cost, memory, rollout
 from jaxpar.plan.hardware import GiB, Cluster
 from jaxpar.plan.space import Layout, Space, apply, candidates
 from jaxpar.train import objectives
@@ -98,7 +98,8 @@ def plan(config, cluster: Cluster, space: Space = Space(), *, compile_top: int =
             continue
         c.memory = compiler.memory(c.layout, c.time.get("moe_impl"))  # what `auto` runs on this layout
         ratio[kind] = min(ratio.get(kind, float("inf")), max(c.memory["peak"] - state, 0.0) / max(act, 1.0))
-        c.time = cost.step_time(model, c.layout, cluster, c.memory["data_collectives"])
+        c.time = _with_round(cost.step_time(model, c.layout, cluster, c.memory["data_collectives"]), model, c,
+                             cluster, generation)
         found += c.fits(capacity) is True
     cands.sort(key=lambda c: c.rank(capacity))
     return Plan(model, cluster, capacity, cands, len(cands), compiler.compiles if compiler else 0)
@@ -110,7 +111,21 @@ def _candidate(model: cost.Model, lay: Layout, cluster: Cluster, generation: mem
     time = cost.step_time(model, lay, cluster)
     if "moe_impl" in time:
         model = dataclasses.replace(model, auto=False, ragged=time["moe_impl"] == "ragged")
-    return Candidate(lay, time, memory.estimate(model, lay), generation=generation(lay, model))
+    c = Candidate(lay, time, memory.estimate(model, lay), generation=generation(lay, model))
+    c.time = _with_round(time, model, c, cluster, generation)
+    return c
+
+
+def _with_round(time: dict, model: cost.Model, c: Candidate, cluster: Cluster, generation: memory.Generation) -> dict:
+    """A train step's `time` with an objective's round of sampling added (`rollout.round_time`): "train_s" the
+    train step's, "round" the round's terms, "round_s", and "step_s" their sum."""
+    if c.generation is None:
+        return time
+    g = c.generation
+    rnd = rollout.round_time(model, generation.round, c.layout, cluster, g["params_bytes"], g["position_bytes"],
+                             time["compute_s"])
+    return {**time, "train_s": time["step_s"], "round": rnd, "round_s": rnd["round_s"],
+            "step_s": time["step_s"] + rnd["round_s"]}
 
 
 def summary(p: Plan, c: Candidate) -> dict:

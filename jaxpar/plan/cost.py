@@ -69,7 +69,7 @@ class Model:
     compute_bytes: int
     param_bytes: int
     fused_attention: bool
-    global_batch: int
+    global_batch: int  # a step's rows (`Objective.rows`: GRPO's prompts x completions)
     layer_total: int  # parameters of one block (the model spec's `param_counts`)
     layer_matmul: int  # its matmul weights
     shared_other: int  # parameters outside the blocks that are not a vocabulary table (positions, final norm)
@@ -88,6 +88,7 @@ class Model:
     expert_params: int = 0  # the routed experts' weights, all layers
     trained: float = 1.0  # the fraction of the parameters that trains (LoRA: the adapters'; no gradient, no AdamW)
     base_bytes: int = 0  # bytes of a frozen parameter (LoRA's `lora.base_dtype`; 0: param_bytes)
+    head_dim: int = 0  # (0: embed / heads)
 
     @classmethod
     def from_config(cls, config, vocab: int):
@@ -108,11 +109,11 @@ class Model:
                    seq=cfg.seq_len, vocab=vocab, tied=cfg.tie_embeddings,
                    positions=cfg.max_positions if cfg.family.learned_positions else 0,
                    compute_bytes=nbytes.get(tr.compute_dtype, 2), param_bytes=nbytes.get(tr.param_dtype, 2),
-                   fused_attention=kernel != "xla", global_batch=int(tr.global_batch_size),
+                   fused_attention=kernel != "xla", global_batch=objectives.from_config(config).rows(config),
                    layer_total=counts["layer"], layer_matmul=counts["layer_matmul"],
                    shared_other=counts["shared"] - tables, flops_per_token=gpt.flops_per_token(cfg),
                    params=counts["total"], trained=counts["trainable"] / counts["total"],
-                   base_bytes=nbytes.get(cfg.weight_dtype, 2))
+                   base_bytes=nbytes.get(cfg.weight_dtype, 2), head_dim=cfg.head_dim)
 
     def padded_vocab(self, t: int) -> int:
         return padded_vocab(self.vocab, t)

@@ -15,6 +15,7 @@ from jaxpar.compiled import report_for, xla_cpu_aborts
 from jaxpar.config import MESH_AXES
 from jaxpar.generate.cache import dry_run_entry
 from jaxpar.plan.cost import Model, activation_bytes, data_collectives, recompute_passes
+from jaxpar.plan.rollout import Round
 from jaxpar.plan.space import Layout, apply
 from jaxpar.train.state import OFFLOADED
 
@@ -117,11 +118,13 @@ class Generation:
     """An objective that samples on the training mesh (GRPO, on its paged KV cache): the round's generation bytes a
     device holds on a layout, {"kv_blocks", "kv_bytes" (the pool `--dry_run` prints, `cache.dry_run_entry`),
     "params_bytes" (the params in the decode layout: gathered over `stage`), "peak" (their sum: the engine's
-    temporaries, a decode step's activations, are not counted)}; None for an objective that does not sample. The
-    pool depends on the mesh alone: computed once per mesh shape."""
+    temporaries, a decode step's activations, are not counted), "position_bytes" (one position's keys and values,
+    every layer, on a device)}; None for an objective that does not sample. The pool depends on the mesh alone:
+    computed once per mesh shape."""
 
     def __init__(self, config):
         self.config, self.pools = config, {}
+        self.round = Round.from_config(config)  # the round's shape (None: the objective does not sample)
 
     def __call__(self, lay: Layout, model: Model) -> dict | None:
         mesh = (lay.data, lay.tensor, lay.stage, lay.expert, lay.context)
@@ -131,5 +134,7 @@ class Generation:
         if paged is None:
             return None
         params = model.state_bytes(lay)["params"] * lay.stage
+        rows = lay.data * lay.expert if paged["kv_blocks"] % (lay.data * lay.expert) == 0 else 1
         return {"kv_blocks": paged["kv_blocks"], "kv_bytes": paged["per_device"], "params_bytes": params,
-                "peak": params + paged["per_device"]}
+                "peak": params + paged["per_device"],
+                "position_bytes": paged["per_device"] * rows / (paged["kv_blocks"] * paged["block"])}

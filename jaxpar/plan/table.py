@@ -6,7 +6,8 @@ from jaxpar.plan.hardware import GiB
 
 _TERMS = (("bubble_s", "bubble"), ("tp_comm_s", "tensor-parallel comm"), ("pp_comm_s", "stage transfers"),
           ("ep_comm_s", "expert all-to-all"), ("cp_comm_s", "context K/V all-gather"), ("dp_comm_s", "data-parallel/ZeRO comm"), ("recompute_s", "recompute"),
-          ("optimizer_s", "optimizer update"), ("offload_s", "host offload transfers"))
+          ("optimizer_s", "optimizer update"), ("offload_s", "host offload transfers"),
+          ("round_s", "the round's sampling"))
 
 
 def why(p: Plan, c, best) -> str:
@@ -27,7 +28,7 @@ def why(p: Plan, c, best) -> str:
         faster = f"{-total:.3g} s faster, " if total < 0 else ""
         return f"{faster}not compiled: its fit is unknown (estimate {c.peak() / GiB:.1f} GiB), so it ranks after " \
                f"the layouts compiled and known to fit"
-    deltas = [(c.time[k] - best.time[k], name) for k, name in _TERMS]
+    deltas = [(c.time.get(k, 0.0) - best.time.get(k, 0.0), name) for k, name in _TERMS]
     other = (c.time["compute_s"] - c.time["recompute_s"]) - (best.time["compute_s"] - best.time["recompute_s"])
     deltas.append((other, "matmul and elementwise work"))
     d, name = max(deltas)
@@ -58,12 +59,13 @@ def format_table(p: Plan, rs: list[dict]) -> str:
             f"compiled; memory limit {p.capacity / GiB:.1f} GiB per device")
     gen = any(r.get("generation") for r in rs)  # an objective that samples: its round's KV pool and decode params
     lines = [head, f"{'#':>3} {'layout (data,tensor,stage)':<40} {'b':>3} {'tokens/s':>10} {'TFLOP/s':>8} "
-                   f"{'MFU':>6} {'GiB':>7} {'host':>6} {'GiB from':<16} " + ("KV+params GiB " if gen else "")
+                   f"{'MFU':>6} {'GiB':>7} {'host':>6} {'GiB from':<16} " + ("KV+params GiB sampling " if gen else "")
              + f"{'fits':<5} why it loses"]
     for i, r in enumerate(rs, 1):
         fits = {True: "yes", False: "no", None: "?"}[r["fits"]]
         g = r.get("generation")
-        kv = (f"{g['kv_bytes'] / GiB:6.2f}+{g['params_bytes'] / GiB:<6.2f} " if g else " " * 14) if gen else ""
+        kv = (f"{g['kv_bytes'] / GiB:6.2f}+{g['params_bytes'] / GiB:<6.2f} "
+              f"{r['time']['round_s'] / r['time']['step_s']:>8.0%} " if g else " " * 23) if gen else ""
         lines.append(f"{i:>3} {r['layout']:<40} {r['micro_batch']:>3} {r['tokens_per_s']:>10.4g} "
                      f"{r['tflops_per_gpu']:>8.1f} {r['mfu']:>6.1%} {r['memory_gib']:>7.1f} {r['host_gib']:>6.1f} "
                      f"{r['memory_source']:<16} {kv}{fits:<5} {r['why']}")

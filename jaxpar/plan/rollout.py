@@ -1,0 +1,97 @@
+"""The price of a GRPO round's sampling on a layout: what an objective that samples on the training mesh adds to
+the train step `cost.step_time` prices (the planner ranks layouts by their sum).
+
+A round samples G completions of each of B prompts (`train.global_batch_size`, `grpo.num_generations`) with the
+engine on the decode layout (the training layout, the layers gathered over `stage`; rows over data x expert, matmuls
+over tensor). Prompts are priced at the room the config leaves them, P = model.seq_len - grpo.max_completion_length,
+and every completion at its longest, R = grpo.max_completion_length (an upper bound: the round ends at its longest
+row). With N a token's active matmul weights in the blocks, d the width, a·d_h the attention width, V the padded
+vocabulary, S the engine's cache length (P + R rounded up to 64), per device:
+  prefill  one per prompt (the engine's shared prefill): 2·N·P + 4·L·a·d_h·P² matmul FLOPs a prompt (XLA's
+           attention over the prompt's positions, the whole square, masked; in chunks, each over the prompt so
+           far), at `cost.MATMUL_EFFICIENCY` of the peak;
+  decode   R steps of B·G rows: 2·N + 2·V·d + 4·L·a·d_h·S FLOPs a row a step (the head's whole vocabulary; the
+           attention over the row's gathered blocks), and the bytes the step reads, the weights a device holds in the
+           decode layout and its rows' KV (the mean over the round, P + R/2 positions), at the HBM bandwidth: the
+           step takes the longer of the two, plus 2 tensor all-reduces of [rows, d] per layer, and under ZeRO-3 the
+           all-gather of each layer's params over data x expert (the decode layout keeps ZeRO-3's split);
+  passes   the old policy's forward (grpo.num_iterations > 1 or an importance-sampling correction) and the
+           reference's (grpo.beta > 0) over the step's rows: a third of the train step's matmul work each.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxpar.plan.cost import MATMUL_EFFICIENCY, Model, collective_time
+from jaxpar.plan.hardware import Cluster
+from jaxpar.plan.space import Layout
+from jaxpar.train import objectives
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """The shape of a round, from a config whose objective samples (`from_config`: None for one that does not)."""
+    prompts: int  # B
+    generations: int  # G
+    prompt: int  # P tokens a prompt
+    completion: int  # R tokens a completion
+    passes: int  # forward passes over the step's rows besides the train step's (old policy, reference)
+
+    @classmethod
+    def from_config(cls, config) -> Round | None:
+        obj = objectives.from_config(config)
+        if not obj.section or "kv_block" not in config.get(obj.section, {}):
+            return None
+        g, R = config.grpo, int(config.grpo.max_completion_length)
+        passes = int(int(g.num_iterations) > 1 or str(g.importance_sampling) != "none") + int(float(g.beta) > 0)
+        return cls(int(config.train.global_batch_size), int(g.num_generations), int(config.model.seq_len) - R, R,
+                   passes)
+
+    def cache_length(self) -> int:
+        """The engine's cache length S: prompt + completion rounded up to 64 (`Engine.generate`)."""
+        return -(-(self.prompt + self.completion) // 64) * 64
+
+
+def _attention_width(model: Model) -> int:
+    return model.heads * (model.head_dim or model.embed // model.heads)
+
+
+def prefill_flops(model: Model, rnd: Round, prompts: int) -> float:
+    """Matmul FLOPs of the prefill of `prompts` prompts (one device's, tensor 1)."""
+    per = 2 * model.layers * model.layer_matmul * rnd.prompt
+    per += 4 * model.layers * _attention_width(model) * rnd.prompt * rnd.prompt
+    return prompts * per
+
+
+def decode_flops(model: Model, rnd: Round, rows: int, vocab: int) -> float:
+    """Matmul FLOPs of one decode step of `rows` rows (tensor 1): the blocks, the head over `vocab` (padded), the
+    attention over the cache length."""
+    per = 2 * model.layers * model.layer_matmul + 2 * vocab * model.embed
+    return rows * (per + 4 * model.layers * _attention_width(model) * rnd.cache_length())
+
+
+def round_time(model: Model, rnd: Round, lay: Layout, cl: Cluster, params_bytes: float, kv_bytes_per_position: float,
+               train_compute_s: float) -> dict:
+    """Seconds of one round on a device: {"prefill_s", "decode_s", "passes_s", "round_s", "decode_bound":
+    "compute" | "memory"}. `params_bytes`: the weights a device holds in the decode layout (ZeRO-3's shard);
+    `kv_bytes_per_position`: one position's keys and values, every layer, on a device; `train_compute_s`: the
+    train step's compute (`cost.step_time`'s "compute_s"), whose forward third a pass costs."""
+    t, split = lay.tensor, lay.data * lay.expert
+    rate = cl.device.peak_flops * MATMUL_EFFICIENCY
+    prompts, rows = -(-rnd.prompts // split), -(-rnd.prompts * rnd.generations // split)
+    tp_bw = cl.group_bw(t, 1)
+    prefill = prefill_flops(model, rnd, prompts) / t / rate
+    prefill += 2 * model.layers * collective_time("all-reduce", prompts * rnd.prompt * model.embed
+                                                  * model.compute_bytes, t, tp_bw)
+    flops = decode_flops(model, rnd, rows, model.padded_vocab(t)) / t / rate
+    weights = params_bytes * (split if lay.zero_stage == 3 else 1)  # ZeRO-3: each layer gathered, then read
+    read = weights + rows * (rnd.prompt + rnd.completion / 2) * kv_bytes_per_position
+    memory = read / cl.device.hbm_bw
+    step = max(flops, memory) + 2 * model.layers * collective_time("all-reduce", rows * model.embed
+                                                                   * model.compute_bytes, t, tp_bw)
+    if lay.zero_stage == 3:
+        step += model.layers * collective_time("all-gather", weights / model.layers, split, cl.group_bw(split, t))
+    decode = rnd.completion * step
+    passes = rnd.passes * train_compute_s / 3
+    return {"prefill_s": prefill, "decode_s": decode, "passes_s": passes, "round_s": prefill + decode + passes,
+            "decode_bound": "compute" if flops >= memory else "memory"}
