@@ -41,6 +41,7 @@ def main():
     a.add_argument("--prompts", required=True)
     a.add_argument("--new", type=int, default=128)
     a.add_argument("--out", required=True)
+    a.add_argument("--repeats", type=int, default=3)
     args = a.parse_args()
     from tunix.generate import sampler as sampler_lib
     from tunix.models.qwen3 import model as qwen3, params as qwen3_params
@@ -59,16 +60,20 @@ def main():
         head_dim=cfg.head_dim))
     texts = [" ".join(map(str, p)) for p in prompts]
     out = {}
-    for name, knobs in (("greedy", dict(temperature=0.0)), ("temperature_1", dict(temperature=1.0, top_p=1.0,
-                                                                                   seed=0))):
+    modes = (("greedy", dict(temperature=0.0)), ("greedy_logprobs", dict(temperature=0.0, return_logprobs=True)),
+             ("temperature_1", dict(temperature=1.0, top_p=1.0, seed=0)))
+    for name, knobs in modes:
         run = lambda: sampler(texts, max_generation_steps=args.new, max_prompt_length=longest,  # noqa: E731
                               eos_tokens=[-1], **knobs)
         jax.block_until_ready(run().tokens)  # compiles
-        t0, c0 = time.perf_counter(), time.process_time()
-        got = run()
-        tokens = [np.asarray(t).tolist() for t in got.tokens]
-        out[name] = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
-                     "tokens": tokens}
+        best = None
+        for _ in range(args.repeats):  # the fastest of `repeats` calls
+            t0, c0 = time.perf_counter(), time.process_time()
+            got = run()
+            tokens = [np.asarray(t).tolist() for t in got.tokens]
+            took = {"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0}
+            best = took if best is None or took["seconds"] < best["seconds"] else best
+        out[name] = {**best, "tokens": tokens, "logprobs": got.logprobs}
     json.dump(out, open(args.out, "w"))
 
 

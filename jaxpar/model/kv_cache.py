@@ -105,6 +105,13 @@ def cached_attention(q, k, v, mask):
     b, t, h, d = q.shape
     g, f = k.shape[2], at_least_f32(q.dtype)
     qg = q.reshape(b, t, g, h // g, d).astype(f)
+    if t == 1:  # a decode step: products and sums XLA fuses (as a batched dot, b x g tiny matmuls run one by one on
+        # a CPU: 2.2x slower decode of 64 rows in `bench/decode_peer.py`'s model)
+        s = (qg[:, 0, None] * k.astype(f)[:, :, :, None]).sum(-1) / math.sqrt(d)  # [b, S, g, r]
+        s = jnp.moveaxis(s, 1, -1)[:, :, :, None]  # [b, g, r, 1, S]
+        p = jax.nn.softmax(jnp.where(mask[:, :, None], s, -jnp.inf), axis=-1)
+        o = (jnp.moveaxis(p[:, :, :, 0], -1, 1)[..., None] * v.astype(f)[:, :, :, None]).sum(1)  # [b, g, r, d]
+        return o.reshape(b, 1, h, d).astype(q.dtype)
     s = jnp.einsum("btgrd,bsgd->bgrts", qg, k.astype(f)) / math.sqrt(d)
     p = jax.nn.softmax(jnp.where(mask[:, :, None], s, -jnp.inf), axis=-1)
     return jnp.einsum("bgrts,bsgd->btgrd", p, v.astype(f)).reshape(b, t, h, d).astype(q.dtype)
