@@ -19,7 +19,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from jaxpar.plan.memory import compile_flags  # noqa: E402
 
-os.environ["XLA_FLAGS"] = compile_flags(os.environ.get("XLA_FLAGS", ""), 1024, True)
+if __name__ == "__main__":  # (imported by tests/test_plan.py for its tables: the importer's devices stay as they are)
+    os.environ["XLA_FLAGS"] = compile_flags(os.environ.get("XLA_FLAGS", ""), 1024, True)
 
 from common import write_results  # noqa: E402
 

@@ -388,7 +388,8 @@ def test_the_planner_prices_a_grpo_rounds_kv_pool():
 def test_a_rounds_price_is_built_from_the_engines_compiled_flops_and_pool(monkeypatch):
     """A tiny Llama's GRPO round (4 prompts of 32 tokens x 4 completions of 32, one device): the planner's prefill
     FLOPs equal the HLO-counted matmul FLOPs of the engine's compiled prefill of those prompts, its FLOPs per decode
-    step those of the compiled decode loop's step (temperature 1: the whole head), and its KV pool the engine's."""
+    step those of the compiled decode loop's step (temperature 1: the whole head; the attention, products and sums
+    there, priced as 4·L·a·d_h·S), and its KV pool the engine's."""
     from jaxpar.analysis.hlo_flops import hlo_flops
     from jaxpar.generate import cache as kv, decode
     from jaxpar.generate.engine import Engine, Request
@@ -415,6 +416,8 @@ def test_a_rounds_price_is_built_from_the_engines_compiled_flops_and_pool(monkey
     assert args[2].shape[1] == 32 and args[2].shape[0] >= 4  # (the group's prompts, one prefill each, rows padded)
     assert hlo_flops(text)["total"] == rollout.prefill_flops(model, rnd, args[2].shape[0])
     text, args = seen["_jit_decode"]
-    assert args[6] == "plain" and hlo_flops(text)["total"] == rollout.decode_flops(model, rnd, 16, model.padded_vocab(1))
+    want = rollout.decode_flops(model, rnd, 16, model.padded_vocab(1), attention=False)  # (attention: no dot)
+    assert args[6] == "plain" and hlo_flops(text)["total"] == want
+    assert rollout.decode_flops(model, rnd, 16, 256) - want == 16 * 4 * 2 * 64 * 64  # 4·L·a·d_h·S a row
     gen = memory.Generation(config)(Layout(1, 1, 1, 1), model)
     assert gen["kv_bytes"] == engine.stats["kv_blocks"] * kv.block_bytes(cfg, 16) == 16 * 4 * 16 * gen["position_bytes"]

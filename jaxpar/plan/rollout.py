@@ -63,11 +63,12 @@ def prefill_flops(model: Model, rnd: Round, prompts: int) -> float:
     return prompts * per
 
 
-def decode_flops(model: Model, rnd: Round, rows: int, vocab: int) -> float:
-    """Matmul FLOPs of one decode step of `rows` rows (tensor 1): the blocks, the head over `vocab` (padded), the
-    attention over the cache length."""
+def decode_flops(model: Model, rnd: Round, rows: int, vocab: int, attention: bool = True) -> float:
+    """Matmul FLOPs of one decode step of `rows` rows (tensor 1): the blocks, the head over `vocab` (padded), and
+    (`attention`) the attention over the cache length, which the engine runs as fused products and sums on a CPU
+    and as the paged kernel on a GPU (no matmul in XLA's count either way)."""
     per = 2 * model.layers * model.layer_matmul + 2 * vocab * model.embed
-    return rows * (per + 4 * model.layers * _attention_width(model) * rnd.cache_length())
+    return rows * (per + (4 * model.layers * _attention_width(model) * rnd.cache_length() if attention else 0))
 
 
 def round_time(model: Model, rnd: Round, lay: Layout, cl: Cluster, params_bytes: float, kv_bytes_per_position: float,
