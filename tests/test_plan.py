@@ -20,7 +20,7 @@ from jaxpar.validate import validate
 from jaxpar import plan as planner
 from jaxpar import model as gpt
 from jaxpar import trainer
-from jaxpar.plan import cost, hardware, memory, table, target
+from jaxpar.plan import cost, hardware, memory, target
 from jaxpar.plan.space import Layout, Space, apply, candidates, set_layout
 from jaxpar.parallel.pipeline.registry import NAMES
 from jaxpar.train.step import model_config
@@ -346,78 +346,3 @@ def test_auto_that_cannot_be_resolved_is_one_clear_error(over, devices, match):
     with pytest.raises(jcfg.ConfigError, match=match):
         target.resolve(c, 256, validate(c, 8), devices or jax.devices()[:8])
 
-
-def test_the_planner_prices_a_grpo_rounds_kv_pool():
-    """GRPO of Qwen3-1.7B's shape (`configs/grpo_qwen3_1p7b_gsm8k.py`) planned for 8 x H100: every layout's round
-    holds the paged pool of its 32 x 8 completions of 1,536 positions (96 blocks of 16 each; keys and values of 28
-    layers x 8 KV heads x 128 in bf16), split over the rows' shards (data) and the KV heads' (tensor): the bytes
-    counted here from the shape. A pool of 2 GiB a device holds what fits in 2 GiB; one of 100 GiB fits no layout,
-    and the table says why."""
-    spec = importlib.util.spec_from_file_location("grpo_cfg", ROOT / "configs" / "grpo_qwen3_1p7b_gsm8k.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    space = Space(tensor=(1, 2, 4), stage=(1, 2), expert=(1,), context=(1,), zero=(1, 3), offload=("none",),
-                  remat=("full",), sp=(False,), schedule=("1f1b",))
-    block_bytes, cluster = 2 * 28 * 16 * 8 * 128 * 2, hardware.cluster("h100", 8)
-    p = planner.plan(mod.get_config(), cluster, space, compile_top=0)
-    assert {c.layout.tensor for c in p.ranked} == {1, 2, 4} and {c.layout.stage for c in p.ranked} == {1, 2}
-    price = {}
-    for c in p.ranked:
-        g, lay, t = c.generation, c.layout, c.time
-        assert g["kv_blocks"] == 256 * 96 and g["kv_bytes"] == 256 * 96 * block_bytes // (lay.data * lay.tensor)
-        assert g["peak"] == g["kv_bytes"] + g["params_bytes"] and c.fits(p.capacity) is None
-        # decode reads the weights and its rows' KV every step: never faster than the HBM moves them
-        rows = 256 // lay.data
-        read = g["params_bytes"] * (lay.data if lay.zero_stage == 3 else 1) + rows * (512 + 512) * g["position_bytes"]
-        assert t["round"]["decode_s"] >= 1024 * read / cluster.device.hbm_bw
-        assert t["step_s"] == pytest.approx(t["train_s"] + t["round_s"])
-        price[(lay.data, lay.tensor, lay.stage, lay.zero_stage)] = t["round"]["decode_s"]
-    for (d, t_, s_, z), v in price.items():  # ZeRO-3's decode gathers each layer's params every step
-        if z == 3 and d > 1 and (d, t_, s_, 1) in price:
-            assert v > price[(d, t_, s_, 1)]
-    config = mod.get_config()
-    config.grpo.kv_cache_gib = 2.0
-    for c in planner.plan(config, hardware.cluster("h100", 8), space, compile_top=0).ranked:
-        assert 2 * 2 ** 30 - block_bytes // c.layout.tensor < c.generation["kv_bytes"] <= 2 * 2 ** 30
-    config.grpo.kv_cache_gib = 100.0
-    big = planner.plan(config, hardware.cluster("h100", 8), space, compile_top=0)
-    assert all(c.fits(big.capacity) is False for c in big.ranked)
-    assert table.why(big, big.ranked[0], big.ranked[0]).startswith("its round's generation does not fit (KV pool 100.0")
-
-
-def test_a_rounds_price_is_built_from_the_engines_compiled_flops_and_pool(monkeypatch):
-    """A tiny Llama's GRPO round (4 prompts of 32 tokens x 4 completions of 32, one device): the planner's prefill
-    FLOPs equal the HLO-counted matmul FLOPs of the engine's compiled prefill of those prompts, its FLOPs per decode
-    step those of the compiled decode loop's step (temperature 1: the whole head; the attention, products and sums
-    there, priced as 4·L·a·d_h·S), and its KV pool the engine's."""
-    from jaxpar.analysis.hlo_flops import hlo_flops
-    from jaxpar.generate import cache as kv, decode
-    from jaxpar.generate.engine import Engine, Request
-    from jaxpar.plan import rollout
-
-    config = tiny_config(**{"train.objective": "grpo", "model.arch": "llama", "model.kv_heads": 2, "model.layers": 2,
-                            "model.embed": 64, "model.heads": 4, "model.mlp": 128, "model.seq_len": 64,
-                            "grpo.max_completion_length": 32, "grpo.num_generations": 4,
-                            "train.global_batch_size": 4})
-    model, rnd = cost.Model.from_config(config, 256), rollout.Round.from_config(config)
-    assert (rnd.prompts, rnd.generations, rnd.prompt, rnd.completion) == (4, 4, 32, 32)
-    cfg = gpt.config_from(config, 256, 1)
-    seen = {}
-    for name in ("_jit_prefill", "_jit_decode"):
-        def wrap(*a, f=getattr(decode, name), name=name):
-            seen.setdefault(name, (f.lower(*a).compile().as_text(), a))
-            return f(*a)
-        monkeypatch.setattr(decode, name, wrap)
-    engine = Engine(gpt.Forward(cfg), gpt.init_params(cfg, jax.random.key(0)), slots=16, kv_block=16, chunk=32)
-    prompts = [[(7 * i + j) % 255 + 1 for j in range(32)] for i in range(4)]
-    engine.generate([Request(p, max_new_tokens=32, temperature=1.0, seed=i, stream=g)
-                     for i, p in enumerate(prompts) for g in range(4)])
-    text, args = seen["_jit_prefill"]
-    assert args[2].shape[1] == 32 and args[2].shape[0] >= 4  # (the group's prompts, one prefill each, rows padded)
-    assert hlo_flops(text)["total"] == rollout.prefill_flops(model, rnd, args[2].shape[0])
-    text, args = seen["_jit_decode"]
-    want = rollout.decode_flops(model, rnd, 16, model.padded_vocab(1), attention=False)  # (attention: no dot)
-    assert args[6] == "plain" and hlo_flops(text)["total"] == want
-    assert rollout.decode_flops(model, rnd, 16, 256) - want == 16 * 4 * 2 * 64 * 64  # 4·L·a·d_h·S a row
-    gen = memory.Generation(config)(Layout(1, 1, 1, 1), model)
-    assert gen["kv_bytes"] == engine.stats["kv_blocks"] * kv.block_bytes(cfg, 16) == 16 * 4 * 16 * gen["position_bytes"]

@@ -171,8 +171,7 @@ def dry_run_entry(config, num_devices: int) -> dict:
     obj = objectives.from_config(config)
     rows, positions = obj.rows(config), int(config.model.seq_len)  # (GRPO: x G)
     out = {"rows": rows, "positions": positions, **cache_bytes(cfg, rows, positions, layout, step_rules(config))}
-    section = config.get(obj.section) if obj.section else None  # an objective that samples (GRPO): its KV keys
-    opts = engine_options(section) if section is not None and "kv_block" in section else {"kv_block": 0}
+    opts = engine_options(config.get(obj.section)) if obj.samples else {"kv_block": 0}  # (GRPO's KV keys)
     if opts["kv_block"]:  # the paged pool a round's engine holds
         rules, block = decode_rules(step_rules(config)), opts["kv_block"]
         n, _ = pool_blocks(cfg, block, opts["kv_memory"], rows, positions, layout.mesh_shape, rules)

@@ -92,6 +92,12 @@ class _Row:
         self.finish, self.prompt_experts = None, None
 
 
+def cache_length(longest: int, context: int) -> int:
+    """The positions of a `generate` call's cache: its longest prompt + completion rounded up to 64 (few
+    compilations), at most the model's `context`."""
+    return min(context, -(-longest // 64) * 64)
+
+
 class Engine:
     """See the module docstring. `mesh`, `rules`, `zero3`, `layer_order`: the training layout the params are in
     (None: one device); `slots`: rows decoded together; `chunk`: tokens per compiled decode call at most; `prompt_experts`:
@@ -147,7 +153,7 @@ class Engine:
         if not requests:
             return []
         news = [min(r.max_new_tokens, context + 1 - len(r.prompt)) for r in requests]  # (module docstring)
-        length = min(context, -(-max(len(r.prompt) + n for r, n in zip(requests, news)) // 64) * 64)
+        length = cache_length(max(len(r.prompt) + n for r, n in zip(requests, news)), context)
         mode = "greedy" if all(r.temperature == 0 for r in requests) else "filtered" if any(
             r.temperature > 0 and (0 < r.top_k < self.cfg.vocab_size or r.top_p < 1 or r.min_p > 0)
             for r in requests) else "plain"  # (`sampling.filters_on`: what the compiled step must hold)

@@ -89,6 +89,7 @@ class Model:
     trained: float = 1.0  # the fraction of the parameters that trains (LoRA: the adapters'; no gradient, no AdamW)
     base_bytes: int = 0  # bytes of a frozen parameter (LoRA's `lora.base_dtype`; 0: param_bytes)
     head_dim: int = 0  # (0: embed / heads)
+    max_positions: int = 0  # the longest context (0: seq)
 
     @classmethod
     def from_config(cls, config, vocab: int):
@@ -113,7 +114,8 @@ class Model:
                    layer_total=counts["layer"], layer_matmul=counts["layer_matmul"],
                    shared_other=counts["shared"] - tables, flops_per_token=gpt.flops_per_token(cfg),
                    params=counts["total"], trained=counts["trainable"] / counts["total"],
-                   base_bytes=nbytes.get(cfg.weight_dtype, 2), head_dim=cfg.head_dim)
+                   base_bytes=nbytes.get(cfg.weight_dtype, 2), head_dim=cfg.head_dim,
+                   max_positions=cfg.max_positions)
 
     def padded_vocab(self, t: int) -> int:
         return padded_vocab(self.vocab, t)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxpar.generate.engine import cache_length
 from jaxpar.plan.cost import MATMUL_EFFICIENCY, Model, collective_time
 from jaxpar.plan.hardware import Cluster
 from jaxpar.plan.space import Layout
@@ -40,16 +41,15 @@ class Round:
     @classmethod
     def from_config(cls, config) -> Round | None:
         obj = objectives.from_config(config)
-        if not obj.section or "kv_block" not in config.get(obj.section, {}):
+        if not obj.samples:
             return None
-        g, R = config.grpo, int(config.grpo.max_completion_length)
-        passes = int(int(g.num_iterations) > 1 or str(g.importance_sampling) != "none") + int(float(g.beta) > 0)
-        return cls(int(config.train.global_batch_size), int(g.num_generations), int(config.model.seq_len) - R, R,
-                   passes)
+        R = obj.max_completion_length
+        return cls(int(config.train.global_batch_size), obj.num_generations, int(config.model.seq_len) - R, R,
+                   int(obj.old_policy_pass) + int(obj.beta > 0))
 
-    def cache_length(self) -> int:
-        """The engine's cache length S: prompt + completion rounded up to 64 (`Engine.generate`)."""
-        return -(-(self.prompt + self.completion) // 64) * 64
+    def cache_length(self, model: Model) -> int:
+        """The engine's cache length S (`engine.cache_length`)."""
+        return cache_length(self.prompt + self.completion, model.max_positions or model.seq)
 
 
 def _attention_width(model: Model) -> int:
@@ -68,7 +68,7 @@ def decode_flops(model: Model, rnd: Round, rows: int, vocab: int, attention: boo
     (`attention`) the attention over the cache length, which the engine runs as fused products and sums on a CPU
     and as the paged kernel on a GPU (no matmul in XLA's count either way)."""
     per = 2 * model.layers * model.layer_matmul + 2 * vocab * model.embed
-    return rows * (per + (4 * model.layers * _attention_width(model) * rnd.cache_length() if attention else 0))
+    return rows * (per + (4 * model.layers * _attention_width(model) * rnd.cache_length(model) if attention else 0))
 
 
 def round_time(model: Model, rnd: Round, lay: Layout, cl: Cluster, params_bytes: float, kv_bytes_per_position: float,

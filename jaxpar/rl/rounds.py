@@ -102,7 +102,7 @@ class Rounds(Feed):
             with watchdog.part("sampling"):  # (its own bound: the step watchdog's `part`)
                 self.host, stats = self.sample(r, state["params"])
             self.round, self.placed = r, self.place(self.host)
-            if self.mu > 1 or self.importance != "none":  # the old policy: these params, before the round's first pass
+            if self.steps.objective.old_policy_pass:  # the old policy: these params, before the round's first pass
                 self.placed, more = self.old_policy(state["params"])
                 stats |= more
             for k, v in stats.items():

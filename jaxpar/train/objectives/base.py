@@ -24,6 +24,7 @@ class Objective:
     reference = ""  # its reference model: "" | copy | adapters_off | adapters | batch
     packing = ""  # the `data.packing` its data needs whatever the records ("": `auto` judges the records)
     dropout = True  # whether the model's dropout runs in its training passes (DPO: `dpo.dropout`)
+    samples = False  # its rounds are sampled by the generation engine on the training mesh (its section: kv_block)
     shares_prefixes = False  # its rows' segment ids name shared prefixes (`kernels/segments.py`: GRPO's shared rows)
 
     @classmethod

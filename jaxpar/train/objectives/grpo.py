@@ -59,6 +59,7 @@ class GRPO(Objective):
     name = "grpo"
     section = "grpo"
     data_kinds = ("prompts",)
+    samples = True
     packing = "bfd"  # a row is one whole prompt and completion, padded (never cut): what `data.packing=auto` becomes
     dropout = False  # the policy's passes and the old policy's are the same model (TRL's `disable_dropout`)
 
@@ -75,6 +76,12 @@ class GRPO(Objective):
                    int(g.num_generations), int(g.num_iterations), cls.starting_model(config) if beta > 0 else "",
                    float(g.temperature), bool(g.routing_replay) and int(config.model.experts) > 0,
                    bool(g.use_bias_correction_kl), str(g.importance_sampling) != "none", bool(g.shared_prompt))
+
+    @property
+    def old_policy_pass(self) -> bool:
+        """Whether a round runs the old policy's training forward before its first pass (mu > 1: the ratio's old
+        log-probs; an importance-sampling correction: the sampler's against them)."""
+        return self.num_iterations > 1 or self.importance_sampling
 
     @property
     def shares_prefixes(self) -> bool:
