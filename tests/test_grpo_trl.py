@@ -242,10 +242,9 @@ def test_reward_functions_get_the_keywords_trls_calculate_rewards_passes(models,
     ids = [[1], [1, 2], [3], [4, 5, 6]]
     trainer = trl_trainer(models, tmp_path, reward=spy)
     want = trainer._calculate_rewards(recs, ["q"] * 4, ["a", "b", "c", "d"], ids)
-    log = rewards.RewardLog(4)
     state = rewards.TrainerState(global_step=3, max_steps=10, epoch=0.5, num_input_tokens_seen=100)
-    got = rewards.score([("spy", spy)], ["q"] * 4, ["a", "b", "c", "d"], ids, recs, max_completion_length=8,
-                        **log.kwargs(state))
+    log = rewards.RewardLog(4, state)
+    got = rewards.score([("spy", spy)], ["q"] * 4, ["a", "b", "c", "d"], ids, recs, log, max_completion_length=8)
     np.testing.assert_array_equal(got[:, 0], want[:, 0].numpy())
     assert calls[1] - {"max_completion_length"} == calls[0] == {"solution", "level", "trainer_state", "log_extra",
                                                                 "log_metric"}
@@ -253,6 +252,6 @@ def test_reward_functions_get_the_keywords_trls_calculate_rewards_passes(models,
     assert log.extra == dict(trainer._pending_extra_logs) == {"level": [0, 2, 4, 6]}
     assert log.means() == {"steps": 3.0} and trainer._pending_metrics["steps"] == [0]
     with pytest.raises(rewards.RewardError) as e:  # (a call of 3 completions logging a column for 4)
-        rewards.score([("spy", spy)], ["q"] * 3, ["a", "b", "c"], ids[:3], recs[:3], **log.kwargs(state))
+        rewards.score([("spy", spy)], ["q"] * 3, ["a", "b", "c"], ids[:3], recs[:3], log)
     assert str(e.value) == ("reward function 'spy': log_extra('level', ...) got 3 values for 4 completions; give one "
                             "per completion."), str(e.value)

@@ -255,6 +255,14 @@ def initialize(plan: ProcessPlan, heartbeat_timeout_s: float = 60, init_timeout_
     watchdog.start_peers(client, plan.process_id, plan.num_processes, float(heartbeat_timeout_s), plan.coordinator)
 
 
+def join(env=os.environ) -> ProcessPlan:
+    """A command line's start (`python -m jaxpar.generate`, `python -m jaxpar.evaluate`): the job the environment
+    describes (`resolve`: SLURM's variables or the launcher's JAXPAR_*), joined with the default timeouts."""
+    plan = resolve(env)
+    initialize(plan)
+    return plan
+
+
 def wait_for_coordinator(plan: ProcessPlan, timeout_s: float) -> None:
     """Return once `plan.coordinator` accepts TCP connections (process 0 has started its coordination service).
 

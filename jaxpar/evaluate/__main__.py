@@ -18,6 +18,7 @@ import sys
 
 import jax
 
+from jaxpar.cluster import distributed
 from jaxpar.errors import ConfigError
 from jaxpar.evaluate.tasks import load_tasks, register
 
@@ -93,12 +94,15 @@ def write(results: dict, tracker, log_samples: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     try:
+        distributed.join()  # (several processes: each evaluates every request on the global mesh; process 0 writes)
         results = run(args, overrides)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from lm_eval.utils import make_table
 
+    if jax.process_index() != 0:
+        return 0
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import data
+from jaxpar.cluster import exchange
 from jaxpar.kernels.cross_entropy import chunk_size, place_rows
 
 
@@ -109,7 +110,7 @@ def score(steps, params, rows, batch: int):
         lo, hi = data.process_rows(sh, batch)  # (every process holds every request: each feeds its rows)
         b = {"tokens": data.to_global(tokens[lo:hi], sh, batch), "mask": data.to_global(mask[lo:hi], sh, batch)}
         count = steps.forward(params, b, Scores(batch, int(steps.cfg.loss_chunk)))[1]
-        res = np.asarray(jax.device_get(count), np.float64)[:len(chunk)]
+        res = np.asarray(exchange.fetch(count), np.float64)[:len(chunk)]
         out[start:start + len(chunk)] = res
     return out
 

@@ -6,17 +6,22 @@ SRC: a run directory, an export, `hf:DIR` or `hf:ORG/NAME` (`source.py`). Record
 encoded with the tokenizer's special tokens (BOS), a conversation by the chat template, and a completion ends at any
 of the checkpoint's end ids (`jaxpar/data/special.py`), as transformers' `generate` ends it. A record's sample j
 draws with seed S and stream (line number x n + j): the same tokens whatever the batch, slots or layout. An
-interrupted run resumes: the records already in OUT are skipped. Guide: docs/generate.md.
+interrupted run resumes: the records already in OUT are skipped. On several processes (the launcher, SLURM: as
+`train.py`, docs/multihost.md) every process decodes its rows of each batch on the global mesh and process 0 writes
+OUT, once, in input order. Guide: docs/generate.md.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
+import jax
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from jaxpar.cluster import distributed
 from jaxpar.data import special
 from jaxpar.generate import cache as kv, records, source
 from jaxpar.generate.engine import Engine, Request, check
@@ -81,7 +86,7 @@ def run(args, mesh) -> int:
             raise ValueError(f"--{name}={getattr(args, name)} is outside {says}.")
     check(Request([1], temperature=args.temperature, max_new_tokens=args.max_new_tokens), "flags", 2)
     lines = records.read(args.prompts)
-    skip = records.done_count(args.out)
+    skip = distributed.from_process_0(lambda: records.done_count(args.out), "jaxpar/generate/skip")
     todo = lines[skip:]
     src = source.load(args.model, mesh)
     context = src.fwd.cfg.max_positions
@@ -93,16 +98,16 @@ def run(args, mesh) -> int:
 def _write(engine, todo, reqs, args, skip: int, total: int) -> int:
     """Generate the records in groups (written in order as each group ends), with a progress bar."""
     group = max(1, 4 * args.slots // args.n)
-    made, t0, kv_use = [0], time.perf_counter(), None
+    made, t0, kv_use, main = [0], time.perf_counter(), None, jax.process_index() == 0
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not args.progress, transient=False) as bar:
+                  disable=not (args.progress and main), transient=False) as bar:
         task = bar.add_task("records", total=total, completed=skip)
 
         def tick(n):
             made[0] += n
             bar.update(task, description=f"{made[0] / (time.perf_counter() - t0):,.0f} tokens/s")
 
-        with open(args.out, "a", encoding="utf-8") as f:
+        with open(args.out if main else os.devnull, "a", encoding="utf-8") as f:  # (written once: process 0)
             for at in range(0, len(todo), group):
                 done = engine.generate(reqs[at * args.n:(at + group) * args.n], tick)
                 kv_use = _kv_use(engine.stats, kv_use)
@@ -110,6 +115,8 @@ def _write(engine, todo, reqs, args, skip: int, total: int) -> int:
                     f.write(json.dumps(records.output(rec, done[i * args.n:(i + 1) * args.n], args.n)) + "\n")
                 f.flush()
                 bar.update(task, advance=len(todo[at:at + group]))
+    if not main:
+        return 0
     print(f"{len(todo)} records ({skip} already in {args.out}), {made[0]} tokens in "
           f"{time.perf_counter() - t0:.1f} s; written to {args.out}", file=sys.stderr)
     if kv_use:
@@ -129,6 +136,7 @@ def _kv_use(stats: dict, before):
 def main(argv=None) -> int:
     args, mesh = parse(sys.argv[1:] if argv is None else argv)
     try:
+        distributed.join()
         return run(args, mesh)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -31,13 +31,13 @@ import collections
 import dataclasses
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpar import model as gpt
 from jaxpar.config import step_rules
 from jaxpar.config_keys import DEFAULT_RULES
+from jaxpar.cluster import exchange
 from jaxpar.generate import cache as kv, paged
 from jaxpar.generate.decode import Decoder, bucket
 from jaxpar.generate.sampling import Sampling
@@ -195,7 +195,7 @@ class Engine:
             carry, got = self.decoder.decode(self.params, carry, {k: jnp.asarray(v) for k, v in rows.items()},
                                              Sampling(**{k: jnp.asarray(v) for k, v in knobs.items()}),
                                              self.chunk, mode)
-            made = self._collect(jax.device_get(got), slot, rows, out, pages)
+            made = self._collect(exchange.fetch(got), slot, rows, out, pages)
             if progress is not None:
                 progress(made)
         if pages is not None:
@@ -298,7 +298,7 @@ class Engine:
         last, cache, experts, every = self.decoder.prefill(self.params, jnp.asarray(tokens), jnp.asarray(lengths),
                                                            length if pages is None else t)
         self.stats["prefill_tokens"] += sum(map(len, uniq))
-        routed = np.asarray(jax.device_get(every))[src] if self.prompt_experts else None
+        routed = np.asarray(exchange.fetch(every))[src] if self.prompt_experts else None
         table = None if pages is None else jnp.asarray(pages.table)  # (the pool's numbers: one scatter a group)
         return self.decoder.insert(carry, (cache, last, experts), jnp.asarray(where), jnp.asarray(take),
                                    table), routed
@@ -357,6 +357,6 @@ class Engine:
             tokens = np.zeros((self.slots, t), np.int32)
             for j, s in enumerate(group):
                 tokens[j, :len(s)] = s
-            lp = np.asarray(self.decoder.score(self.params, jnp.asarray(tokens)))
+            lp = np.asarray(exchange.fetch(self.decoder.score(self.params, jnp.asarray(tokens))))
             out += [lp[j, :len(s) - 1] for j, s in enumerate(group)]
         return out

@@ -123,7 +123,8 @@ def greedy_head(h, wb, dt, vocab_real: int):
     give their max, first arg-max and exp-sum while they are in cache (the logsumexp by running rescaling). Ties go
     to the lower id, as `argmax`'s."""
     n, parts, blk, E = wb.shape
-    ids = (jnp.arange(parts)[:, None] * (n * blk) + jnp.arange(blk)).reshape(-1)  # block 0's ids, part by part
+    i32 = lambda k: jnp.arange(k, dtype=jnp.int32)  # noqa: E731 - (int32 also in x64 mode)
+    ids = (i32(parts)[:, None] * (n * blk) + i32(blk)).reshape(-1)  # block 0's ids, part by part
 
     def one(carry, inp):
         m, idx, s = carry
@@ -139,5 +140,5 @@ def greedy_head(h, wb, dt, vocab_real: int):
 
     b = h.shape[0]
     init = (jnp.full(b, -jnp.inf, dt), jnp.zeros(b, jnp.int32), jnp.zeros(b, dt))
-    (_, tok, s), _ = jax.lax.scan(one, init, (wb.reshape(n, parts * blk, E), jnp.arange(n)))
+    (_, tok, s), _ = jax.lax.scan(one, init, (wb.reshape(n, parts * blk, E), i32(n)))
     return tok, (-jnp.log(s)).astype(jnp.float32)  # the max's log-prob: max - (max + log s)

@@ -30,6 +30,7 @@ import re
 
 import numpy as np
 
+from jaxpar.cluster import exchange
 from jaxpar.data.common import DataError, user_function
 
 
@@ -67,28 +68,43 @@ def _plain(v):
 
 class RewardLog:
     """The `log_extra` and `log_metric` that reward functions get (TRL's `_log_completion_extra`, `_log_metric`) for
-    one call of `n` completions: `extra` {column: a value per completion} (a column logged again is replaced),
-    `metrics` {name: the values logged}."""
+    one scoring of `n` completions, and the `trainer_state` they see: `extra` {column: a value per completion} (a
+    column logged again is replaced), `metrics` {name: the values logged}. On several processes each process's calls
+    see its share of the completions (`exchange.share`, in whole `unit`s: a group's completions together); `score` then gathers what every process logged."""
 
-    def __init__(self, n: int):
-        self.n, self.extra, self.metrics = n, {}, {}
+    def __init__(self, n: int, trainer_state: TrainerState | None = None, unit: int = 1):
+        self.n, self.state, self.unit, self.extra, self.metrics = n, trainer_state, unit, {}, {}
+        self.lo, self.hi = exchange.share(n, unit)
 
     def log_extra(self, column: str, values) -> None:
         values = list(values)
-        if len(values) != self.n:
-            raise RewardError(f"log_extra({column!r}, ...) got {len(values)} values for {self.n} completions; "
-                              f"give one per completion.")
+        if len(values) != self.hi - self.lo:
+            raise RewardError(f"log_extra({column!r}, ...) got {len(values)} values for {self.hi - self.lo} "
+                              f"completions; give one per completion.")
         self.extra[str(column)] = [_plain(v) for v in values]
 
     def log_metric(self, name: str, value: float) -> None:
         self.metrics.setdefault(str(name), []).append(float(value))
 
-    def kwargs(self, trainer_state: TrainerState) -> dict:
+    def kwargs(self) -> dict:
         """The keywords of TRL's calling convention that come from the loop."""
-        return {"trainer_state": trainer_state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+        return {"trainer_state": self.state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def gather(self) -> None:
+        """Every process's columns (in completion order; None where a process logged none) and metric values."""
+        parts = exchange.gather_json({"extra": self.extra, "metrics": self.metrics})
+        if len(parts) == 1:
+            return
+        sizes = [hi - lo for lo, hi in (exchange.share(self.n, self.unit, p, len(parts))
+                                        for p in range(len(parts)))]
+        columns = dict.fromkeys(c for part in parts for c in part["extra"])
+        self.extra = {c: [v for part, k in zip(parts, sizes) for v in part["extra"].get(c, [None] * k)]
+                      for c in columns}
+        self.metrics = {m: [v for part in parts for v in part["metrics"].get(m, [])]
+                        for m in dict.fromkeys(m for part in parts for m in part["metrics"])}
 
     def means(self) -> dict:
-        """Each metric's mean over this call's values (TRL: one value per metric per round)."""
+        """Each metric's mean over this scoring's values (TRL: one value per metric per round and process)."""
         return {k: float(np.mean(v)) for k, v in self.metrics.items()}
 
 
@@ -154,23 +170,31 @@ def load(rewards: str, weights: str = "") -> tuple[list, np.ndarray]:
 _NOT_COLUMNS = ("prompt", "completion", "completion_ids")  # (TRL passes every other column of the records)
 
 
-def score(fns, prompts, completions, completion_ids, records, **extra) -> np.ndarray:
+def score(fns, prompts, completions, completion_ids, records, log: RewardLog | None = None, **extra) -> np.ndarray:
     """Every function on every completion (records[i]: completion i's record, its columns but `_NOT_COLUMNS` as
-    keywords; `extra` keywords besides, over a column of the same name) -> `[N, F]` float64, None as NaN; a function
-    that raises or returns another number of values is one line naming it."""
-    columns = {k: [r.get(k) for r in records] for k in records[0] if k not in _NOT_COLUMNS} if records else {}
-    out = np.full((len(completions), len(fns)), np.nan)
-    for j, (name, fn) in enumerate(fns):
+    keywords; `log`'s keywords (`RewardLog.kwargs`) and `extra` besides, over a column of the same name) -> `[N, F]`
+    float64, None as NaN; a function that raises or returns another number of values is one line naming it. On
+    several processes each scores its share (`log`'s, else `exchange.share`) and the scores are gathered."""
+    lo, hi = (log.lo, log.hi) if log is not None else exchange.share(len(completions))
+    mine = records[lo:hi]
+    columns = {k: [r.get(k) for r in mine] for k in records[0] if k not in _NOT_COLUMNS} if records else {}
+    kwargs = columns | extra | (log.kwargs() if log is not None else {})
+    out = np.full((hi - lo, len(fns)), np.nan)
+    for j, (name, fn) in enumerate(fns if hi > lo else ()):
         try:
-            got = list(fn(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                          **(columns | extra)))
+            got = list(fn(prompts=prompts[lo:hi], completions=completions[lo:hi],
+                          completion_ids=completion_ids[lo:hi], **kwargs))
         except RewardError as e:  # (log_extra's)
             raise RewardError(f"reward function {name!r}: {e}") from None
         except Exception as e:  # noqa: BLE001 - the user's function: said in one line with its record
             raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e} (on the round's first "
-                              f"record {str(records[0])[:120] if records else ''}).") from None
-        if len(got) != len(completions):
-            raise RewardError(f"reward function {name!r} returned {len(got)} values for {len(completions)} "
+                              f"record {str(mine[0])[:120] if mine else ''}).") from None
+        if len(got) != hi - lo:
+            raise RewardError(f"reward function {name!r} returned {len(got)} values for {hi - lo} "
                               f"completions; return one float or None per completion.")
         out[:, j] = [np.nan if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in got]
-    return out
+    if log is not None:
+        log.gather()
+    parts = exchange.gather_json(out.tolist())
+    return out if len(parts) == 1 else np.asarray([row for part in parts for row in part], np.float64).reshape(
+        len(completions), len(fns))

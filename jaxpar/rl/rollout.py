@@ -44,10 +44,11 @@ class Round(NamedTuple):
 
 def round_batch(prompts, records, completions, fns, weights, group: int, scale: str, seq: int, texts=None,
                 mask_truncated: bool = False, max_completion_length: int = 0, replay: bool = False,
-                per_row: int = 1, shared: bool = False, **reward_kwargs) -> Round:
+                per_row: int = 1, shared: bool = False, log: rewards.RewardLog | None = None,
+                **reward_kwargs) -> Round:
     """A round scored (`Round`): `records[p]` prompt p's record, `texts` each completion as the reward functions see
-    it (default: its text, else its token ids written out), `reward_kwargs` more keywords for them (the loop's
-    `trainer_state`, `log_extra`, `log_metric`: `rewards.RewardLog.kwargs`); with `replay` (a mixture of experts) the
+    it (default: its text, else its token ids written out), `log` what they log and their `trainer_state`
+    (`rewards.RewardLog`; on several processes each scores its share), `reward_kwargs` more keywords for them; with `replay` (a mixture of experts) the
     batch's `routes`: the experts the engine routed each position to (`Completion.prompt_experts`, then
     `.experts`). Its rows: `shared` rows of `per_row` completions each, at most `seq` positions long
     (`GRPO.longest_row`), else one per row of `seq` + 1 tokens (`rows.py`)."""
@@ -55,7 +56,7 @@ def round_batch(prompts, records, completions, fns, weights, group: int, scale: 
     ids = [list(c.tokens) for c in completions]
     shown = texts if texts is not None else [c.text if c.text is not None else str(c.tokens) for c in completions]
     per_fn = rewards.score(fns, [r.get("prompt") for r in recs], shown, ids, recs,
-                           max_completion_length=max_completion_length, **reward_kwargs)
+                           log=log, max_completion_length=max_completion_length, **reward_kwargs)
     total = adv.rewards_of(per_fn, weights)
     a, zero_std = adv.advantages(total, group, scale)
     truncated = np.array([c.finish_reason == "length" for c in completions]) if mask_truncated else None

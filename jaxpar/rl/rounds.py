@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from jaxpar import data
-from jaxpar.cluster import watchdog
+from jaxpar.cluster import exchange, watchdog
 from jaxpar.dtypes import at_least_f32
 from jaxpar.data.prompts import stop_ids
 from jaxpar.generate import cache as kv
@@ -117,7 +117,7 @@ class Rounds(Feed):
         stats = {}
         if self.importance != "none":
             g = self.config.grpo
-            ratio, stats = importance.ratios(jax.device_get(placed["old"]), self.host["sampled"], self.host["mask"],
+            ratio, stats = importance.ratios(exchange.fetch(placed["old"]), self.host["sampled"], self.host["mask"],
                                              self.importance, float(g.importance_sampling_min),
                                              float(g.importance_sampling_max), rows.members(self.host), self.per_row)
             self.host["is_ratio"] = ratio
@@ -141,12 +141,11 @@ class Rounds(Feed):
         lengths = np.array([len(c.tokens) for c in done])
         counted = int(sum(len(p) for p in prompts) * self.G + lengths.sum())
         self.num_tokens += counted  # (before scoring: TRL's trainer_state counts the round's tokens)
-        g, log = self.config.grpo, rewards.RewardLog(len(done))
+        g, log = self.config.grpo, rewards.RewardLog(len(done), self.trainer_state(r * self.mu), self.G)
         rnd = rollout.round_batch(prompts, recs, done, self.fns, self.weights, self.G, g.scale_rewards,
                                   self.longest, texts=shown, mask_truncated=bool(g.mask_truncated_completions),
                                   max_completion_length=self.room, replay=self.steps.objective.routing_replay,
-                                  per_row=self.per_row, shared=self.shared,
-                                  **log.kwargs(self.trainer_state(r * self.mu)))
+                                  per_row=self.per_row, shared=self.shared, log=log)
         self.keep_shown(r, recs, shown, rnd.per_function, rnd.advantages, log.extra)
         batch = {k: v for k, v in rnd.batch.items() if k != "old"}  # (the engine's: the training forward replaces)
         if self.importance != "none":  # the engine's sampling log-probs, for the importance ratios
@@ -224,10 +223,10 @@ class Rounds(Feed):
         with watchdog.part("evaluation sampling"):
             done = engine.generate([Request(prompt=list(p), max_new_tokens=self.room, stop_ids=self.stops)
                                     for p in ids])
-        shown, log = _shown(recs, done, self.tokenizer), rewards.RewardLog(len(done))
+        shown = _shown(recs, done, self.tokenizer)
+        log = rewards.RewardLog(len(done), self.trainer_state(int(exchange.fetch(state["step"]))))
         per_fn = rewards.score(self.fns, [r.get("prompt") for r in recs], shown, [c.tokens for c in done], recs,
-                               max_completion_length=self.room,
-                               **log.kwargs(self.trainer_state(int(jax.device_get(state["step"])))))
+                               log, max_completion_length=self.room)
         with np.errstate(invalid="ignore"):
             out = {f"val_{k}": v for k, v in log.means().items()}  # (log_extra's columns: dropped)
             out |= {"val_reward": float(np.nanmean(adv.rewards_of(per_fn, self.weights)))}
@@ -236,11 +235,11 @@ class Rounds(Feed):
 
     def save(self, done: int) -> dict:
         """The round's batch beside a checkpoint inside it (and the tokens counted so far, always)."""
+        kept = self.host if done % self.mu and self.host is not None else {}
+        if kept and "old" in self.placed:  # (fetched from the devices, by every process, only inside a round)
+            kept = {**kept, "old": np.asarray(exchange.fetch(self.placed["old"]))}
         if self.is_main:
             os.makedirs(os.path.join(self.workdir, DIR), exist_ok=True)
-            kept = self.host if done % self.mu and self.host is not None else {}
-            if kept and "old" in self.placed:  # (fetched from the devices only for a checkpoint inside a round)
-                kept = {**kept, "old": np.asarray(jax.device_get(self.placed["old"]))}
             path = os.path.join(self.workdir, DIR, f"step-{done}.npz")
             pending = json.dumps({"seen": self.seen, "shown": self.shown})  # (metrics not logged yet)
             np.savez(path + ".tmp.npz", num_tokens=self.num_tokens, round=self.round, pending=pending, **kept)

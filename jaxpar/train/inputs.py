@@ -17,9 +17,6 @@ def open_data(config) -> tuple:
     B, T, seed, d = int(config.train.global_batch_size), int(config.model.seq_len), int(config.train.seed), config.data
     kinds = objectives.from_config(config).data_kinds
     if "prompts" in kinds:  # RL: prompt records, sampled from each round (`jaxpar/rl/rounds.py`)
-        if jax.process_count() > 1:
-            raise data.DataError(f"train.objective={config.train.objective!r} runs in one process for now (its rounds "
-                                 f"are sampled by one host); run it on one host's devices.")
         info, splits = distributed.process_0_first(lambda: prompts.read(config), "jaxpar/prepare")
         return info, splits, data.model_vocab(config, info.vocab_size)
     if "images" in kinds:
