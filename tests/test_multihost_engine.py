@@ -1,9 +1,10 @@
-"""GRPO on several processes as several hosts run it: `python -m jaxpar.launch` starts 2 processes x 4 CPU devices
-against 1 process x 8 devices, on (data, tensor) = (4, 2) (data spans the processes), in float64 (the comparison
+"""The engine on several processes as several hosts run it: GRPO, `python -m jaxpar.generate` and `python -m
+jaxpar.evaluate` started by `python -m jaxpar.launch` as 2 processes x 4 CPU devices against 1 process x 8 devices, on (data, tensor) = (4, 2) (data spans the processes), in float64 (the comparison
 after optimizer steps is then free of the summation order of the collectives). Every process takes part in each
 round: the engine runs on the global mesh, each process scores its share of the round's groups and the scores and
 what the reward functions logged are gathered, so the advantages and the metrics are the one-process values; the
-completions JSONL and the metrics are written once (process 0); a kill inside a round resumes exactly."""
+completions JSONL and the metrics are written once (process 0); a kill inside a round resumes exactly. Generation
+and evaluation write their outputs once, in input order, equal to one process's; an interrupted generation resumes."""
 import json
 import os
 import shutil
@@ -129,3 +130,76 @@ def test_a_multi_host_grpo_run_killed_inside_a_round_resumes_exactly(runs):
     assert "start step 3" in out.stdout + out.stderr
     assert_same_run(metrics(parted), metrics(root / "two"))
     assert completions(parted) == completions(root / "two")
+
+
+LAUNCH = [sys.executable, "-m", "jaxpar.launch", "--num_processes", "2", "--devices_per_process", "4", "--"]
+LAYOUT = ["--config.mesh.data=4", "--config.mesh.tensor=2"]
+
+
+def launched(*args):
+    import subprocess
+
+    from jaxpar import launch
+
+    res = subprocess.run(LAUNCH + list(args), env=launch.cpu_env(os.environ, 8), cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout + res.stderr
+
+
+def test_generation_on_two_processes_writes_one_process_output_once_and_resumes(runs, tmp_path):
+    """10 prompts x 2 samples at temperature 1 on (data 4, tensor 2): the 2-process file equals the 1-process
+    file line for line (tokens and log-probs), written once; cut to 4 records and rerun on 2 processes, it ends
+    equal again."""
+    from jaxpar.generate.__main__ import main
+
+    root, _ = runs
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"hello {i}"}) + "\n" for i in range(10)))
+    args = lambda out: ["--model", f"hf:{root}/base", "--prompts", str(prompts), "--out", str(out),  # noqa: E731
+                        "--max_new_tokens", "8", "--temperature", "1", "--n", "2", "--slots", "8", "--progress", "0",
+                        *LAYOUT]
+    assert main(args(tmp_path / "one.jsonl")) == 0
+    out = launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"))
+    one = (tmp_path / "one.jsonl").read_text().splitlines()
+    assert (tmp_path / "two.jsonl").read_text().splitlines() == one and len(one) == 10
+    assert out.count("10 records (0 already in") == 1  # (process 0 alone reports and writes)
+    (tmp_path / "two.jsonl").write_text("\n".join(one[:4]) + "\n")
+    assert "6 records (4 already in" in launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"))
+    assert (tmp_path / "two.jsonl").read_text().splitlines() == one
+
+
+def test_evaluation_on_two_processes_gives_one_process_results_written_once(runs, tmp_path):
+    """lm-eval's multiple-choice and generation tasks on (data 4, tensor 2): the 2-process samples (each
+    request's log-likelihood within 1e-6, generated text equal) and metrics equal the 1-process run's; one results
+    file, one table."""
+    import glob
+
+    from jaxpar.evaluate.__main__ import main
+
+    root, _ = runs
+    args = lambda out: ["--model", f"hf:{root}/base", "--tasks", "jaxpar_mc,jaxpar_gen", "--include_path",  # noqa
+                        os.path.join(ROOT, "tests/fixtures/lm_eval"), "--output_path", str(out), "--log_samples",
+                        "--batch_size", "4", *LAYOUT]
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # (the tasks' data files are relative to the repository root)
+    try:
+        assert main(args(tmp_path / "one")) == 0
+    finally:
+        os.chdir(cwd)
+    out = launched("-m", "jaxpar.evaluate", *args(tmp_path / "two"))
+    assert out.count("|jaxpar_mc") == 1
+    files = {n: sorted(glob.glob(str(tmp_path / n / "*" / "*"))) for n in ("one", "two")}
+    assert len(files["one"]) == len(files["two"]) == 3
+    for a, b in zip(files["one"], files["two"]):
+        if "samples_" in a:
+            ra, rb = ([json.loads(line)["resps"] for line in open(f)] for f in (a, b))
+            assert len(ra) == len(rb) and all(len(x) == len(y) for x, y in zip(ra, rb))
+            for x, y in ((x, y) for sa, sb in zip(ra, rb) for x, y in zip(sa, sb)):  # a request's response
+                if isinstance(x[0], list):  # loglikelihood: [[log-likelihood, greedy]]
+                    assert float(x[0][0]) == pytest.approx(float(y[0][0]), rel=1e-6) and x[0][1] == y[0][1]
+                else:  # generate_until: [text]
+                    assert x == y
+        else:
+            ja, jb = (json.load(open(f))["results"] for f in (a, b))
+            assert ja == jb
