@@ -56,3 +56,24 @@ def one_file_corpus(tmp_path_factory):
     words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler"]
     (d / "a.txt").write_text(" ".join(rng.choice(words, 6000)) + "\n")
     return d
+
+
+@pytest.fixture(scope="session")
+def grpo_reference(tmp_path_factory):
+    """`helpers.grpo_material`'s GRPO run on 1 process x 8 devices (root/one), float64: the reference of the
+    multi-process runs (tests/test_multihost_engine.py, tests/test_slurm.py); -> (root, the x64 environment)."""
+    import subprocess
+    import sys
+
+    from helpers import grpo_material
+    from jaxpar import launch
+
+    root = tmp_path_factory.mktemp("grpo_reference")
+    grpo_material(root)
+    env = dict(launch.cpu_env(os.environ, 8), JAX_ENABLE_X64="1")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(repo, "train.py"), "--config", str(root / "config.py"),
+                          "--workdir", str(root / "one"), f"--config.data.cache_dir={root}/cache_one"], env=env,
+                         cwd=repo, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return root, env

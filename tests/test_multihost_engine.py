@@ -12,61 +12,16 @@ import sys
 
 import pytest
 
-from helpers import chat_tokenizer, random_hf_llama
+from helpers import assert_same_grpo_run, grpo_completions, grpo_metrics
 
 pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMING = ("tokens_per_s", "step_time_s", "tflops_per_device", "mfu", "data_wait_s", "time/generate_s", "time/score_s",
-          "time/train_s", "rollout_tokens_per_s")
-REWARD = """import jax
-
-def odd(completion_ids, solution, trainer_state, log_metric, log_extra, **kw):
-    share = len(completion_ids) * jax.process_count()  # (this process's share: of a round's 16 or 4 held out)
-    assert len(solution) == len(completion_ids) and share in (16, 4), share
-    log_metric("seen_step", trainer_state.global_step)
-    log_extra("process", [jax.process_index()] * len(completion_ids))
-    return [sum(i % 2 for i in c) / len(c) for c in completion_ids]
-"""
-CONFIG = """from jaxpar.config import base_config
-
-def get_config():
-    c = base_config()
-    c.model.update(seq_len=48)
-    c.mesh.update(data=4, tensor=2)
-    c.train.update(objective="grpo", steps=4, global_batch_size=4, seed=0, param_dtype="float64",
-                   compute_dtype="float64")
-    c.grpo.update(num_generations=4, max_completion_length=8, rewards="{root}/reward.py:odd", beta=0.04,
-                  epsilon=0.2, num_iterations=2, log_completions=16)
-    c.optim.update(lr=3e-3, warmup_steps=0, decay_steps=10, clip_norm=1.0)
-    c.init_from = "hf:{root}/base"
-    c.data.update(sources="{root}/prompts.jsonl", cache_dir="{root}/cache", val_fraction=0.2)
-    c.log.update(every_steps=2, progress=False)
-    c.eval.update(every_steps=4, batches=1)
-    c.checkpoint.update(every_steps=3, keep=3, async_save=False)
-    return c
-"""
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """A tiny chat Llama (hf:DIR), 40 prompt records, a reward that asserts it sees its process's share; the run of
-    4 steps (mu = 2: checkpoint 3 lies inside round 1) on 1 x 8 and on 2 x 4 devices."""
-    from jaxpar import launch
-    from jaxpar.data import BPETokenizer
-
-    root = tmp_path_factory.mktemp("multihost_rl")
-    chat_tokenizer(root / "base")
-    random_hf_llama(root / "base", BPETokenizer.from_file(root / "base" / "tokenizer.json"))
-    with open(root / "prompts.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
-                                "solution": str(2 * i)}) + "\n")
-    (root / "reward.py").write_text(REWARD)
-    (root / "config.py").write_text(CONFIG.format(root=root))
-    env = dict(launch.cpu_env(os.environ, 8), JAX_ENABLE_X64="1")
-    for name, processes in (("one", 1), ("two", 2)):
-        assert run(root, name, processes, env).returncode == 0
+def runs(grpo_reference):
+    """The GRPO run of `helpers.grpo_material` on 1 x 8 devices (conftest's `grpo_reference`) and on 2 x 4."""
+    root, env = grpo_reference
+    run(root, "two", 2, env)
     return root, env
 
 
@@ -74,8 +29,6 @@ def run(root, name, processes, env):
     import subprocess
 
     args = [os.path.join(ROOT, "train.py"), "--config", str(root / "config.py"), "--workdir", str(root / name)]
-    if name == "one":  # (1 process: the first run's data cache is the second's)
-        args += [f"--config.data.cache_dir={root}/cache_one"]
     launcher = [sys.executable, "-m", "jaxpar.launch", "--num_processes", "2", "--devices_per_process", "4", "--"]
     res = subprocess.run((launcher if processes > 1 else [sys.executable]) + args, env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
@@ -83,32 +36,12 @@ def run(root, name, processes, env):
     return res
 
 
-def metrics(workdir):
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return {r["step"]: {k: v for k, v in r.items() if k not in TIMING} for r in map(json.loads, f)}
-
-
-def completions(workdir):
-    with open(os.path.join(workdir, "completions.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def assert_same_run(a, b):
-    assert sorted(a) == sorted(b) == [2, 4]
-    for step in a:
-        assert a[step].keys() == b[step].keys(), step
-        for k, v in a[step].items():  # rewards and lengths exactly; losses, KL, entropy within float64's rounding
-            assert v == pytest.approx(b[step][k], rel=1e-9, abs=1e-12), (step, k, v, b[step][k])
-        assert {k: v for k, v in a[step].items() if "reward" in k} == \
-            {k: v for k, v in b[step].items() if "reward" in k}, step
-
-
 def test_two_processes_run_grpo_like_one(runs):
     """The metrics of every log step equal (rewards, lengths and what reward functions logged exactly; the losses
     within 1e-9); the completions logged once, in order, equal, each scored by the process whose share it is."""
     root, _ = runs
-    assert_same_run(metrics(root / "two"), metrics(root / "one"))
-    two, one = completions(root / "two"), completions(root / "one")
+    assert_same_grpo_run(grpo_metrics(root / "two"), grpo_metrics(root / "one"))
+    two, one = grpo_completions(root / "two"), grpo_completions(root / "one")
     assert [r["process"] for r in two] == [0] * 8 + [1] * 8 + [0] * 8 + [1] * 8  # (2 logged rounds of 16)
     assert [r["process"] for r in one] == [0] * 32
     strip = lambda rows: [{k: v for k, v in r.items() if k != "process"} for r in rows]  # noqa: E731
@@ -128,8 +61,8 @@ def test_a_multi_host_grpo_run_killed_inside_a_round_resumes_exactly(runs):
         (parted / name).write_text("".join(kept))
     out = run(root, "parted", 2, env)
     assert "start step 3" in out.stdout + out.stderr
-    assert_same_run(metrics(parted), metrics(root / "two"))
-    assert completions(parted) == completions(root / "two")
+    assert_same_grpo_run(grpo_metrics(parted), grpo_metrics(root / "two"))
+    assert grpo_completions(parted) == grpo_completions(root / "two")
 
 
 LAUNCH = [sys.executable, "-m", "jaxpar.launch", "--num_processes", "2", "--devices_per_process", "4", "--"]

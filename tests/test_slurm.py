@@ -7,7 +7,8 @@ stopped at the end. If they cannot start, the tests fail saying why (never skipp
 Cases: (a) `scancel --signal=TERM` mid-run: both tasks save the same step and exit 75, the script requeues, the
 requeued run resumes and finishes with the uninterrupted run's losses; (b) one task killed with SIGKILL: the job
 ends within the documented bound, naming the process, and SLURM records a failure; (c) SLURM's own time-limit
-signal (`--time=2` with `--signal=TERM@70`, as the template sets its own) reaches the same save-and-requeue path.
+signal (`--time=2` with `--signal=TERM@70`, as the template sets its own) reaches the same save-and-requeue path;
+(d) a GRPO run (rounds sampled, scored and trained by both tasks) logs what 1 process x 8 devices logs.
 
 A requeued job waits out its job credential's lifetime before it starts again (120 s by default); the test's
 cluster sets `AuthInfo=...,cred_expire=30`, so the module stays under ~3 minutes. (Moving the requeued job's start
@@ -155,15 +156,20 @@ class Cluster:
     def submit(self, corpus, name: str, steps: int, *sbatch) -> int:
         """`sbatch scripts/slurm/train.sbatch` on 1 node x 2 tasks, no GPUs, workdir d/name; -> the job id."""
         d = self.d
-        train = [f"--workdir={d}/{name}", f"--config.data.sources={corpus}/*.txt", f"--config.data.cache_dir={d}/cache",
+        train = [f"--config.data.sources={corpus}/*.txt", f"--config.data.cache_dir={d}/cache",
                  "--config.model.layers=2", "--config.model.embed=32", "--config.model.mlp=64",
                  "--config.model.seq_len=16", "--config.train.global_batch_size=8", "--config.mesh.data=8",
                  f"--config.train.steps={steps}", "--config.checkpoint.every_steps=100000",
                  "--config.log.every_steps=1", "--config.eval.every_steps=100000", "--config.eval.batches=1"]
+        return self.submit_config(os.path.join(ROOT, "configs/shakespeare.py"), f"{d}/{name}", name, *train,
+                                  sbatch=sbatch)
+
+    def submit_config(self, config: str, workdir: str, name: str, *train, sbatch=()) -> int:
+        """`sbatch scripts/slurm/train.sbatch CONFIG --workdir=WORKDIR TRAIN...` on 1 node x 2 tasks; -> the job id."""
         out = self.run("sbatch", "--parsable", f"--job-name={name}", "--partition=jaxpartest", "--nodes=1",
                        "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
-                       f"--output={d}/jobs/%j.out", *sbatch, os.path.join(ROOT, "scripts/slurm/train.sbatch"),
-                       os.path.join(ROOT, "configs/shakespeare.py"), *train)
+                       f"--output={self.d}/jobs/%j.out", *sbatch, os.path.join(ROOT, "scripts/slurm/train.sbatch"),
+                       config, f"--workdir={workdir}", *train)
         return int(out.strip().split(";")[0])
 
     def wait_requeued(self, job_id: int, timeout: float = 60) -> None:
@@ -268,3 +274,18 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, corpus):
     assert re.search(r"preempted \(SIGTERM\): checkpoint of step \d+ saved", out), out[-3000:]
     assert "requeueing job" in out, out[-3000:]
     cluster.run("scancel", str(job))
+
+
+def test_a_grpo_run_under_slurm_logs_the_one_process_metrics(cluster, grpo_reference):
+    """`helpers.grpo_material`'s GRPO run (float64) submitted with `train.sbatch` on 1 node x 2 tasks x 4 devices:
+    every log step's metrics equal the 1-process run's (rewards exactly), the completions logged once."""
+    from helpers import assert_same_grpo_run, grpo_completions, grpo_metrics
+
+    root, _ = grpo_reference
+    workdir = os.path.join(cluster.d, "grpo")
+    job = cluster.submit_config(str(root / "config.py"), workdir, "grpo", sbatch=("--export=ALL,JAX_ENABLE_X64=1",))
+    cluster.wait_state(job, ("COMPLETED",), 240)
+    assert_same_grpo_run(grpo_metrics(workdir), grpo_metrics(root / "one"))
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "process"} for r in rows]  # noqa: E731
+    assert strip(grpo_completions(workdir)) == strip(grpo_completions(root / "one"))
+    assert {r["process"] for r in grpo_completions(workdir)} == {0, 1}  # (each task scored its share)
