@@ -69,36 +69,39 @@ LAUNCH = [sys.executable, "-m", "jaxpar.launch", "--num_processes", "2", "--devi
 LAYOUT = ["--config.mesh.data=4", "--config.mesh.tensor=2"]
 
 
-def launched(*args):
+def launched(*args, env=None):
     import subprocess
 
     from jaxpar import launch
 
-    res = subprocess.run(LAUNCH + list(args), env=launch.cpu_env(os.environ, 8), cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    res = subprocess.run(LAUNCH + list(args), env=env or launch.cpu_env(os.environ, 8), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout + res.stderr
 
 
 def test_generation_on_two_processes_writes_one_process_output_once_and_resumes(runs, tmp_path):
-    """10 prompts x 2 samples at temperature 1 on (data 4, tensor 2): the 2-process file equals the 1-process
-    file line for line (tokens and log-probs), written once; cut to 4 records and rerun on 2 processes, it ends
-    equal again."""
+    """10 prompts x 2 samples at temperature 1 from the 2-process GRPO run's checkpoint (float64) on (data 4,
+    tensor 2): the 2-process file equals the 1-process file line for line (tokens and log-probs), written once; cut
+    to 4 records and rerun on 2 processes, it ends equal again."""
+    import jax
+
     from jaxpar.generate.__main__ import main
 
-    root, _ = runs
+    root, env = runs
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"hello {i}"}) + "\n" for i in range(10)))
-    args = lambda out: ["--model", f"hf:{root}/base", "--prompts", str(prompts), "--out", str(out),  # noqa: E731
+    args = lambda out: ["--model", str(root / "two"), "--prompts", str(prompts), "--out", str(out),  # noqa: E731
                         "--max_new_tokens", "8", "--temperature", "1", "--n", "2", "--slots", "8", "--progress", "0",
                         *LAYOUT]
-    assert main(args(tmp_path / "one.jsonl")) == 0
-    out = launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"))
+    with jax.enable_x64(True):
+        assert main(args(tmp_path / "one.jsonl")) == 0
+    out = launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"), env=env)
     one = (tmp_path / "one.jsonl").read_text().splitlines()
     assert (tmp_path / "two.jsonl").read_text().splitlines() == one and len(one) == 10
     assert out.count("10 records (0 already in") == 1  # (process 0 alone reports and writes)
     (tmp_path / "two.jsonl").write_text("\n".join(one[:4]) + "\n")
-    assert "6 records (4 already in" in launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"))
+    assert "6 records (4 already in" in launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"), env=env)
     assert (tmp_path / "two.jsonl").read_text().splitlines() == one
 
 

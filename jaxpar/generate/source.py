@@ -53,9 +53,10 @@ class Source(NamedTuple):
 
 
 def _place(params, steps):
-    """Canonical params (one device) -> `steps`' params shardings, the layer axis in its layer order."""
+    """Canonical params (one device) -> `steps`' params shardings, the layer axis in its layer order (through the host:
+    on several processes each places its devices' shards from its own copy)."""
     order = np.asarray(steps.layer_order)
-    shared, layers = gpt.split_params(params)
+    shared, layers = gpt.split_params(jax.device_get(params))
     params = gpt.join_params(shared, jax.tree.map(lambda a: a[order], layers))
     return jax.device_put(params, steps.state_shardings["params"])
 

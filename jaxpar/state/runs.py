@@ -112,7 +112,7 @@ class Run(NamedTuple):
 
 
 def load_run(workdir: str, step: int | None = None, device=None) -> Run:
-    """WORKDIR's latest (or given) checkpoint, restored onto one device (`device`, default `jax.devices()[0]`).
+    """WORKDIR's latest (or given) checkpoint, restored onto one device (`device`, default this process's first).
 
     The checkpoint may come from any layout: the params tree on disk is layout-free. Params keep their saved dtype
     (`train.param_dtype`). Creates nothing in WORKDIR.
@@ -129,7 +129,7 @@ def load_run(workdir: str, step: int | None = None, device=None) -> Run:
         step = ckpt.latest_step() if step is None else int(step)
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {ckpt.directory}.")
-        dev = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+        dev = jax.sharding.SingleDeviceSharding(device or jax.local_devices()[0])
         shapes = jax.eval_shape(lambda: fresh_params(cfg, 0))  # the params alone: no optimizer built or read
         target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), shapes)
         state = ckpt.restore_part(step, {"params": target})
