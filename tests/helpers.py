@@ -429,10 +429,9 @@ def get_config():
 
 
 
-def grpo_material(root) -> None:
-    """A tiny chat Llama (root/base, for hf:DIR), 40 conversational prompt records, a reward that asserts it sees its
-    process's share of a round (`GRPO_REWARD`) and `GRPO_CONFIG` as root/config.py: 4 float64 steps on (data 4,
-    tensor 2), mu = 2 (checkpoint 3 lies inside round 1)."""
+def rl_base(root) -> None:
+    """A tiny chat Llama (root/base, for hf:DIR) and 40 conversational prompt records (root/prompts.jsonl: "What is
+    i+i?", solution 2i)."""
     from jaxpar.data import BPETokenizer
 
     chat_tokenizer(root / "base")
@@ -441,6 +440,12 @@ def grpo_material(root) -> None:
         for i in range(40):
             f.write(json.dumps({"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
                                 "solution": str(2 * i)}) + "\n")
+
+
+def grpo_material(root) -> None:
+    """`rl_base`, a reward that asserts it sees its process's share of a round (`GRPO_REWARD`) and `GRPO_CONFIG` as
+    root/config.py: 4 float64 steps on (data 4, tensor 2), mu = 2 (checkpoint 3 lies inside round 1)."""
+    rl_base(root)
     (root / "reward.py").write_text(GRPO_REWARD)
     (root / "config.py").write_text(GRPO_CONFIG.format(root=root))
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import chat_tokenizer, random_hf_llama, tiny_config  # noqa: E402
+from helpers import chat_tokenizer, random_hf_llama, rl_base, tiny_config  # noqa: E402
 from jaxpar import trainer  # noqa: E402
 from jaxpar.data import DataError  # noqa: E402
 
@@ -29,13 +29,7 @@ def material(tmp_path_factory):
     """A tiny chat Llama (hf:DIR), 40 conversational prompt records, and a reward on the completion's token ids written
     for TRL: it reads `trainer_state`, logs a metric (`log_metric`) and a column of the completions (`log_extra`)."""
     root = tmp_path_factory.mktemp("rl")
-    chat_tokenizer(root / "base")
-    from jaxpar.data import BPETokenizer
-    random_hf_llama(root / "base", BPETokenizer.from_file(root / "base" / "tokenizer.json"))
-    with open(root / "prompts.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
-                                "solution": str(2 * i)}) + "\n")
+    rl_base(root)
     (root / "reward.py").write_text("def odd(completion_ids, solution, trainer_state, log_metric, log_extra, **kw):\n"
                                     "    assert len(solution) == len(completion_ids)\n"
                                     "    log_metric('seen_step', trainer_state.global_step)\n"
