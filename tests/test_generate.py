@@ -6,6 +6,7 @@ model log-prob equals transformers' (1e-4) and the training forward's (`Engine.s
 are transformers' router's top-k; a padded batch equals each row alone; seeded sampling is the same whatever the batch
 and the layout ((data 2, tensor 2), expert parallel, ZeRO-3, a pipeline); the sampler's filters equal their formula;
 refilling finished slots changes nothing; bad requests are one line each."""
+import math
 import numpy as np
 import pytest
 
@@ -230,6 +231,7 @@ LAYOUTS = {
     "expert": ("qwen3_moe", {"mesh.data": 2, "mesh.expert": 4}),
     "pipeline": ("llama", {"mesh.data": 2, "mesh.tensor": 2, "mesh.stage": 2, "train.microbatches": 2,
                            "pipeline.schedule": "circular", "pipeline.virtual_stages": 2}),  # layers out of order
+    "context": ("llama", {"mesh.data": 2, "mesh.context": 2, "mesh.tensor": 2}),  # rows over data x context
 }
 
 
@@ -239,7 +241,7 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     kind, over = LAYOUTS[name]
     d = models[kind][1]
     config = hf.apply(run_config(corpus, tmp_path, **{**over, "init_from": f"hf:{d}"}))
-    n = over["mesh.data"] * over.get("mesh.tensor", 1) * over.get("mesh.expert", 1) * over.get("mesh.stage", 1)
+    n = math.prod(over.get(f"mesh.{a}", 1) for a in ("data", "tensor", "expert", "stage", "context"))
     steps = steps_for(config, V, jax.devices()[:n])
     placed = hf.load_params(str(d), steps.cfg, steps.state_shardings["params"], steps.layer_order)
     fwd, params, _ = hf.load(str(d))
@@ -257,10 +259,10 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
         if w.experts is not None:
             np.testing.assert_array_equal(g.experts, w.experts)
             np.testing.assert_array_equal(g.prompt_experts, w.prompt_experts)
-    # the KV cache is sharded as `--dry_run` prices it: rows over data x expert, KV heads over tensor
+    # the KV cache is sharded as `--dry_run` prices it: rows over data x expert x context, KV heads over tensor
     shape = (steps.cfg.layers, 8, 64, steps.cfg.kv_heads, steps.cfg.head_dim)
     shard = engine.decoder.cache_sharding(8, 64).shard_shape(shape)
-    assert shard[1] == 8 // (over["mesh.data"] * over.get("mesh.expert", 1))
+    assert shard[1] == 8 // (over["mesh.data"] * over.get("mesh.expert", 1) * over.get("mesh.context", 1))
     assert shard[3] == steps.cfg.kv_heads // over.get("mesh.tensor", 1)
     priced = cache_bytes(steps.cfg, 8, 64, steps.layout, step_rules(config))
     assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}

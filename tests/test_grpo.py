@@ -174,7 +174,7 @@ def jaxpar_batch(rnd, s, inputs, st=None):
     k, seq = 1, T
     if st is not None:
         k = st.objective.per_row(PROMPTS, st.layout.batch_split * st.layout.microbatches, T)
-        seq = st.objective.longest_row(T, k)
+        seq = st.objective.longest_row(T, k, st.layout.context)
     return rows_mod.training_batch(prompts[::G] if st else prompts, completions, G if st else 1, k, seq,
                                    st is not None, adv, inputs["old"], inputs["ref"] if s["beta"] else None,
                                    truncated if s["mask_truncated"] else None).batch
@@ -235,6 +235,40 @@ def test_grpo_on_layouts_with_accumulation_equals_trl(models, name):
     shared-prompt rows (two completions a row: the rows split over data shards and microbatches)."""
     check_against_torch(models, settings("grpo", "batch", beta=0.1, mask_truncated=True), LAYOUTS[name], devices=8,
                         seed=1, shared=True)
+
+
+CONTEXT_LAYOUTS = {  # context parallelism: each sequence over 2 devices (the balanced order), with tensor and data
+    "context2_gspo": ({"mesh.context": 2}, 2, settings("gspo", "batch", beta=0.1, eps=0.03, eps_high=0.04,
+                                                        bias_kl=True)),
+    "context2_tensor2_data2_grpo": ({"mesh.context": 2, "mesh.tensor": 2, "mesh.data": 2}, 8,
+                                    settings("grpo", "batch", beta=0.1, mask_truncated=True))}
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["row_each", "shared_prompt"])
+@pytest.mark.parametrize("name", list(CONTEXT_LAYOUTS))
+def test_grpo_under_context_parallelism_equals_trl(models, name, shared):
+    """Each row's tokens over 2 context devices: the per-token inputs (the old policy's and the reference's
+    log-probs) laid out in the context order with them, each completion's normalisation (grpo) and its sequence
+    ratio (gspo) summed over the devices holding its tokens."""
+    over, devices, s = CONTEXT_LAYOUTS[name]
+    check_against_torch(models, s, over, devices=devices, seed=1, shared=shared)
+
+
+def test_the_old_policys_log_probs_under_context_parallelism_come_back_in_the_rows_order(models):
+    """The training forward's per-token log-probs (`TokenLogps`: the old policy's pass, the reference's) on
+    (data 2, context 2, tensor 2) equal one device's position for position (float64): each context device writes its
+    pieces at their own places, so `old` and the sampler's ratios meet the tokens they belong to."""
+    rnd, s = make_round(1), settings("grpo")
+    ones = {"old": [np.zeros(len(c)) for c in rnd[1]]}
+    got = []
+    with jax.enable_x64(True):
+        for over, n in (({}, 1), ({"mesh.context": 2, "mesh.tensor": 2, "mesh.data": 2}, 8)):
+            st = steps_for(grpo_config(models[0], s, **over), V, jax.devices()[:n])
+            params = hf.load_params(str(models[0]), st.cfg, st.state_shardings["params"], st.layer_order)
+            batch = jax.device_put(jaxpar_batch(rnd, s, ones), st.batch_sharding)
+            got.append(np.asarray(jax.device_get(st.forward(params, batch, TokenLogps(ROWS))[1])))
+    assert got[0].shape == (ROWS, T) and np.abs(got[0]).min() > 0
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-12, atol=0)
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,18 @@ CACHE_NAMES = (None, "batch", "seq", "kv_heads", "kv")  # the cache's logical ax
 
 
 def decode_rules(rules) -> tuple:
-    """The rules of the decode layout: the training rules with `layers` on no mesh axis (gathered over `stage`), as
-    tuples (a run's config.json holds lists)."""
-    return tuple((n, None if n == "layers" else tuple(a) if isinstance(a, list) else a) for n, a in rules)
+    """The rules of the decode layout: the training rules with `layers` on no mesh axis (gathered over `stage`) and the
+    rows also split over `context` (a row's cache whole on a device: context parallelism's devices decode rows of
+    their own), as tuples (a run's config.json holds lists)."""
+    def axes(n, a):
+        a = tuple(a) if isinstance(a, list) else a
+        if n == "layers":
+            return None
+        if n == "batch":
+            a = (a,) if isinstance(a, str) else tuple(a or ())
+            return a + (("context",) if "context" not in a else ())
+        return a
+    return tuple((n, axes(n, a)) for n, a in rules)
 
 
 def _fitting(p: P, shape, sizes: dict) -> P:

@@ -42,16 +42,17 @@ def replica_axes(mesh) -> tuple:
     return tuple(a for a in REPLICA_AXES if mesh.shape.get(a, 1) > 1)
 
 
-def xs_spec(ndim: int, mesh) -> P:
-    """The spec of a microbatched input `[M, rows, seq, ...]` (ndim >= 3) or `[M, rows]` inside a region manual over
-    the replica axes: rows over the batch axes, the sequence over `context`."""
-    seq = CONTEXT if ndim >= 3 and mesh.shape.get(CONTEXT, 1) > 1 else None
+def xs_spec(ndim: int, mesh, along: bool = True) -> P:
+    """The spec of a microbatched input `[M, rows, seq, ...]` (ndim >= 3, `along` the sequence) or `[M, rows, ...]`
+    inside a region manual over the replica axes: rows over the batch axes, the sequence over `context`."""
+    seq = CONTEXT if along and ndim >= 3 and mesh.shape.get(CONTEXT, 1) > 1 else None
     return P(None, entry(batch_axes(mesh)), seq) if seq else P(None, entry(batch_axes(mesh)))
 
 
-def xs_specs(xs, mesh):
-    """`xs_spec` of every leaf of a tree of microbatched inputs."""
-    return jax.tree.map(lambda a: xs_spec(a.ndim, mesh), xs)
+def xs_specs(xs, mesh, per_row=()):
+    """`xs_spec` of every leaf of a dict of microbatched inputs; those under the keys `per_row` hold values per row
+    (their axis 2 is not the sequence)."""
+    return {k: jax.tree.map(lambda a, k=k: xs_spec(a.ndim, mesh, k not in per_row), v) for k, v in xs.items()}
 
 
 def entry(axes: tuple):

@@ -51,8 +51,9 @@ class DataParallel:
       select: params-shaped tree -> the part that has gradients (`grad_specs`' structure; LoRA: the adapters).
     """
 
-    def __init__(self, mesh, base_specs, param_specs, grad_specs, zero_stage: int, names, select=lambda t: t):
-        self.mesh, self.names = mesh, names
+    def __init__(self, mesh, base_specs, param_specs, grad_specs, zero_stage: int, names, select=lambda t: t,
+                 per_row=()):
+        self.mesh, self.names, self.per_row = mesh, names, tuple(per_row)  # (`sharding.xs_specs`)
         self.manual = replica_axes(mesh)  # mesh axes that are manual inside `run` (none: no shard_map at all)
         is_p = lambda x: isinstance(x, P)  # noqa: E731
         self.axes = jax.tree.map(lambda b: zero_axes(b, mesh), base_specs, is_leaf=is_p)
@@ -109,7 +110,7 @@ class DataParallel:
         """`fn(params, xs) -> sums` (no gradients: evaluation) on each shard, summed over the shards."""
         man = lambda spec: _manual_only(spec, self.manual)  # noqa: E731
         f = jax.shard_map(lambda p, x: self.psum(fn(p, x)), mesh=self.mesh, axis_names=set(self.manual),
-                          in_specs=(self._map(man, self.pspec), xs_specs(xs, self.mesh)),
+                          in_specs=(self._map(man, self.pspec), xs_specs(xs, self.mesh, self.per_row)),
                           out_specs=P())
         return f(params, xs)
 
@@ -133,7 +134,7 @@ class DataParallel:
             return self.psum(sums), self.reduce_end(grads)
 
         f = jax.shard_map(local, mesh=self.mesh, axis_names=set(self.manual),
-                          in_specs=(pin, xs_specs(xs, self.mesh),
+                          in_specs=(pin, xs_specs(xs, self.mesh, self.per_row),
                                     jax.tree.map(lambda a: P(), extras)),
                           out_specs=(P(), gout))
         return f(params, xs, extras)

@@ -83,7 +83,7 @@ class Rounds(Feed):
         obj, lay = steps.objective, steps.layout  # shared-prompt rows of K completions (`rows.py`), or one each
         self.shared = obj.shared_prompt
         self.per_row = obj.per_row(self.B, lay.batch_split * lay.microbatches, self.T)
-        self.longest = obj.longest_row(self.T, self.per_row)
+        self.longest = obj.longest_row(self.T, self.per_row, lay.context)
         self.tokenizer, self.stops = data.load_tokenizer(info.tokenizer_dir), stop_ids(info, config)
         self.round, self.host, self.placed, self.num_tokens = -1, None, None, 0
         self.seen, self.shown = collections.defaultdict(list), []

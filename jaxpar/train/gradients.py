@@ -124,9 +124,9 @@ class PipelineAutodiff:
     compiler would place inside a stage's `cond` is one the devices of other stages never join."""
 
     def __init__(self, fwd: gpt.Forward, objective, forward_table, mesh, rules, unsharded, remat: bool,
-                 skip_bubbles: bool):
+                 skip_bubbles: bool, per_row=()):
         self.fwd, self.objective, self.forward_table, self.mesh, self.rules = fwd, objective, forward_table, mesh, rules
-        self.unsharded, self.remat, self.skip_bubbles = unsharded, remat, skip_bubbles
+        self.unsharded, self.remat, self.skip_bubbles, self.per_row = unsharded, remat, skip_bubbles, per_row
         # manual with `stage`: the params' replica axes (`data` always; `expert`, `context` with > 1 device)
         self.batch_axes = ("data",) + tuple(a for a in replica_axes(mesh) if a != "data")
         self.manual = ("stage",) + self.batch_axes
@@ -166,7 +166,7 @@ class PipelineAutodiff:
         with activation_rules(self.rules, None, manual=self.manual):
             return pipeline.run(first, stage, last, shared, layers, xs, tab, self.mesh, remat=self.remat,
                                 skip_bubbles=self.skip_bubbles, batch_axes=self.batch_axes,
-                                stacked_specs=self.stacked_specs, xs_specs=xs_specs(xs, self.mesh))
+                                stacked_specs=self.stacked_specs, xs_specs=xs_specs(xs, self.mesh, self.per_row))
 
     def loss_and_grads(self, params, xs, norm, rng, reg_norm=0.0):
         trained, frozen = gpt.split_trainable(params, self.fwd.cfg)
@@ -204,5 +204,6 @@ class PipelineLoop(PipelineAutodiff):
             lsum, count, _, dshared, dlayers, stats = pipeline.run_loop(
                 first, layer, last, shared, layers, xs, self.table, self.mesh, jnp.asarray(norm),
                 remat=self.remat, reg_seed=reg_norm, batch_axes=self.batch_axes, stacked_specs=specs,
-                xs_specs=xs_specs(xs, self.mesh), frozen=(fshared, flayers, fspecs), join=gpt.merge_trainable)
+                xs_specs=xs_specs(xs, self.mesh, self.per_row), frozen=(fshared, flayers, fspecs),
+                join=gpt.merge_trainable)
         return lsum, self.fence_grads(gpt.join_params(dshared, dlayers)), stats, count

@@ -106,10 +106,11 @@ def to_microbatches(x, m: int):
 
 
 # what an objective's batch may carry per row besides its tokens, microbatched with them: the reference's (DPO: sums
-# per pair; GRPO: per token), GRPO's old policy's per-token log-probs, its advantages, (MoE) the experts each
-# position was routed to when sampled (`routes` `[rows, seq, layers, k]`: routing replay, `Forward.block`) and the
-# sampler's importance ratios (`is_ratio`, `rl/importance.py`)
+# per pair; GRPO: per token), GRPO's old policy's per-token log-probs, its advantages, (MoE) the experts of each
+# position when sampled (`routes` `[rows, seq, layers, k]`: routing replay), the sampler's ratios (`is_ratio`)
 ROW_INPUTS = ("ref", "old", "advantages", "routes", "is_ratio")
+TOKEN_INPUTS = ("ref", "old", "routes", "is_ratio")  # along the sequence when 2-D (DPO's `ref`: per row); the rest
+PER_ROW = tuple(k for k in ROW_INPUTS if k not in TOKEN_INPUTS)  # never split over `context`
 
 
 def microbatched(batch, m: int, context: int = 1):
@@ -125,8 +126,9 @@ def microbatched(batch, m: int, context: int = 1):
         pos = xs["pos"] if "pos" in xs else gpt.segment_positions(seg) if seg is not None else \
             jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
         order = jnp.asarray(balanced_order(inputs.shape[1], context))
-        xs = jax.tree.map(lambda a: a[:, order], {**xs, "pos": pos})
-    rows = {k: batch[k] for k in ROW_INPUTS if k in batch}
+        along = {k: batch[k] for k in TOKEN_INPUTS if k in batch and batch[k].ndim >= 2}
+        xs = jax.tree.map(lambda a: a[:, order], {**xs, **along, "pos": pos})
+    rows = {k: batch[k] for k in ROW_INPUTS if k in batch and k not in xs}
     return mask, jax.tree.map(lambda a: to_microbatches(a, m), {**xs, **rows, "ids": ids})
 
 
@@ -180,11 +182,11 @@ def strategy(st: StepSettings, fwd: gpt.Forward, sh: Shardings, mesh):
     S = lo.stage
     if S == 1:
         dp = DataParallel(mesh, sh.base_specs, sh.param_specs, sh.grad_specs, lo.zero_stage, sh.names,
-                          select=lambda tree: gpt.trainable(tree, fwd.cfg))
+                          select=lambda tree: gpt.trainable(tree, fwd.cfg), per_row=PER_ROW)
         return gradients.Accumulate(fwd, st.objective, dp, st.rules, mesh, fetch=layerwise_fetch(lo, fwd.cfg))
     M, v = lo.microbatches, lo.virtual_stages
     common = (pipeline.forward_table(lo.schedule, S, M, v), mesh, st.rules, sh.unsharded, lo.pipeline_remat,
-              st.skip_bubbles)
+              st.skip_bubbles, PER_ROW)
     if pipeline.SCHEDULES[lo.schedule].engine == "loop":
         return gradients.PipelineLoop(fwd, st.objective, pipeline.table(lo.schedule, S, M, v), *common)
     return gradients.PipelineAutodiff(fwd, st.objective, *common)

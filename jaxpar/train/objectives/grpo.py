@@ -37,6 +37,7 @@ import numpy as np
 from jaxpar.dtypes import at_least_f32
 from jaxpar.kernels import segments
 from jaxpar.kernels.cross_entropy import place_rows
+from jaxpar.parallel import context, logical
 from jaxpar.train.objectives.base import Objective
 _CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 
@@ -105,11 +106,12 @@ class GRPO(Objective):
         return max(k for k in range(1, G + 1) if G % k == 0 and (prompts * G // k) % split == 0
                    and (k == 1 or self.longest_row(seq, k) <= 2 * seq))
 
-    def longest_row(self, seq: int, per_row: int) -> int:
+    def longest_row(self, seq: int, per_row: int, context: int = 1) -> int:
         """The most input positions a row can need: a shared row's prompt of the most tokens (seq + 1 - room) less
-        its last, then `per_row` segments of a whole completion and a copy of the prompt's last token; else seq."""
-        room = self.max_completion_length
-        return seq - room + per_row * (room + 1) if self.shared_prompt else seq
+        its last, then `per_row` segments of a whole completion and a copy of the prompt's last token, rounded up to
+        a multiple of 2 x `context` (context parallelism's chunks); else seq."""
+        room, chunks = self.max_completion_length, 2 * context if context > 1 else 1
+        return -(-(seq - room + per_row * (room + 1)) // chunks) * chunks if self.shared_prompt else seq
 
     def batch_shapes(self, config, default: dict, layout=None) -> dict:
         """A round's batch at its longest: its rows (a completion each, its prompt then itself; or shared-prompt
@@ -118,7 +120,7 @@ class GRPO(Objective):
         microbatches split the rows)."""
         B, m = int(config.train.global_batch_size), config.model
         k = self.per_row(B, 1 if layout is None else layout.batch_split * layout.microbatches, int(m.seq_len))
-        rows, T = self.rows(config) // k, self.longest_row(int(m.seq_len), k)
+        rows, T = self.rows(config) // k, self.longest_row(int(m.seq_len), k, 1 if layout is None else layout.context)
         f = np.dtype(at_least_f32(config.train.compute_dtype))
         out = {"tokens": ((rows, T + 1), np.int32), "mask": ((rows, T), f), "advantages": ((rows, k), f)}
         out |= {"segments": ((rows, T + 1), np.int32), "positions": ((rows, T + 1), np.int32)} \
@@ -130,15 +132,11 @@ class GRPO(Objective):
 
     @staticmethod
     def errors(config, lay) -> list[str]:
-        """Room for a prompt next to a whole completion; no context parallelism (the per-token inputs are not laid
-        out in its order)."""
+        """Room for a prompt next to a whole completion."""
         errs, n, T = [], int(config.grpo.max_completion_length), int(config.model.seq_len)
         if n >= T:
             errs.append(f"grpo.max_completion_length={n} with model.seq_len={T}: no room is left for a prompt; "
                         f"lower grpo.max_completion_length below {T} or raise model.seq_len.")
-        if lay.context > 1:
-            errs.append(f"train.objective='grpo' with mesh.context={lay.context}: GRPO's per-token log-probs are not "
-                        f"context-parallel yet; set mesh.context=1.")
         if config.grpo.shared_prompt and config.model.attention in ("cudnn", "pallas"):
             errs.append(f"model.attention={config.model.attention!r} with grpo.shared_prompt=True: the fused kernel "
                         f"sees a query's own segment only, not its shared prompt; set model.attention='auto' (XLA "
@@ -152,8 +150,8 @@ class GRPO(Objective):
         adv = mb["advantages"].astype(lp.dtype).reshape(lp.shape[0], -1)
         old = mb["old"].astype(lp.dtype) if "old" in mb else jax.lax.stop_gradient(lp)  # mu = 1: the policy's own
         log_ratio = lp - old
-        if self.loss_type == "gspo":  # one ratio a completion
-            seq_ratio = jnp.exp(own.sums(log_ratio) / jnp.maximum(own.sums(jnp.ones_like(lp)), 1))
+        if self.loss_type == "gspo":  # one ratio a completion (its tokens on every context device)
+            seq_ratio = jnp.exp(logical.sum_context(own.sums(log_ratio)) / own.counts())
             ratio, counted = own.tokens(seq_ratio), (seq_ratio, adv)
         else:
             ratio = jnp.exp(log_ratio)
@@ -193,12 +191,14 @@ class GRPO(Objective):
         w = mb["w"].astype(lp.dtype)
         own = _Completions(mb.get("seg"), w, mb["advantages"].size // w.shape[0])
         loss, ratio, adv, kl = self.per_token(lp, mb, own)
-        per_seq = own.sums(loss)
+        per_seq = own.sums(loss)  # (under context parallelism: this device's tokens' part of each sum)
         if self.loss_type in ("grpo", "gspo"):
-            per_seq = per_seq / jnp.maximum(own.sums(jnp.ones_like(lp)), 1)
+            per_seq = per_seq / own.counts()
         kl = (kl * w).sum() if self.beta > 0 else jnp.zeros((), lp.dtype)
-        count = jnp.stack([w.sum(), jnp.asarray(per_seq.size, lp.dtype), (entropy * w).sum(), kl,
-                           *self.clip_sums(ratio, adv, w)])
+        clips = self.clip_sums(ratio, adv, w)
+        cp = logical.context_split()  # (what every context device holds whole is counted once over their sum)
+        clips = [c / cp for c in clips] if self.loss_type == "gspo" else clips
+        count = jnp.stack([w.sum(), jnp.asarray(per_seq.size / cp, lp.dtype), (entropy * w).sum(), kl, *clips])
         return per_seq.sum(), count
 
     def total(self, mask, seg, batch):
@@ -228,8 +228,13 @@ class _Completions:
         self.one_hot = (own[..., None] == jnp.arange(per_row)).astype(w.dtype)
 
     def sums(self, x):
-        """`[rows, seq]` -> each completion's sum over its masked-in tokens `[rows, K]`."""
+        """`[rows, seq]` -> each completion's sum over its masked-in tokens `[rows, K]` (of this device's tokens under
+        context parallelism)."""
         return jnp.einsum("rt,rtk->rk", x * self.w, self.one_hot)
+
+    def counts(self):
+        """Each completion's masked-in tokens `[rows, K]` (at least 1), over every context device's."""
+        return jnp.maximum(logical.sum_context(self.sums(jnp.ones_like(self.w))), 1)
 
     def tokens(self, x):
         """`[rows, K]` per completion -> each position's `[rows, seq]`."""
@@ -252,5 +257,9 @@ class TokenLogps:
 
     def head(self, fwd, params, x, mb):
         lp = fwd.token_logps(params, x, mb["y"], self.temperature)
+        cp = logical.context_split()
+        if cp > 1:  # this device's piece of the context-parallel order, written at its tokens' own places
+            at = context.local_index(lp.shape[1], cp, logical.context_rank())
+            lp = jnp.zeros((lp.shape[0], lp.shape[1] * cp), lp.dtype).at[:, at].set(lp)
         place = (mb["ids"][:, None] == jnp.arange(self.rows)).astype(lp.dtype)
         return jnp.zeros((), lp.dtype), place_rows(place, lp)
