@@ -353,4 +353,4 @@ def test_rules_read_back_from_a_run_directory_key_the_same_programs():
 
     read = decode_rules(json.loads(json.dumps(DEFAULT_RULES)))
     assert read == decode_rules(DEFAULT_RULES) and hash(read) == hash(decode_rules(DEFAULT_RULES))
-    assert dict(read)["layers"] is None and dict(read)["batch"] == ("data", "expert")
+    assert dict(read)["layers"] is None and dict(read)["batch"] == ("data", "expert", "context")
