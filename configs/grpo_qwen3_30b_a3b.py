@@ -23,12 +23,12 @@ def get_config():
                    heads=32, kv_heads=4, head_dim=128, qk_norm=True, mlp=6144, norm_eps=1e-6, rope_theta=1e6,
                    tie_embeddings=False, remat="full", experts=128, experts_per_token=8, expert_mlp=768,
                    router="softmax", router_norm_topk=True, capacity_factor=1.25, aux_loss=0.001)
-    c.train.update(objective="grpo", steps=300, global_batch_size=64, microbatches=4, seed=0,
+    c.train.update(objective="grpo", steps=300, global_batch_size=64, microbatches=16, seed=0,
                    param_dtype="bfloat16", compute_dtype="bfloat16")
     c.grpo.update(num_generations=8, max_completion_length=2048, temperature=1.0, loss_type="dapo", epsilon=0.2,
                   epsilon_high=0.28, beta=0.0, scale_rewards="group", num_iterations=1,
                   rewards="jaxpar.rl.rewards:exact_answer", map_records="jaxpar.data.prompts:gsm8k")
-    c.optim.update(zero_stage=1, lr=1e-6, min_lr_ratio=1.0, warmup_steps=0, decay_steps=300, weight_decay=0.0,
+    c.optim.update(zero_stage=2, lr=1e-6, min_lr_ratio=1.0, warmup_steps=0, decay_steps=300, weight_decay=0.0,
                    b1=0.9, b2=0.99, clip_norm=1.0)
     c.data.update(sources="hfds:openai/gsm8k", hf_data_files="main/train-*.parquet", val_fraction=0.02)
     c.checkpoint.update(every_steps=50, keep=2)
