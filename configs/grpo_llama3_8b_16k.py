@@ -12,17 +12,14 @@ completions; TRL's defaults otherwise (loss `dapo`, clip-higher 0.28, one pass p
 The shape is Llama 3.1 8B's, so `--dry_run` and the planner need no checkpoint; to train, point it at the weights:
     --config.init_from=hf:meta-llama/Llama-3.1-8B-Instruct   (or hf:/path/to/it)
 """
-from jaxpar.config import base_config
+from jaxpar.config import config_beside
 
 
 def get_config():
-    c = base_config()
+    c = config_beside(__file__, "llama3_8b_128k.py")  # the model's shape
     c.name = "grpo_llama3_8b_16k"
     c.mesh.update(data=1, tensor=1, stage=1, context=8)
-    c.model.update(arch="llama", vocab_size=128256, seq_len=17408, max_positions=131072, layers=32, embed=4096,
-                   heads=32, kv_heads=8, mlp=14336, norm_eps=1e-5, rope_theta=500000.0, rope_scaling="llama3",
-                   rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
-                   tie_embeddings=False, remat="full")
+    c.model.update(seq_len=17408)
     c.train.update(objective="grpo", steps=200, global_batch_size=8, microbatches=4, seed=0,
                    param_dtype="float32", compute_dtype="bfloat16")
     c.grpo.update(num_generations=8, max_completion_length=16384, temperature=1.0, loss_type="dapo", epsilon=0.2,
