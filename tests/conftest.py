@@ -65,7 +65,7 @@ def grpo_reference(tmp_path_factory):
     import subprocess
     import sys
 
-    from helpers import grpo_material
+    from rl_runs import grpo_material
     from jaxpar import launch
 
     root = tmp_path_factory.mktemp("grpo_reference")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import assert_same_grpo_run, grpo_completions, grpo_metrics
+from rl_runs import assert_same_grpo_run, grpo_completions, grpo_metrics
 
 pytestmark = [pytest.mark.serial, pytest.mark.xdist_group("processes"), pytest.mark.slow]
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import chat_tokenizer, random_hf_llama, rl_base, tiny_config  # noqa: E402
+from helpers import chat_tokenizer, random_hf_llama, tiny_config  # noqa: E402
+from rl_runs import rl_base  # noqa: E402
 from jaxpar import trainer  # noqa: E402
 from jaxpar.data import DataError  # noqa: E402
 

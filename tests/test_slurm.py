@@ -279,7 +279,7 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, corpus):
 def test_a_grpo_run_under_slurm_logs_the_one_process_metrics(cluster, grpo_reference):
     """`helpers.grpo_material`'s GRPO run (float64) submitted with `train.sbatch` on 1 node x 2 tasks x 4 devices:
     every log step's metrics equal the 1-process run's (rewards exactly), the completions logged once."""
-    from helpers import assert_same_grpo_run, grpo_completions, grpo_metrics
+    from rl_runs import assert_same_grpo_run, grpo_completions, grpo_metrics
 
     root, _ = grpo_reference
     workdir = os.path.join(cluster.d, "grpo")

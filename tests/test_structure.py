@@ -174,8 +174,8 @@ def test_the_cycle_check_catches_a_cycle(tmp_path):
 
 
 def test_no_test_module_imports_another():
-    """Shared fixtures and helpers live in tests/helpers.py, tests/hf_checks.py and tests/conftest.py, not in other
-    test modules."""
+    """Shared fixtures and helpers live in tests/helpers.py, tests/hf_checks.py, tests/rl_runs.py and
+    tests/conftest.py, not in other test modules."""
     tests = pathlib.Path(__file__).resolve().parent
     bad = [f"{f.name}: {n}" for f in sorted(tests.glob("test_*.py")) for node in ast.walk(ast.parse(f.read_text()))
            if isinstance(node, (ast.Import, ast.ImportFrom))

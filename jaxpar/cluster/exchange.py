@@ -23,14 +23,13 @@ def fetch(tree):
     return multihost_utils.process_allgather(tree, tiled=True)
 
 
-def share(n: int, unit: int = 1, process: int | None = None, processes: int | None = None) -> tuple[int, int]:
-    """(lo, hi): the items [lo, hi) of n that `process` (default: this one) takes, in whole units of `unit` items
-    (a group's completions stay on one process), as evenly as the units allow, the first processes taking one more."""
+def share(n: int, unit: int = 1) -> tuple[int, int]:
+    """(lo, hi): the items [lo, hi) of n that this process takes, in whole units of `unit` items (a group's
+    completions stay on one process), as evenly as the units allow, the first processes taking one more."""
     import jax
 
-    p = jax.process_index() if process is None else process
-    count = jax.process_count() if processes is None else processes
-    units, extra = divmod(n // unit, count)
+    p = jax.process_index()
+    units, extra = divmod(n // unit, jax.process_count())
     start = p * units + min(p, extra)
     return start * unit, (start + units + (p < extra)) * unit
 

@@ -70,10 +70,11 @@ class RewardLog:
     """The `log_extra` and `log_metric` that reward functions get (TRL's `_log_completion_extra`, `_log_metric`) for
     one scoring of `n` completions, and the `trainer_state` they see: `extra` {column: a value per completion} (a
     column logged again is replaced), `metrics` {name: the values logged}. On several processes each process's calls
-    see its share of the completions (`exchange.share`, in whole `unit`s: a group's completions together); `score` then gathers what every process logged."""
+    see its share of the completions (`exchange.share`, in whole `unit`s: a group's completions together); `score`
+    then merges what every process logged (`merge`)."""
 
     def __init__(self, n: int, trainer_state: TrainerState | None = None, unit: int = 1):
-        self.n, self.state, self.unit, self.extra, self.metrics = n, trainer_state, unit, {}, {}
+        self.n, self.state, self.extra, self.metrics = n, trainer_state, {}, {}
         self.lo, self.hi = exchange.share(n, unit)
 
     def log_extra(self, column: str, values) -> None:
@@ -90,13 +91,9 @@ class RewardLog:
         """The keywords of TRL's calling convention that come from the loop."""
         return {"trainer_state": self.state, "log_extra": self.log_extra, "log_metric": self.log_metric}
 
-    def gather(self) -> None:
-        """Every process's columns (in completion order; None where a process logged none) and metric values."""
-        parts = exchange.gather_json({"extra": self.extra, "metrics": self.metrics})
-        if len(parts) == 1:
-            return
-        sizes = [hi - lo for lo, hi in (exchange.share(self.n, self.unit, p, len(parts))
-                                        for p in range(len(parts)))]
+    def merge(self, parts: list, sizes: list) -> None:
+        """Every process's columns and metric values (`parts`: their `extra` and `metrics`, in process order; `sizes`
+        the completions each scored), in completion order; None where a process logged no such column."""
         columns = dict.fromkeys(c for part in parts for c in part["extra"])
         self.extra = {c: [v for part, k in zip(parts, sizes) for v in part["extra"].get(c, [None] * k)]
                       for c in columns}
@@ -193,8 +190,10 @@ def score(fns, prompts, completions, completion_ids, records, log: RewardLog | N
             raise RewardError(f"reward function {name!r} returned {len(got)} values for {hi - lo} "
                               f"completions; return one float or None per completion.")
         out[:, j] = [np.nan if v is None or (isinstance(v, float) and math.isnan(v)) else float(v) for v in got]
+    logged = {"extra": log.extra, "metrics": log.metrics} if log is not None else {}
+    parts = exchange.gather_json({"scores": out.tolist(), **logged})  # (one exchange a scoring)
+    if len(parts) == 1:
+        return out
     if log is not None:
-        log.gather()
-    parts = exchange.gather_json(out.tolist())
-    return out if len(parts) == 1 else np.asarray([row for part in parts for row in part], np.float64).reshape(
-        len(completions), len(fns))
+        log.merge(parts, [len(part["scores"]) for part in parts])
+    return np.asarray([row for part in parts for row in part["scores"]], np.float64).reshape(len(completions), len(fns))

@@ -48,10 +48,10 @@ def round_batch(prompts, records, completions, fns, weights, group: int, scale: 
                 **reward_kwargs) -> Round:
     """A round scored (`Round`): `records[p]` prompt p's record, `texts` each completion as the reward functions see
     it (default: its text, else its token ids written out), `log` what they log and their `trainer_state`
-    (`rewards.RewardLog`; on several processes each scores its share), `reward_kwargs` more keywords for them; with `replay` (a mixture of experts) the
-    batch's `routes`: the experts the engine routed each position to (`Completion.prompt_experts`, then
-    `.experts`). Its rows: `shared` rows of `per_row` completions each, at most `seq` positions long
-    (`GRPO.longest_row`), else one per row of `seq` + 1 tokens (`rows.py`)."""
+    (`rewards.RewardLog`; on several processes each scores its share), `reward_kwargs` more keywords for them; with
+    `replay` (a mixture of experts) the batch's `routes`: the experts the engine routed each position to
+    (`Completion.prompt_experts`, then `.experts`). Its rows: `shared` rows of `per_row` completions each, at most
+    `seq` positions long (`GRPO.longest_row`), else one per row of `seq` + 1 tokens (`rows.py`)."""
     recs = [r for r in records for _ in range(group)]
     ids = [list(c.tokens) for c in completions]
     shown = texts if texts is not None else [c.text if c.text is not None else str(c.tokens) for c in completions]
