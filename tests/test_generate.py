@@ -19,6 +19,7 @@ import tiny_checkpoints  # noqa: E402
 from helpers import run_config, steps_for, tiny_config  # noqa: E402
 from tiny_checkpoints import SAMPLED, V  # noqa: E402
 from jaxpar.config import step_rules  # noqa: E402
+from jaxpar.generate import cache as kv, paged  # noqa: E402
 from jaxpar.generate.cache import cache_bytes, decode_param_bytes, dry_run_entry  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
 from jaxpar.generate.sampling import Sampling, sample  # noqa: E402
@@ -262,12 +263,21 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     # the KV cache is sharded as `--dry_run` prices it: rows over data x expert x context, KV heads over tensor
     shape = (steps.cfg.layers, 8, 64, steps.cfg.kv_heads, steps.cfg.head_dim)
     shard = engine.decoder.cache_sharding(8, 64).shard_shape(shape)
-    assert shard[1] == 8 // (over["mesh.data"] * over.get("mesh.expert", 1) * over.get("mesh.context", 1))
+    context = over.get("mesh.context", 1)
+    assert shard[1] == 8 // (over["mesh.data"] * over.get("mesh.expert", 1) * context)
     assert shard[3] == steps.cfg.kv_heads // over.get("mesh.tensor", 1)
     priced = cache_bytes(steps.cfg, 8, 64, steps.layout, step_rules(config))
     assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}
     pool = pages.decoder.pool_sharding(64).shard_shape((shape[3], shape[0], 64, 8, shape[4]))
     assert pool[2] == shard[1] * 8 and pool[0] == shard[3]  # the pool's blocks split as the rows
+    if context > 1:  # a pool whose part holds fewer positions than a row: each row's KV spread over context
+        need = max(paged.blocks_for(len(r.prompt) + 5, 8) for r in reqs)
+        whole = kv.block_bytes(steps.cfg, 8) // over["mesh.tensor"]  # a block's bytes on a device holding it whole
+        tight = Engine.on_steps(steps, placed, config, slots=8, kv_block=8, kv_memory=(need - 1) * whole)
+        assert [g.tokens for g in tight.generate(reqs)] == [w.tokens for w in want] and tight.decoder.kv_context
+        assert tight.stats["kv_blocks"] // over["mesh.data"] >= need  # a part of the pool holds a row
+        held = tight.decoder.pool_sharding(64).shard_shape((shape[3], shape[0], 64, 8, shape[4]))
+        assert held[2] == 64 // over["mesh.data"] and held[3] == 8 // context  # rows over data, positions context
     leaf = jax.tree.leaves(engine.params)[0]
     assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
     if name == "pipeline":  # the decode layout: the layers gathered over stage, in their canonical order
@@ -332,15 +342,23 @@ def test_the_dry_run_prices_the_kv_cache_of_the_layout():
 
 def test_the_dry_run_prices_grpos_paged_pool():
     """GRPO's rounds: a pool of blocks of `grpo.kv_block` positions, as large as the dense cache by default, else
-    `grpo.kv_cache_gib` a device in blocks split over data (the rows) and tensor (the KV heads)."""
+    `grpo.kv_cache_gib` a device in blocks split over data (the rows) and tensor (the KV heads); under context
+    parallelism over context too: the rows while a row fits a device's part, else each block's positions."""
     c = tiny_config(**{"model.arch": "llama", "model.kv_heads": 2, "mesh.data": 4, "mesh.tensor": 2,
                        "train.objective": "grpo", "grpo.kv_block": 8})
     rows, block = 16 * 8, 2 * 4 * 8 * 2 * (32 // 8) * 4  # prompts x G; a block: k, v x layers x 8 x KV heads x hd
+    rows_split = {"parts": 4, "kv_context": False}
     assert dry_run_entry(c, 8)["paged"] == {"block": 8, "kv_blocks": rows * 2, "total": rows * 2 * block,
-                                            "per_device": rows * 2 * block // 8}
+                                            "per_device": rows * 2 * block // 8, **rows_split}
     c.grpo.kv_cache_gib = 1000 * block / 2 / 2 ** 30  # a device holds half of each of its part's blocks (tensor 2)
     assert dry_run_entry(c, 8)["paged"] == {"block": 8, "kv_blocks": 4000, "total": 4000 * block,
-                                            "per_device": 1000 * block // 2}  # 1,000 in each data shard's part
+                                            "per_device": 1000 * block // 2, **rows_split}  # 1,000 in each part
+    # (data 2, context 2, tensor 2), a device's pool half a block: with the rows over data x context a part would
+    # hold one block of a row's two (16 positions), so each row's KV splits over context: 2 parts of 2 blocks
+    c.mesh.update(data=2, context=2)
+    c.grpo.kv_cache_gib = block / 2 / 2 ** 30
+    assert dry_run_entry(c, 8)["paged"] == {"block": 8, "kv_blocks": 4, "total": 4 * block, "per_device": block // 2,
+                                            "parts": 2, "kv_context": True}
 
 
 def test_rules_read_back_from_a_run_directory_key_the_same_programs():
@@ -354,3 +372,5 @@ def test_rules_read_back_from_a_run_directory_key_the_same_programs():
     read = decode_rules(json.loads(json.dumps(DEFAULT_RULES)))
     assert read == decode_rules(DEFAULT_RULES) and hash(read) == hash(decode_rules(DEFAULT_RULES))
     assert dict(read)["layers"] is None and dict(read)["batch"] == ("data", "expert", "context")
+    split = dict(decode_rules(DEFAULT_RULES, kv_context=True))  # a row's KV positions over context, not the rows
+    assert split["batch"] == ("data", "expert") and split["kv_block"] == "context"

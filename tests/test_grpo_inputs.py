@@ -52,7 +52,7 @@ def test_bad_reward_functions_are_one_line(tmp_path, case):
     assert want in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("case", ["one_generation", "no_room"])
+@pytest.mark.parametrize("case", ["one_generation", "no_room", "block_context"])
 def test_bad_grpo_config_is_one_line_before_compiling(corpus, tmp_path, case):
     from jaxpar import trainer
     from jaxpar.config import ConfigError
@@ -60,11 +60,16 @@ def test_bad_grpo_config_is_one_line_before_compiling(corpus, tmp_path, case):
     over, want = {
         "one_generation": ({"grpo.num_generations": 1}, "grpo.num_generations=1"),
         "no_room": ({"grpo.max_completion_length": 16}, "grpo.max_completion_length=16 with model.seq_len=16: no "
-                                                          "room is left for a prompt")}[case]
+                                                          "room is left for a prompt"),
+        "block_context": ({"grpo.kv_block": 6, "mesh.context": 4, "grpo.kv_cache_gib": 0.5},
+                          "grpo.kv_block=6 with mesh.context=4 and grpo.kv_cache_gib=0.5: a completion that does not "
+                          "fit one device's pool splits its KV blocks' positions over the context devices; use a "
+                          "multiple of 4 (e.g. 8)")}[case]
+    n = over.get("mesh.context", 1)
     c = run_config(corpus, tmp_path, **{"mesh.data": 1, "train.objective": "grpo", "grpo.max_completion_length": 8,
                                         **over})
     with pytest.raises((ConfigError, DataError)) as e:
-        trainer.run(c, str(tmp_path / "run"), jax.devices()[:1])
+        trainer.run(c, str(tmp_path / "run"), jax.devices()[:n])
     msg = str(e.value).replace("invalid config:\n", "")
     assert want in msg and "\n" not in msg.strip(), msg
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -129,23 +129,31 @@ def test_a_request_no_pool_holds_is_one_line(models):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (host) devices")
-def test_a_split_pool_is_read_and_written_on_its_devices(models, monkeypatch):
+@pytest.mark.parametrize("data,context", [(4, 1), (2, 2)], ids=["data4_tensor2", "data2_context2_tensor2"])
+def test_a_split_pool_is_read_and_written_on_its_devices(models, monkeypatch, data, context):
     """On (data 4, tensor 2) the pool's blocks split as the rows: the decode step moves no block between devices
-    (no collective of the rows' gathered keys: only the tensor split's activations and the sampler's logits)."""
+    (no collective of the rows' gathered keys: only the tensor split's activations and the sampler's logits). On
+    (data 2, context 2, tensor 2) with a pool whose part, with the rows split over context, is smaller than the
+    longest row: each block's positions split over context, each device reads its half of every row's keys, and only
+    the attention's maxima, sums and outputs cross the context split."""
     from jaxpar.generate import decode
     from jaxpar.layout import Layout
     from jaxpar.parallel.mesh import make_mesh
 
     fwd, params, _ = hf.load(str(models["qwen3"][1]))
-    mesh = make_mesh(Layout(data=4, tensor=2, stage=1, microbatches=1), jax.devices()[:8])
+    mesh = make_mesh(Layout(data=data, tensor=2, stage=1, microbatches=1, context=context), jax.devices()[:8])
     params = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     want = Engine(fwd, params, slots=8, kv_block=0).generate(ragged_round()[:8])
     seen, compiled = [], decode._jit_decode
     monkeypatch.setattr(decode, "_jit_decode", lambda *a: seen.append(compiled.lower(*a).compile().as_text())
                         or compiled(*a))
-    assert_same(Engine(fwd, params, mesh=mesh, slots=8, kv_block=8).generate(ragged_round()[:8]), want)
+    longest = max(min(len(r.prompt) + r.max_new_tokens, 65) - 1 for r in ragged_round()[:8])  # (a context of 64)
+    memory = None if context == 1 else (-(-longest // 8) - 1) * kv.block_bytes(fwd.cfg, 8) // 2  # (tensor 2)
+    engine = Engine(fwd, params, mesh=mesh, slots=8, kv_block=8, kv_memory=memory)
+    assert_same(engine.generate(ragged_round()[:8]), want)
+    assert engine.decoder.kv_context == (context > 1)
     moved = [line for line in seen[0].splitlines() if re.search(r"= \S+ (all-gather|all-reduce|all-to-all|"
                                                                 r"collective-permute)\(", line)]
     sizes = [math.prod(int(n) for n in re.search(r"\[([\d,]*)\]", line).group(1).split(",") if n) for line in moved]
-    view = 8 * 64 * (fwd.cfg.kv_heads // 2) * fwd.cfg.head_dim  # one layer's keys of every row, as a device holds
-    assert moved and max(sizes) < view, moved  # (a gather across the split all-reduces that view each layer)
+    view = 8 // data * 64 * (fwd.cfg.kv_heads // 2) * fwd.cfg.head_dim  # one layer's keys of a device's rows
+    assert moved and max(sizes) < view, moved  # (a gather of them across the split moves that view each layer)

@@ -1,6 +1,7 @@
 """The planner's price of a GRPO round (`jaxpar/plan/rollout.py`, `memory.Generation`): its KV pool and decode
 params per layout against the bytes counted from the model's shape, its FLOPs against the engine's compiled programs,
 its decode never faster than the HBM moves its bytes."""
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -90,3 +91,33 @@ def test_a_rounds_price_is_built_from_the_engines_compiled_flops_and_pool(monkey
     assert rollout.decode_flops(model, rnd, 16, 256) - want == 16 * 4 * 2 * 64 * 64  # 4·L·a·d_h·S a row
     gen = memory.Generation(config)(Layout(1, 1, 1, 1), model)
     assert gen["kv_bytes"] == engine.stats["kv_blocks"] * kv.block_bytes(cfg, 16) == 16 * 4 * 16 * gen["position_bytes"]
+
+
+def test_a_round_whose_rows_outgrow_a_devices_pool_prices_their_kv_split_over_context():
+    """(context 2), rows of 64 positions (4 blocks of 16): with a pool of 2 whole blocks a device, a row split
+    over data x context would find 2 blocks in its part, so the engine splits each row's positions over context
+    (`cache.kv_over_context`) and the planner prices that: half of each position's keys and values on a device, the
+    attention over half the positions, and the attention's maxima, sums and outputs summed over context; with the
+    default pool (every slot's whole context) the rows split over context, each row's cache whole on one device."""
+    from jaxpar.generate import cache as kv
+    from jaxpar.plan import rollout
+
+    config = tiny_config(**{"train.objective": "grpo", "model.arch": "llama", "model.kv_heads": 2, "model.layers": 2,
+                            "model.embed": 64, "model.heads": 4, "model.mlp": 128, "model.seq_len": 64,
+                            "grpo.max_completion_length": 32, "grpo.num_generations": 4, "mesh.data": 1,
+                            "mesh.context": 2, "train.global_batch_size": 4})
+    model, rnd, lay = cost.Model.from_config(config, 256), rollout.Round.from_config(config), Layout(1, 1, 1, 1)
+    lay = dataclasses.replace(lay, context=2)
+    whole = kv.block_bytes(gpt.config_from(config, 256, 1), 16) / 16  # one position's keys and values, every layer
+    rows = memory.Generation(config)(lay, model)
+    assert rows["kv_context"] is False and rows["position_bytes"] == whole
+    config.grpo.kv_cache_gib = 2 * 16 * whole / 2 ** 30
+    split = memory.Generation(config)(lay, model)
+    assert split["kv_context"] is True and split["position_bytes"] == whole / 2 and split["kv_blocks"] == 4
+    attention = 4 * 2 * 64 * 64  # 4·L·a·d_h·S a row
+    assert rollout.decode_flops(model, rnd, 16, 256, context=2) == rollout.decode_flops(
+        model, rnd, 16, 256, attention=False) + 16 * attention / 2
+    cl = hardware.cluster("h100", 2)
+    one = rollout.round_time(model, rnd, lay, cl, 0.0, whole / 2, 0.0, kv_context=True)
+    alone = rollout.round_time(model, rnd, dataclasses.replace(lay, context=1), cl, 0.0, whole / 2, 0.0)
+    assert one["decode_s"] > alone["decode_s"]  # the same reads and FLOPs / 2 of attention, plus the all-reduces

@@ -201,6 +201,23 @@ def test_an_expert_parallel_moe_run_has_ratio_one(material, tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
 
 
+def test_a_context_parallel_round_samples_rows_longer_than_a_devices_pool(material, tmp_path):
+    """On (context 2) each KV block's positions split over the two devices: a pool a device holds 16 positions of
+    (two blocks of 8, whole) samples rows of 23-26 positions (prompts of 16-19 tokens, 8 new). The round runs, and
+    the engine's log-prob of every sampled token equals the context-parallel training forward's (the old policy's
+    pass, float32)."""
+    from jaxpar.generate.cache import dry_run_entry
+    c = grpo_config(material, **{"mesh.data": 1, "mesh.context": 2, "train.steps": 1, "grpo.kv_block": 8,
+                                 "grpo.importance_sampling": "token_truncate"})
+    dense = dry_run_entry(c, 2)["paged"]  # (a pool of every slot's whole context: its bytes per block per device)
+    whole = 2 * dense["per_device"] // dense["kv_blocks"]  # a block's bytes on a device holding all its positions
+    c.grpo.kv_cache_gib = 2 * whole / 2 ** 30
+    assert dry_run_entry(c, 2)["paged"]["kv_blocks"] == 4  # 32 positions over the two devices, 16 on each
+    trainer.run(c, str(tmp_path / "run"), jax.devices()[:2])
+    first = rows(tmp_path / "run")[1]
+    assert first["completion_tokens"] > 0 and first["sampling/sampling_logp_difference/max"] < 1e-5, first
+
+
 @pytest.mark.parametrize("case", ["unknown_reward", "wrong_length", "no_room", "text_source", "no_prompt"])
 def test_bad_rl_input_is_one_line(material, tmp_path, case):
     """An unknown reward function, a prompt with no room left for a completion, a source that is not records, a

@@ -3,6 +3,9 @@
 The cache of every layer, `[layers, batch, length, kv_heads, head_dim]` in the compute dtype for keys and for values,
 is sharded like the activations: rows (`batch`) over data x expert, KV heads over tensor where tensor divides them
 (else each tensor device holds them all, as its params do); its per-row positions `[layers, batch]` int32 are tiny.
+Under context parallelism the rows also split over `context` while a row fits its device's budget; a row that does
+not (`kv_over_context`) has its positions split over `context` instead (a paged pool: each block's positions), the
+rest of a decode step, its matmuls and the head, then running on every context device.
 
 The decode layout is the training layout with the `layers` axis whole on every device: with pipeline stages > 1 the
 params are gathered over `stage` for the generation (each device then holds all the layers of its tensor / ZeRO shard:
@@ -30,22 +33,35 @@ from jaxpar.parallel.logical import mesh_axes, spec
 from jaxpar.parallel.sharding import param_specs
 from jaxpar.train import objectives
 
-CACHE_NAMES = (None, "batch", "seq", "kv_heads", "kv")  # the cache's logical axes (its layer axis is never split)
+CACHE_NAMES = (None, "batch", "kv_block", "kv_heads", "kv")  # the cache's logical axes (its layer axis is never split)
 
 
-def decode_rules(rules) -> tuple:
-    """The rules of the decode layout: the training rules with `layers` on no mesh axis (gathered over `stage`) and the
-    rows also split over `context` (a row's cache whole on a device: context parallelism's devices decode rows of
-    their own), as tuples (a run's config.json holds lists)."""
+def decode_rules(rules, kv_context: bool = False) -> tuple:
+    """The rules of the decode layout: the training rules with `layers` on no mesh axis (gathered over `stage`) and
+    either the rows also split over `context` (context parallelism's devices decode rows of their own, each row's
+    cache whole on one) or, `kv_context`, each row's KV positions (`kv_block`) over `context` (its rows whole on
+    each context device, its cache spread over them, the attention's softmax and sum reduced across them), as tuples
+    (a run's config.json holds lists)."""
     def axes(n, a):
         a = tuple(a) if isinstance(a, list) else a
         if n == "layers":
             return None
-        if n == "batch":
+        if n == "batch" and not kv_context:
             a = (a,) if isinstance(a, str) else tuple(a or ())
             return a + (("context",) if "context" not in a else ())
         return a
-    return tuple((n, axes(n, a)) for n, a in rules)
+    return tuple((n, axes(n, a)) for n, a in rules if n != "kv_block") + (("kv_block", "context" if kv_context
+                                                                           else None),)
+
+
+def kv_over_context(cfg, block: int, memory: int | None, rows: int, positions: int, sizes: dict, rules) -> bool:
+    """Whether the engine splits each row's KV over `context` (`decode_rules`): when context > 1 and a row of
+    `positions` positions does not fit its device's part of a paged pool of `memory` bytes a device with the rows
+    split over context (a dense cache or a pool of every slot's whole context always fits)."""
+    if sizes.get("context", 1) == 1 or not block or memory is None:
+        return False
+    blocks, split = pool_blocks(cfg, block, memory, rows, positions, sizes, decode_rules(rules))
+    return -(-positions // block) > blocks // split
 
 
 def _fitting(p: P, shape, sizes: dict) -> P:
@@ -173,7 +189,8 @@ def dry_run_entry(config, num_devices: int) -> dict:
     """What `train.py --dry_run` reports of generation on the run's layout: the dense KV cache of a decode batch of
     a step's rows (`train.global_batch_size`; GRPO's completions: x `grpo.num_generations`) of `model.seq_len`
     positions ({"rows", "positions", "total", "per_device"} bytes) and, for GRPO's paged cache, its pool ("paged":
-    {"block", "kv_blocks", "total", "per_device"})."""
+    {"block", "kv_blocks", "total", "per_device", "parts" (the rows' split), "kv_context" (each row's KV split
+    over context: `kv_over_context`)})."""
     config = gpt.derived(peft.apply(start.apply(config, say=False)))
     layout = Layout.from_config(config, num_devices)
     cfg = gpt.config_from(config, int(config.model.vocab_size) or 256, layout.tensor)
@@ -182,7 +199,10 @@ def dry_run_entry(config, num_devices: int) -> dict:
     out = {"rows": rows, "positions": positions, **cache_bytes(cfg, rows, positions, layout, step_rules(config))}
     opts = engine_options(config.get(obj.section)) if obj.samples else {"kv_block": 0}  # (GRPO's KV keys)
     if opts["kv_block"]:  # the paged pool a round's engine holds
-        rules, block = decode_rules(step_rules(config)), opts["kv_block"]
-        n, _ = pool_blocks(cfg, block, opts["kv_memory"], rows, positions, layout.mesh_shape, rules)
-        out["paged"] = {"block": block, "kv_blocks": n, **pool_bytes(cfg, n, block, layout.mesh_shape, rules)}
+        block, sizes, memory = opts["kv_block"], layout.mesh_shape, opts["kv_memory"]
+        split_kv = kv_over_context(cfg, block, memory, rows, positions, sizes, step_rules(config))
+        rules = decode_rules(step_rules(config), split_kv)
+        n, parts = pool_blocks(cfg, block, memory, rows, positions, sizes, rules)
+        out["paged"] = {"block": block, "kv_blocks": n, **pool_bytes(cfg, n, block, sizes, rules), "parts": parts,
+                        "kv_context": split_kv}
     return out

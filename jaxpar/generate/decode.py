@@ -31,19 +31,20 @@ class Decoder:
     the params are ZeRO-3 sharded, gathered here one layer at a time. `prefill_chunk` (a power of two): a prompt group
     longer than this prefills that many positions at a time (its attention scores c x the cache's length, not the
     whole prompt's square). `block` > 0: the running batch's cache is a paged pool of blocks of that many positions
-    (`paged.py`), its block table an argument of each call; 0: a dense row of the whole context per slot."""
+    (`paged.py`), its block table an argument of each call; 0: a dense row of the whole context per slot.
+    `kv_context`: each row's KV positions split over `context` (`cache.decode_rules`), else the rows."""
 
     def __init__(self, fwd: gpt.Forward, mesh=None, rules=(), zero3: bool = False, prefill_chunk: int = 512,
-                 block: int = 0):
+                 block: int = 0, kv_context: bool = False):
         self.fwd, self.cfg, self.mesh, self.prefill_chunk = fwd, fwd.cfg, mesh, int(prefill_chunk)
-        self.block = int(block)
-        self.rules = kv.decode_rules(rules)
+        self.block, self.kv_context = int(block), bool(kv_context)
+        self.rules = kv.decode_rules(rules, self.kv_context)
         self.prepare = None
         if mesh is not None and zero3:
             specs = kv.layer_specs(self.cfg, rules, mesh)
             self.prepare = lambda p: jax.tree.map(
                 lambda a, s: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s)), p, specs)
-        self.key = (self.cfg, mesh, self.rules, zero3, self.prefill_chunk, self.block)
+        self.key = (self.cfg, mesh, self.rules, zero3, self.prefill_chunk, self.block, self.kv_context)
 
     # equal decoders (the same model, mesh, rules) share their compiled programs: `self` is a static argument
     def __hash__(self):

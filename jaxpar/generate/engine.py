@@ -121,7 +121,7 @@ class Engine:
             raise ValueError(f"prefill_chunk={prefill_chunk}: give a power of two >= 16.")
         if kv_block < 0 or (kv_memory is not None and kv_block == 0):
             raise ValueError(f"kv_block={kv_block}, kv_memory={kv_memory}: a paged cache needs kv_block >= 1.")
-        self.kv_block, self.kv_memory = kv_block, kv_memory
+        self.kv_block, self.kv_memory, self.rules = kv_block, kv_memory, rules
         self.decoder = Decoder(fwd, mesh, rules, zero3, prefill_chunk, kv_block)
         self.params = params if mesh is None else kv.decode_params(params, fwd.cfg, rules, mesh, zero3, layer_order)
 
@@ -159,6 +159,7 @@ class Engine:
             for r in requests) else "plain"  # (`sampling.filters_on`: what the compiled step must hold)
         stops = max(1, max(len(r.stop_ids) for r in requests))
         B = self.slots
+        self._split_kv(max(len(r.prompt) + n - 1 for r, n in zip(requests, news)))
         pages = self._pages(requests, news, length)
         carry = self.decoder.empty(B, length, pages.blocks if pages else 0)
         rows = {"seed": np.zeros(B, np.int32), "stream": np.zeros(B, np.int32), "index": np.zeros(B, np.int32),
@@ -203,6 +204,19 @@ class Engine:
         return out
 
     # ---- the paged cache's blocks ------------------------------------------------------------------------------
+
+    def _split_kv(self, positions: int) -> None:
+        """The decoder of this call's layout: each row's KV split over `context` when a row of `positions` positions
+        does not fit its device's part of the pool with the rows split over context (`cache.kv_over_context`)."""
+        sizes = dict(self.mesh.shape) if self.mesh is not None else {}
+        split = kv.kv_over_context(self.cfg, self.kv_block, self.kv_memory, self.slots, positions, sizes, self.rules)
+        if split and self.kv_block % sizes["context"]:
+            raise ValueError(f"kv_block={self.kv_block} with mesh.context={sizes['context']}: a row of {positions} "
+                             f"positions splits its KV blocks' positions over the context devices; give a multiple "
+                             f"of {sizes['context']}.")
+        if split != self.decoder.kv_context:
+            d = self.decoder
+            self.decoder = Decoder(self.fwd, self.mesh, self.rules, *d.key[3:6], kv_context=split)
 
     def _pages(self, requests, news, length: int):
         """The block tables of a paged cache for this call (None: dense): `kv_memory` bytes of blocks, split as the

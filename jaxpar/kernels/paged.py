@@ -2,7 +2,8 @@
 (`jax.experimental.pallas.ops.gpu.paged_attention`: Triton on GPU, Pallas' interpret mode elsewhere). Knows no model.
 
 The pool `[kv_heads, layers, blocks, block, head_dim]` (`POOL_NAMES`: KV heads over tensor, blocks split as the rows,
-over data x expert, in `parts` equal parts numbered locally by the block table `[parts, rows / parts, width]`) is
+over data x expert, in `parts` equal parts numbered locally by the block table `[parts, rows / parts, width]`; each
+block's positions split over `context` under context parallelism, where the kernel does not apply) is
 the kernel's own page layout with the layers folded into its pages: layer l's block j of part p is page
 `(l x parts + p) x blocks a part + j` of a `[kv_heads, layers x blocks, block, head_dim]` view, a reshape, no copy.
 One query per row (a decode step) reads its row's pages up to its length; the softmax is float32 inside the kernel.
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 from jaxpar.kernels.attention import on_gpu
 from jaxpar.parallel.logical import per_shard, split_size
 
-POOL_NAMES = ("kv_heads", None, "batch", None, "kv")  # the pool's logical axes: its blocks split as the rows are
+POOL_NAMES = ("kv_heads", None, "batch", "kv_block", "kv")  # the pool's logical axes: blocks split as the rows are
 _Q, _TABLE = ("batch", None, "heads", None), ("batch", None, None)
 
 
@@ -41,6 +42,8 @@ def reason(dtype, head_dim: int, block: int, heads: int, kv_heads: int, parts: i
     split = split_size("kv_heads")
     if kv_heads % split or split_size("heads") != split:
         return f"the paged kernel needs the KV heads ({kv_heads}) split as the query heads ({heads}) are"
+    if split_size("kv_block") > 1:
+        return "the paged kernel reads a row's blocks whole on one device, not split over context"
     if parts != split_size("batch"):
         return f"the paged kernel needs the pool in one part per shard of the rows, not {parts}"
     return None

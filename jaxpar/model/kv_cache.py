@@ -36,9 +36,10 @@ class KVCache(NamedTuple):
         shorter row of a padded prefill) and masked until overwritten."""
         t = k.shape[1]
         at = self.pos[:, None] + jnp.arange(t)[None, :]
+        where = None  # the position each key holds (None: its index)
         if self.table is not None:
             cache = self.write_blocks(k, v)
-            keys, values = cache.read_blocks()
+            keys, values, where = cache.read_blocks()
         elif self.layer is None:
             put = jax.vmap(lambda c, new, p: jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), p, 0))
             ck, cv = put(self.k, k, self.pos), put(self.v, v, self.pos)
@@ -48,7 +49,8 @@ class KVCache(NamedTuple):
             ck = self.k.at[self.layer, rows, at].set(k.astype(self.k.dtype), mode="drop")
             cv = self.v.at[self.layer, rows, at].set(v.astype(self.v.dtype), mode="drop")
             keys, values, cache = ck[self.layer], cv[self.layer], self._replace(k=ck, v=cv)
-        mask = jnp.arange(keys.shape[1])[None, None, :] <= at[:, :, None]
+        where = jnp.arange(keys.shape[1]) if where is None else where
+        mask = where[None, None, :] <= at[:, :, None]
         return keys, values, mask[:, None], cache
 
     def _parts(self, pool):
@@ -75,15 +77,19 @@ class KVCache(NamedTuple):
         return self._replace(k=put(self.k, k), v=put(self.v, v))
 
     def read_blocks(self):
-        """This layer's keys and values of every row's blocks in order, `[batch, blocks per row x block, kv_heads,
-        hd]` each (transient)."""
-        def read(c):  # [parts, kv_heads, rows, width, block, hd] -> [parts x rows, width x block, kv_heads, hd]
+        """This layer's keys and values of every row's blocks, `[batch, block x blocks per row, kv_heads, hd]` each
+        (transient), in block-major order: key j = o x width + w holds position w x block + o (`[block x width]`
+        int32, the third result), so that a split of each block's positions (over context) stays the split of the
+        keys and the attention reduces across it in place."""
+        def read(c):  # [parts, kv_heads, rows, width, block, hd] -> [parts x rows, block x width, kv_heads, hd]
             r = jax.vmap(lambda pool, table: pool.at[:, self.layer, table].get(mode="fill", fill_value=0),
                          in_axes=(2, 0))(self._parts(c), self.table)
-            r = jnp.moveaxis(r, 1, 4)
+            r = jnp.transpose(r, (0, 2, 4, 3, 1, 5))
             return r.reshape(r.shape[0] * r.shape[1], r.shape[2] * r.shape[3], *r.shape[4:])
 
-        return read(self.k), read(self.v)
+        width, block = self.table.shape[2], self.k.shape[3]
+        where = (jnp.arange(width)[None, :] * block + jnp.arange(block)[:, None]).reshape(-1)
+        return read(self.k), read(self.v), where
 
     def attend(self, q, k, v, implementation: str = "xla"):
         """Queries q `[b, t, heads, hd]` with their new keys and values k, v `[b, t, kv_heads, hd]` at each row's

@@ -119,7 +119,8 @@ class Generation:
     device holds on a layout, {"kv_blocks", "kv_bytes" (the pool `--dry_run` prints, `cache.dry_run_entry`),
     "params_bytes" (the params in the decode layout: gathered over `stage`), "peak" (their sum: the engine's
     temporaries, a decode step's activations, are not counted), "position_bytes" (one position's keys and values,
-    every layer, on a device)}; None for an objective that does not sample. The pool depends on the mesh alone:
+    every layer, on a device), "kv_context" (each row's KV split over context, not the rows)}; None for an
+    objective that does not sample. The pool depends on the mesh alone:
     computed once per mesh shape."""
 
     def __init__(self, config):
@@ -134,7 +135,6 @@ class Generation:
         if paged is None:
             return None
         params = model.state_bytes(lay)["params"] * lay.stage
-        rows = lay.data * lay.expert if paged["kv_blocks"] % (lay.data * lay.expert) == 0 else 1
         return {"kv_blocks": paged["kv_blocks"], "kv_bytes": paged["per_device"], "params_bytes": params,
-                "peak": params + paged["per_device"],
-                "position_bytes": paged["per_device"] * rows / (paged["kv_blocks"] * paged["block"])}
+                "peak": params + paged["per_device"], "kv_context": paged["kv_context"],
+                "position_bytes": paged["per_device"] * paged["parts"] / (paged["kv_blocks"] * paged["block"])}

@@ -2,19 +2,22 @@
 the train step `cost.step_time` prices (the planner ranks layouts by their sum).
 
 A round samples G completions of each of B prompts (`train.global_batch_size`, `grpo.num_generations`) with the
-engine on the decode layout (the training layout, the layers gathered over `stage`; rows over data x expert, matmuls
-over tensor). Prompts are priced at the room the config leaves them, P = model.seq_len - grpo.max_completion_length,
-and every completion at its longest, R = grpo.max_completion_length (an upper bound: the round ends at its longest
-row). With N a token's active matmul weights in the blocks, d the width, a·d_h the attention width, V the padded
-vocabulary, S the engine's cache length (P + R rounded up to 64), per device:
+engine on the decode layout (the training layout, the layers gathered over `stage`; rows over data x expert x
+context, matmuls over tensor; rows longer than a device's part of the pool: each row's KV positions over context
+instead, `cache.kv_over_context`). Prompts are priced at the room the config leaves them, P = model.seq_len -
+grpo.max_completion_length, and every completion at its longest, R = grpo.max_completion_length (an upper bound:
+the round ends at its longest row). With N a token's active matmul weights in the blocks, d the width, a·d_h the
+attention width, V the padded vocabulary, S the engine's cache length (P + R rounded up to 64), per device:
   prefill  one per prompt (the engine's shared prefill): 2·N·P + 4·L·a·d_h·P² matmul FLOPs a prompt (XLA's
            attention over the prompt's positions, the whole square, masked; in chunks, each over the prompt so
            far), at `cost.MATMUL_EFFICIENCY` of the peak;
   decode   R steps of B·G rows: 2·N + 2·V·d + 4·L·a·d_h·S FLOPs a row a step (the head's whole vocabulary; the
-           attention over the row's gathered blocks), and the bytes the step reads, the weights a device holds in the
-           decode layout and its rows' KV (the mean over the round, P + R/2 positions), at the HBM bandwidth: the
-           step takes the longer of the two, plus 2 tensor all-reduces of [rows, d] per layer, and under ZeRO-3 the
-           all-gather of each layer's params over data x expert (the decode layout keeps ZeRO-3's split);
+           attention over the row's gathered blocks, 1 / context of them on a device when the KV is split), and the
+           bytes the step reads, the weights a device holds in the decode layout and its rows' KV (the mean over
+           the round, P + R/2 positions), at the HBM bandwidth: the step takes the longer of the two, plus 2 tensor
+           all-reduces of [rows, d] per layer (a split KV: also the attention's float32 maxima, sums and outputs
+           summed over context), and under ZeRO-3 the all-gather of each layer's params over ZeRO's group (data x
+           expert x context; the decode layout keeps ZeRO-3's split);
   passes   the old policy's forward (grpo.num_iterations > 1 or an importance-sampling correction) and the
            reference's (grpo.beta > 0) over the step's rows: a third of the train step's matmul work each.
 """
@@ -63,35 +66,44 @@ def prefill_flops(model: Model, rnd: Round, prompts: int) -> float:
     return prompts * per
 
 
-def decode_flops(model: Model, rnd: Round, rows: int, vocab: int, attention: bool = True) -> float:
+def decode_flops(model: Model, rnd: Round, rows: int, vocab: int, attention: bool = True, context: int = 1) -> float:
     """Matmul FLOPs of one decode step of `rows` rows (tensor 1): the blocks, the head over `vocab` (padded), and
     (`attention`) the attention over the cache length, which the engine runs as fused products and sums on a CPU
-    and as the paged kernel on a GPU (no matmul in XLA's count either way)."""
+    and as the paged kernel on a GPU (no matmul in XLA's count either way), over the positions a device holds of
+    each row (1 / `context` of them)."""
     per = 2 * model.layers * model.layer_matmul + 2 * vocab * model.embed
-    return rows * (per + (4 * model.layers * _attention_width(model) * rnd.cache_length(model) if attention else 0))
+    scores = 4 * model.layers * _attention_width(model) * rnd.cache_length(model) / context
+    return rows * (per + (scores if attention else 0))
 
 
 def round_time(model: Model, rnd: Round, lay: Layout, cl: Cluster, params_bytes: float, kv_bytes_per_position: float,
-               train_compute_s: float) -> dict:
+               train_compute_s: float, kv_context: bool = False) -> dict:
     """Seconds of one round on a device: {"prefill_s", "decode_s", "passes_s", "round_s", "decode_bound":
     "compute" | "memory"}. `params_bytes`: the weights a device holds in the decode layout (ZeRO-3's shard);
     `kv_bytes_per_position`: one position's keys and values, every layer, on a device; `train_compute_s`: the
-    train step's compute (`cost.step_time`'s "compute_s"), whose forward third a pass costs."""
-    t, split = lay.tensor, lay.data * lay.expert
+    train step's compute (`cost.step_time`'s "compute_s"), whose forward third a pass costs; `kv_context`: each
+    row's KV split over context (else the rows, `cache.kv_over_context`)."""
+    c = lay.context if kv_context else 1  # the split of a row's positions
+    t, split = lay.tensor, lay.data * lay.expert * lay.context // c  # the rows' split
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     prompts, rows = -(-rnd.prompts // split), -(-rnd.prompts * rnd.generations // split)
     tp_bw = cl.group_bw(t, 1)
     prefill = prefill_flops(model, rnd, prompts) / t / rate
     prefill += 2 * model.layers * collective_time("all-reduce", prompts * rnd.prompt * model.embed
                                                   * model.compute_bytes, t, tp_bw)
-    flops = decode_flops(model, rnd, rows, model.padded_vocab(t)) / t / rate
-    weights = params_bytes * (split if lay.zero_stage == 3 else 1)  # ZeRO-3: each layer gathered, then read
+    flops = decode_flops(model, rnd, rows, model.padded_vocab(t), context=c) / t / rate
+    zero = lay.data * lay.expert * lay.context if lay.zero_stage == 3 else 1  # ZeRO-3: each layer gathered, read
+    weights = params_bytes * zero
     read = weights + rows * (rnd.prompt + rnd.completion / 2) * kv_bytes_per_position
     memory = read / cl.device.hbm_bw
     step = max(flops, memory) + 2 * model.layers * collective_time("all-reduce", rows * model.embed
                                                                    * model.compute_bytes, t, tp_bw)
+    if c > 1:  # each layer's attention: its float32 maxima, sums and outputs (a / t heads of a row) over context
+        per_head = _attention_width(model) / model.heads + 2
+        step += model.layers * collective_time("all-reduce", rows * model.heads / t * per_head * 4, c,
+                                               cl.group_bw(c, t))
     if lay.zero_stage == 3:
-        step += model.layers * collective_time("all-gather", weights / model.layers, split, cl.group_bw(split, t))
+        step += model.layers * collective_time("all-gather", weights / model.layers, zero, cl.group_bw(zero, t))
     decode = rnd.completion * step
     passes = rnd.passes * train_compute_s / 3
     return {"prefill_s": prefill, "decode_s": decode, "passes_s": passes, "round_s": prefill + decode + passes,

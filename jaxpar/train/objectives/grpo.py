@@ -132,11 +132,16 @@ class GRPO(Objective):
 
     @staticmethod
     def errors(config, lay) -> list[str]:
-        """Room for a prompt next to a whole completion."""
+        """Room for a prompt next to a whole completion; KV blocks the context devices can split."""
         errs, n, T = [], int(config.grpo.max_completion_length), int(config.model.seq_len)
         if n >= T:
             errs.append(f"grpo.max_completion_length={n} with model.seq_len={T}: no room is left for a prompt; "
                         f"lower grpo.max_completion_length below {T} or raise model.seq_len.")
+        block, c, gib = int(config.grpo.kv_block), lay.context, float(config.grpo.kv_cache_gib)
+        if block and gib and block % c:
+            errs.append(f"grpo.kv_block={block} with mesh.context={c} and grpo.kv_cache_gib={gib:g}: a completion "
+                        f"that does not fit one device's pool splits its KV blocks' positions over the context "
+                        f"devices; use a multiple of {c} (e.g. {-(-block // c) * c}).")
         if config.grpo.shared_prompt and config.model.attention in ("cudnn", "pallas"):
             errs.append(f"model.attention={config.model.attention!r} with grpo.shared_prompt=True: the fused kernel "
                         f"sees a query's own segment only, not its shared prompt; set model.attention='auto' (XLA "
