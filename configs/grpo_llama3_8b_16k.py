@@ -2,12 +2,15 @@
 80+ GB), with a math-verify exact-answer reward on GSM8K's prompts (docs/planning.md#a-grpo-rounds-price).
 
 Llama 3.1 8B's shape (configs/llama3_8b_128k.py: RoPE θ 500000 with Llama 3's frequency scaling). A training row is
-a prompt of up to 1,024 tokens and a completion of up to 16,384: 17,408 positions. Layout (the planner's pick,
-docs/planning.md): context 8 (each row's tokens over the 8 devices in the balanced order, attention gathering the
-others' K/V blockwise, docs/context.md), ZeRO 3 over them (the params are replicated over `context` as over
-`data`), float32 weights and AdamW moments, bf16 compute, full recompute, 4 microbatches. The engine decodes on the
-same mesh: rows whole on a device, split over data x context (docs/rl.md#limits). Per step 8 prompts x 8
-completions; TRL's defaults otherwise (loss `dapo`, clip-higher 0.28, one pass per round, no KL term), lr 1e-6.
+a prompt of up to 1,024 tokens and a completion of up to 16,384: 17,408 positions, and a shared-prompt row (a prompt
+and its 8 completions) up to 132,096. Layout (docs/planning.md#a-grpo-rounds-price): tensor 4 with sequence
+parallelism x context 2 (each row's tokens over 2 devices in the balanced order, attention gathering the other's K/V
+blockwise, docs/context.md), ZeRO 3 over context (the params are replicated over `context` as over `data`), float32
+weights and AdamW moments, bf16 compute, full recompute, 4 microbatches. The planner ranks tensor 8 first, but its
+shared rows of 132K positions need context parallelism's blockwise attention to fit. The engine decodes on the same
+mesh: the params gathered whole over context once a round (grpo.gather_zero3), the rows split over context, KV heads
+and matmuls over tensor. Per step 8 prompts x 8 completions; TRL's defaults otherwise (loss `dapo`, clip-higher 0.28,
+one pass per round, no KL term), lr 1e-6.
 
 The shape is Llama 3.1 8B's, so `--dry_run` and the planner need no checkpoint; to train, point it at the weights:
     --config.init_from=hf:meta-llama/Llama-3.1-8B-Instruct   (or hf:/path/to/it)
@@ -18,8 +21,8 @@ from jaxpar.config import config_beside
 def get_config():
     c = config_beside(__file__, "llama3_8b_128k.py")  # the model's shape
     c.name = "grpo_llama3_8b_16k"
-    c.mesh.update(data=1, tensor=1, stage=1, context=8)
-    c.model.update(seq_len=17408)
+    c.mesh.update(data=1, tensor=4, stage=1, context=2)
+    c.model.update(seq_len=17408, sequence_parallel=True)
     c.train.update(objective="grpo", steps=200, global_batch_size=8, microbatches=4, seed=0,
                    param_dtype="float32", compute_dtype="bfloat16")
     c.grpo.update(num_generations=8, max_completion_length=16384, temperature=1.0, loss_type="dapo", epsilon=0.2,

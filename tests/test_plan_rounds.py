@@ -31,20 +31,29 @@ def test_the_planner_prices_a_grpo_rounds_kv_pool():
     block_bytes, cluster = 2 * 28 * 16 * 8 * 128 * 2, hardware.cluster("h100", 8)
     p = planner.plan(mod.get_config(), cluster, space, compile_top=0)
     assert {c.layout.tensor for c in p.ranked} == {1, 2, 4} and {c.layout.stage for c in p.ranked} == {1, 2}
-    price = {}
+    price, held = {}, {}
     for c in p.ranked:
         g, lay, t = c.generation, c.layout, c.time
         assert g["kv_blocks"] == 256 * 96 and g["kv_bytes"] == 256 * 96 * block_bytes // (lay.data * lay.tensor)
         assert g["peak"] == g["kv_bytes"] + g["params_bytes"] and c.fits(p.capacity) is None
         # decode reads the weights and its rows' KV every step: never faster than the HBM moves them
         rows = 256 // lay.data
-        read = g["params_bytes"] * (lay.data if lay.zero_stage == 3 else 1) + rows * (512 + 512) * g["position_bytes"]
+        read = g["params_bytes"] + rows * (512 + 512) * g["position_bytes"]
         assert t["round"]["decode_s"] >= 1024 * read / cluster.device.hbm_bw
         assert t["step_s"] == pytest.approx(t["train_s"] + t["round_s"])
+        assert g["zero3_gathered"] == (lay.zero_stage == 3)
         price[(lay.data, lay.tensor, lay.stage, lay.zero_stage)] = t["round"]["decode_s"]
-    for (d, t_, s_, z), v in price.items():  # ZeRO-3's decode gathers each layer's params every step
-        if z == 3 and d > 1 and (d, t_, s_, 1) in price:
-            assert v > price[(d, t_, s_, 1)]
+        held[(lay.data, lay.tensor, lay.stage)] = g["params_bytes"]  # (the same whole params at every ZeRO stage)
+    for (d, t_, s_, z), v in price.items():  # ZeRO-3 gathered once a round: its decode reads what ZeRO-1's reads
+        if z == 3 and (d, t_, s_, 1) in price:
+            assert v == pytest.approx(price[(d, t_, s_, 1)])
+    config = mod.get_config()
+    config.grpo.gather_zero3 = False  # each layer's params gathered at every decode step: slower than ZeRO-1's
+    for c in planner.plan(config, cluster, space, compile_top=0).ranked:
+        lay = c.layout
+        if lay.zero_stage == 3 and lay.data > 1 and (lay.data, lay.tensor, lay.stage, 1) in price:
+            assert c.time["round"]["decode_s"] > price[(lay.data, lay.tensor, lay.stage, 1)]
+            assert c.generation["params_bytes"] * lay.data == pytest.approx(held[(lay.data, lay.tensor, lay.stage)])
     config = mod.get_config()
     config.grpo.kv_cache_gib = 2.0
     for c in planner.plan(config, hardware.cluster("h100", 8), space, compile_top=0).ranked:
@@ -118,6 +127,7 @@ def test_a_round_whose_rows_outgrow_a_devices_pool_prices_their_kv_split_over_co
     assert rollout.decode_flops(model, rnd, 16, 256, context=2) == rollout.decode_flops(
         model, rnd, 16, 256, attention=False) + 16 * attention / 2
     cl = hardware.cluster("h100", 2)
-    one = rollout.round_time(model, rnd, lay, cl, 0.0, whole / 2, 0.0, kv_context=True)
-    alone = rollout.round_time(model, rnd, dataclasses.replace(lay, context=1), cl, 0.0, whole / 2, 0.0)
+    one = rollout.round_time(model, rnd, lay, cl, split | {"params_bytes": 0.0}, 0.0)
+    alone = rollout.round_time(model, rnd, dataclasses.replace(lay, context=1), cl, split | {"params_bytes": 0.0,
+                                                                                            "kv_context": False}, 0.0)
     assert one["decode_s"] > alone["decode_s"]  # the same reads and FLOPs / 2 of attention, plus the all-reduces

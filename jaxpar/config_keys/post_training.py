@@ -72,6 +72,9 @@ POST_TRAINING = (
       lambda v: v >= 0, "an integer >= 0"),
     K("grpo.kv_cache_gib", 0.0, float, "the paged KV cache's GiB on each device; completions that do not fit wait "
       "(0: as much as a dense row per completion)", lambda v: 0 <= v < _INF, "a number >= 0"),
+    K("grpo.gather_zero3", True, bool, "under ZeRO-3 a round's decode holds the params whole over ZeRO's group, "
+      "gathered once per round (DeepSpeed's hybrid engine); False: each layer's shards gathered at every decode step "
+      "(less memory, an all-gather of every layer per token) ([rl](rl.md#larger-runs))"),
     K("grpo.routing_replay", True, bool, "a mixture of experts: every pass over a round routes each token to the "
       "experts it had when sampled ([rl](rl.md#how-a-run-goes))"),
 )

@@ -10,8 +10,9 @@ rest of a decode step, its matmuls and the head, then running on every context d
 The decode layout is the training layout with the `layers` axis whole on every device: with pipeline stages > 1 the
 params are gathered over `stage` for the generation (each device then holds all the layers of its tensor / ZeRO shard:
 `stage` times its training share of the per-layer params, `decode_param_bytes`); with stage 1 it is the training
-layout itself, no copy. ZeRO-3 params stay sharded over data and are gathered one layer at a time inside the layer
-loop, as the train step does.
+layout itself, no copy. ZeRO-3 params are gathered whole over ZeRO's group once for the engine (one decode copy a
+device holds for the round, as ZeRO-1's step always does; DeepSpeed's hybrid engine), or with `gather_zero3=False`
+stay sharded and are gathered one layer at a time inside the layer loop at every step, as the train step does.
 """
 from __future__ import annotations
 
@@ -109,9 +110,11 @@ def pool_blocks(cfg, block: int, memory: int | None, rows: int, positions: int, 
 
 
 def engine_options(section) -> dict:
-    """The engine's KV options of a config section with `kv_block` and `kv_cache_gib` (GRPO's)."""
+    """The engine's options of a config section with `kv_block`, `kv_cache_gib` (GRPO's, the generate CLI's) and
+    `gather_zero3` (GRPO's; default on)."""
     gib = float(section.kv_cache_gib)
-    return {"kv_block": int(section.kv_block), "kv_memory": int(gib * (1 << 30)) if gib else None}
+    return {"kv_block": int(section.kv_block), "kv_memory": int(gib * (1 << 30)) if gib else None,
+            "gather_zero3": bool(getattr(section, "gather_zero3", True))}
 
 
 def empty_pool(cfg, blocks: int, block: int, batch: int, sharding=None) -> KVCache:
@@ -168,13 +171,16 @@ def layer_specs(cfg, rules, mesh) -> dict:
     return jax.tree.map(lambda p: P(*tuple(p)[1:]), layers, is_leaf=lambda p: isinstance(p, P))
 
 
-def decode_params(params, cfg, rules, mesh, zero3: bool, layer_order=None):
-    """The params in the decode layout: gathered over `stage` and in the canonical layer order (`layer_order[p]` is
-    the canonical layer at position p of the training layout). With stage 1 and the canonical order: `params`
-    itself, no copy."""
-    if mesh.shape.get("stage", 1) == 1 and (layer_order is None or list(layer_order) == sorted(layer_order)):
+def decode_params(params, cfg, rules, mesh, zero3: bool, layer_order=None, gather_zero3: bool = False):
+    """The params in the decode layout: gathered over `stage` (and, `gather_zero3`, over ZeRO-3's split: the params
+    whole over data x expert x context for the round) and in the canonical layer order (`layer_order[p]` is the
+    canonical layer at position p of the training layout). With stage 1, the canonical order and nothing of ZeRO-3
+    to gather: `params` itself, no copy."""
+    gather = zero3 and gather_zero3
+    if mesh.shape.get("stage", 1) == 1 and (layer_order is None or list(layer_order) == sorted(layer_order)) \
+            and not gather:
         return params
-    shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), decode_specs(cfg, rules, mesh, zero3),
+    shardings = jax.tree.map(lambda p: NamedSharding(mesh, p), decode_specs(cfg, rules, mesh, zero3 and not gather),
                              is_leaf=lambda p: isinstance(p, P))
     inverse = np.argsort(np.asarray(layer_order if layer_order is not None else range(cfg.layers)))
 

@@ -106,12 +106,13 @@ class Engine:
     share a prompt prefill it once (False: a prefill row each; the outputs are the same); `prefill_chunk`: prompts
     longer than this prefill that many positions at a time (`decode.Decoder`); `kv_block` > 0: the KV cache is paged in
     blocks of that many positions (`paged.py`), `kv_memory` bytes of them on each device (default: as many as the
-    dense cache of every slot's whole context), else (0) each slot holds a dense row of the whole context."""
+    dense cache of every slot's whole context), else (0) each slot holds a dense row of the whole context;
+    `gather_zero3`: ZeRO-3 params gathered whole once here (`cache.decode_params`), else each layer at every step."""
 
     def __init__(self, fwd: gpt.Forward, params, *, mesh=None, rules=DEFAULT_RULES, zero3: bool = False,
                  layer_order=None, tokenizer=None, slots: int = 8, chunk: int = 128, refill: bool = True,
                  prompt_experts: bool = False, share_prefill: bool = True, prefill_chunk: int = 512,
-                 kv_block: int = 16, kv_memory: int | None = None):
+                 kv_block: int = 16, kv_memory: int | None = None, gather_zero3: bool = True):
         self.fwd, self.cfg, self.tokenizer = fwd, fwd.cfg, tokenizer
         self.prompt_experts = prompt_experts and fwd.cfg.experts > 0
         self.mesh, self.slots, self.chunk, self.refill = mesh, slots, chunk, refill
@@ -122,8 +123,9 @@ class Engine:
         if kv_block < 0 or (kv_memory is not None and kv_block == 0):
             raise ValueError(f"kv_block={kv_block}, kv_memory={kv_memory}: a paged cache needs kv_block >= 1.")
         self.kv_block, self.kv_memory, self.rules = kv_block, kv_memory, rules
-        self.decoder = Decoder(fwd, mesh, rules, zero3, prefill_chunk, kv_block)
-        self.params = params if mesh is None else kv.decode_params(params, fwd.cfg, rules, mesh, zero3, layer_order)
+        self.decoder = Decoder(fwd, mesh, rules, zero3 and not gather_zero3, prefill_chunk, kv_block)
+        self.params = params if mesh is None else kv.decode_params(params, fwd.cfg, rules, mesh, zero3, layer_order,
+                                                                   gather_zero3)
 
     @classmethod
     def on_steps(cls, steps, params, config, **kw) -> "Engine":

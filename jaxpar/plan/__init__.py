@@ -122,8 +122,7 @@ def _with_round(time: dict, model: cost.Model, c: Candidate, cluster: Cluster, g
     if c.generation is None:
         return time
     g = c.generation
-    rnd = rollout.round_time(model, generation.round, c.layout, cluster, g["params_bytes"], g["position_bytes"],
-                             time["compute_s"], g["kv_context"])
+    rnd = rollout.round_time(model, generation.round, c.layout, cluster, g, time["compute_s"])
     return {**time, "train_s": time["step_s"], "round": rnd, "round_s": rnd["round_s"],
             "step_s": time["step_s"] + rnd["round_s"]}
 

@@ -117,7 +117,8 @@ def estimate(model: Model, lay: Layout) -> tuple[float, float]:
 class Generation:
     """An objective that samples on the training mesh (GRPO, on its paged KV cache): the round's generation bytes a
     device holds on a layout, {"kv_blocks", "kv_bytes" (the pool `--dry_run` prints, `cache.dry_run_entry`),
-    "params_bytes" (the params in the decode layout: gathered over `stage`), "peak" (their sum: the engine's
+    "params_bytes" (the params in the decode layout: gathered over `stage`, and under ZeRO-3 over its group unless
+    `grpo.gather_zero3` is off: "zero3_gathered"), "peak" (their sum: the engine's
     temporaries, a decode step's activations, are not counted), "position_bytes" (one position's keys and values,
     every layer, on a device), "kv_context" (each row's KV split over context, not the rows)}; None for an
     objective that does not sample. The pool depends on the mesh alone:
@@ -134,7 +135,8 @@ class Generation:
         paged = self.pools[mesh]
         if paged is None:
             return None
-        params = model.state_bytes(lay)["params"] * lay.stage
+        gathered = lay.zero_stage == 3 and bool(self.config.grpo.gather_zero3)  # (ZeRO-3 gathered for the round)
+        params = model.state_bytes(dataclasses.replace(lay, zero_stage=0) if gathered else lay)["params"] * lay.stage
         return {"kv_blocks": paged["kv_blocks"], "kv_bytes": paged["per_device"], "params_bytes": params,
-                "peak": params + paged["per_device"], "kv_context": paged["kv_context"],
+                "peak": params + paged["per_device"], "kv_context": paged["kv_context"], "zero3_gathered": gathered,
                 "position_bytes": paged["per_device"] * paged["parts"] / (paged["kv_blocks"] * paged["block"])}

@@ -16,8 +16,9 @@ attention width, V the padded vocabulary, S the engine's cache length (P + R rou
            bytes the step reads, the weights a device holds in the decode layout and its rows' KV (the mean over
            the round, P + R/2 positions), at the HBM bandwidth: the step takes the longer of the two, plus 2 tensor
            all-reduces of [rows, d] per layer (a split KV: also the attention's float32 maxima, sums and outputs
-           summed over context), and under ZeRO-3 the all-gather of each layer's params over ZeRO's group (data x
-           expert x context; the decode layout keeps ZeRO-3's split);
+           summed over context); under ZeRO-3 the params are gathered whole over ZeRO's group (data x expert x
+           context) once a round (priced with the prefill), or with `grpo.gather_zero3` off each layer's params are
+           all-gathered at every step;
   passes   the old policy's forward (grpo.num_iterations > 1 or an importance-sampling correction) and the
            reference's (grpo.beta > 0) over the step's rows: a third of the train step's matmul work each.
 """
@@ -76,14 +77,14 @@ def decode_flops(model: Model, rnd: Round, rows: int, vocab: int, attention: boo
     return rows * (per + (scores if attention else 0))
 
 
-def round_time(model: Model, rnd: Round, lay: Layout, cl: Cluster, params_bytes: float, kv_bytes_per_position: float,
-               train_compute_s: float, kv_context: bool = False) -> dict:
+def round_time(model: Model, rnd: Round, lay: Layout, cl: Cluster, gen: dict, train_compute_s: float) -> dict:
     """Seconds of one round on a device: {"prefill_s", "decode_s", "passes_s", "round_s", "decode_bound":
-    "compute" | "memory"}. `params_bytes`: the weights a device holds in the decode layout (ZeRO-3's shard);
-    `kv_bytes_per_position`: one position's keys and values, every layer, on a device; `train_compute_s`: the
-    train step's compute (`cost.step_time`'s "compute_s"), whose forward third a pass costs; `kv_context`: each
-    row's KV split over context (else the rows, `cache.kv_over_context`)."""
-    c = lay.context if kv_context else 1  # the split of a row's positions
+    "compute" | "memory"}. `gen`: `memory.Generation`'s entry ("params_bytes": the weights a device holds in the
+    decode layout, ZeRO-3's shard unless "zero3_gathered"; "position_bytes": one position's keys and values, every
+    layer, on a device; "kv_context": each row's KV split over context, else the rows, `cache.kv_over_context`);
+    `train_compute_s`: the train step's compute (`cost.step_time`'s "compute_s"), whose forward third a pass
+    costs."""
+    c = lay.context if gen.get("kv_context") else 1  # the split of a row's positions
     t, split = lay.tensor, lay.data * lay.expert * lay.context // c  # the rows' split
     rate = cl.device.peak_flops * MATMUL_EFFICIENCY
     prompts, rows = -(-rnd.prompts // split), -(-rnd.prompts * rnd.generations // split)
@@ -92,9 +93,10 @@ def round_time(model: Model, rnd: Round, lay: Layout, cl: Cluster, params_bytes:
     prefill += 2 * model.layers * collective_time("all-reduce", prompts * rnd.prompt * model.embed
                                                   * model.compute_bytes, t, tp_bw)
     flops = decode_flops(model, rnd, rows, model.padded_vocab(t), context=c) / t / rate
-    zero = lay.data * lay.expert * lay.context if lay.zero_stage == 3 else 1  # ZeRO-3: each layer gathered, read
-    weights = params_bytes * zero
-    read = weights + rows * (rnd.prompt + rnd.completion / 2) * kv_bytes_per_position
+    zero = lay.data * lay.expert * lay.context if lay.zero_stage == 3 else 1  # ZeRO-3's group
+    sharded = zero > 1 and not gen.get("zero3_gathered")  # each layer gathered at every step, then read
+    weights = gen["params_bytes"] * (zero if sharded else 1)
+    read = weights + rows * (rnd.prompt + rnd.completion / 2) * gen["position_bytes"]
     memory = read / cl.device.hbm_bw
     step = max(flops, memory) + 2 * model.layers * collective_time("all-reduce", rows * model.embed
                                                                    * model.compute_bytes, t, tp_bw)
@@ -102,9 +104,11 @@ def round_time(model: Model, rnd: Round, lay: Layout, cl: Cluster, params_bytes:
         per_head = _attention_width(model) / model.heads + 2
         step += model.layers * collective_time("all-reduce", rows * model.heads / t * per_head * 4, c,
                                                cl.group_bw(c, t))
-    if lay.zero_stage == 3:
+    if sharded:
         step += model.layers * collective_time("all-gather", weights / model.layers, zero, cl.group_bw(zero, t))
     decode = rnd.completion * step
+    if zero > 1 and not sharded:  # the params gathered whole once for the round
+        prefill += collective_time("all-gather", weights, zero, cl.group_bw(zero, t))
     passes = rnd.passes * train_compute_s / 3
     return {"prefill_s": prefill, "decode_s": decode, "passes_s": passes, "round_s": prefill + decode + passes,
             "decode_bound": "compute" if flops >= memory else "memory"}
