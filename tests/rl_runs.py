@@ -79,3 +79,19 @@ def assert_same_grpo_run(a, b):
             assert v == pytest.approx(b[step][k], rel=1e-9, abs=1e-12), (step, k, v, b[step][k])
         assert {k: v for k, v in a[step].items() if "reward" in k} == \
             {k: v for k, v in b[step].items() if "reward" in k}, step
+
+
+def cut_grpo_run(run, to) -> None:
+    """`run` (a finished `grpo_material` run) copied to `to` as if killed after step 3's checkpoint, inside round 1
+    (its sampled batch kept beside the checkpoint): checkpoint 4, its batch and what was logged after step 3 gone."""
+    import shutil
+
+    shutil.copytree(run, to)
+    shutil.rmtree(os.path.join(to, "checkpoints", "4"))
+    os.remove(os.path.join(to, "rollouts", "step-4.npz"))
+    for name in ("metrics.jsonl", "completions.jsonl"):
+        with open(os.path.join(to, name)) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= 3]
+        with open(os.path.join(to, name), "w") as f:
+            f.write("".join(kept))
+

@@ -3,11 +3,11 @@ jaxpar.evaluate` started by `python -m jaxpar.launch` as 2 processes x 4 CPU dev
 after optimizer steps is then free of the summation order of the collectives). Every process takes part in each
 round: the engine runs on the global mesh, each process scores its share of the round's groups and the scores and
 what the reward functions logged are gathered, so the advantages and the metrics are the one-process values; the
-completions JSONL and the metrics are written once (process 0); a kill inside a round resumes exactly. Generation
-and evaluation write their outputs once, in input order, equal to one process's; an interrupted generation resumes."""
+completions JSONL and the metrics are written once (process 0); a kill inside a round resumes exactly on several
+processes (`tests/test_slurm.py`, through SLURM). Generation and evaluation write their outputs once, in input order,
+equal to one process's; an interrupted generation resumes."""
 import json
 import os
-import shutil
 import sys
 
 import pytest
@@ -48,23 +48,6 @@ def test_two_processes_run_grpo_like_one(runs):
     assert strip(two) == strip(one)
 
 
-def test_a_multi_host_grpo_run_killed_inside_a_round_resumes_exactly(runs):
-    """Killed after step 3's checkpoint (inside round 1: its sampled batch kept beside it) and resumed on 2
-    processes: step 4 logs what the uninterrupted run logged."""
-    root, env = runs
-    parted = root / "parted"
-    shutil.copytree(root / "two", parted)
-    shutil.rmtree(parted / "checkpoints" / "4")
-    os.remove(parted / "rollouts" / "step-4.npz")
-    for name in ("metrics.jsonl", "completions.jsonl"):
-        kept = [line for line in open(parted / name) if json.loads(line)["step"] <= 3]
-        (parted / name).write_text("".join(kept))
-    out = run(root, "parted", 2, env)
-    assert "start step 3" in out.stdout + out.stderr
-    assert_same_grpo_run(grpo_metrics(parted), grpo_metrics(root / "two"))
-    assert grpo_completions(parted) == grpo_completions(root / "two")
-
-
 LAUNCH = [sys.executable, "-m", "jaxpar.launch", "--num_processes", "2", "--devices_per_process", "4", "--"]
 LAYOUT = ["--config.mesh.data=4", "--config.mesh.tensor=2"]
 
@@ -80,10 +63,10 @@ def launched(*args, env=None):
     return res.stdout + res.stderr
 
 
-def test_generation_on_two_processes_writes_one_process_output_once_and_resumes(runs, tmp_path):
+def test_an_interrupted_generation_finished_on_two_processes_writes_one_process_output_once(runs, tmp_path):
     """10 prompts x 2 samples at temperature 1 from the 2-process GRPO run's checkpoint (float64) on (data 4,
-    tensor 2): the 2-process file equals the 1-process file line for line (tokens and log-probs), written once; cut
-    to 4 records and rerun on 2 processes, it ends equal again."""
+    tensor 2): written by 1 process, then cut to its first 4 records (an interrupted generation) and finished on 2
+    processes, the file equals the 1-process file line for line (tokens and log-probs), written once, in order."""
     import jax
 
     from jaxpar.generate.__main__ import main
@@ -96,13 +79,11 @@ def test_generation_on_two_processes_writes_one_process_output_once_and_resumes(
                         *LAYOUT]
     with jax.enable_x64(True):
         assert main(args(tmp_path / "one.jsonl")) == 0
-    out = launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"), env=env)
     one = (tmp_path / "one.jsonl").read_text().splitlines()
-    assert (tmp_path / "two.jsonl").read_text().splitlines() == one and len(one) == 10
-    assert out.count("10 records (0 already in") == 1  # (process 0 alone reports and writes)
     (tmp_path / "two.jsonl").write_text("\n".join(one[:4]) + "\n")
-    assert "6 records (4 already in" in launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"), env=env)
-    assert (tmp_path / "two.jsonl").read_text().splitlines() == one
+    out = launched("-m", "jaxpar.generate", *args(tmp_path / "two.jsonl"), env=env)
+    assert out.count("6 records (4 already in") == 1  # (process 0 alone reports and writes)
+    assert (tmp_path / "two.jsonl").read_text().splitlines() == one and len(one) == 10
 
 
 def test_evaluation_on_two_processes_gives_one_process_results_written_once(runs, tmp_path):

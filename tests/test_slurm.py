@@ -276,16 +276,20 @@ def test_the_time_limit_signal_saves_and_requeues(cluster, corpus):
     cluster.run("scancel", str(job))
 
 
-def test_a_grpo_run_under_slurm_logs_the_one_process_metrics(cluster, grpo_reference):
-    """`helpers.grpo_material`'s GRPO run (float64) submitted with `train.sbatch` on 1 node x 2 tasks x 4 devices:
-    every log step's metrics equal the 1-process run's (rewards exactly), the completions logged once."""
-    from rl_runs import assert_same_grpo_run, grpo_completions, grpo_metrics
+def test_a_grpo_run_killed_inside_a_round_resumes_under_slurm_as_one_process_runs_it(cluster, grpo_reference):
+    """`helpers.grpo_material`'s 1-process GRPO run (float64) killed after step 3's checkpoint, inside round 1, and
+    resumed with `train.sbatch` on 1 node x 2 tasks x 4 devices: it starts at step 3 from the round's kept batch and
+    logs step 4's metrics as the uninterrupted run (rewards exactly; the held-out greedy completions sampled and
+    scored on both tasks), the round's completions once. (The 2-process run from step 0, through the launcher:
+    `tests/test_multihost_engine.py`.)"""
+    from rl_runs import assert_same_grpo_run, cut_grpo_run, grpo_completions, grpo_metrics
 
     root, _ = grpo_reference
     workdir = os.path.join(cluster.d, "grpo")
+    cut_grpo_run(root / "one", workdir)
     job = cluster.submit_config(str(root / "config.py"), workdir, "grpo", sbatch=("--export=ALL,JAX_ENABLE_X64=1",))
     cluster.wait_state(job, ("COMPLETED",), 240)
+    assert "start step 3" in cluster.output(job)
     assert_same_grpo_run(grpo_metrics(workdir), grpo_metrics(root / "one"))
     strip = lambda rows: [{k: v for k, v in r.items() if k != "process"} for r in rows]  # noqa: E731
     assert strip(grpo_completions(workdir)) == strip(grpo_completions(root / "one"))
-    assert {r["process"] for r in grpo_completions(workdir)} == {0, 1}  # (each task scored its share)
