@@ -31,7 +31,7 @@ def get_config():
     c.init_from = "hf:{root}/base"
     c.data.update(sources="{root}/prompts.jsonl", cache_dir="{root}/cache", val_fraction=0.2)
     c.log.update(every_steps=2, progress=False)
-    c.eval.update(every_steps=4, batches=1)
+    c.eval.update(every_steps=4, batches=1, tasks="jaxpar_mc", tasks_include="{tasks}")
     c.checkpoint.update(every_steps=3, keep=3, async_save=False)
     return c
 """
@@ -53,10 +53,12 @@ def rl_base(root) -> None:
 
 def grpo_material(root) -> None:
     """`rl_base`, a reward that asserts it sees its process's share of a round (`GRPO_REWARD`) and `GRPO_CONFIG` as
-    root/config.py: 4 float64 steps on (data 4, tensor 2), mu = 2 (checkpoint 3 lies inside round 1)."""
+    root/config.py: 4 float64 steps on (data 4, tensor 2), mu = 2 (checkpoint 3 lies inside round 1), lm-eval's
+    multiple-choice fixture task at the last step (`eval.tasks`; the runs start in the repository root)."""
     rl_base(root)
     (root / "reward.py").write_text(GRPO_REWARD)
-    (root / "config.py").write_text(GRPO_CONFIG.format(root=root))
+    tasks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "lm_eval")
+    (root / "config.py").write_text(GRPO_CONFIG.format(root=root, tasks=tasks))
 
 
 def grpo_metrics(workdir):

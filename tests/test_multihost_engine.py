@@ -38,9 +38,12 @@ def run(root, name, processes, env):
 
 def test_two_processes_run_grpo_like_one(runs):
     """The metrics of every log step equal (rewards, lengths and what reward functions logged exactly; the losses
-    within 1e-9); the completions logged once, in order, equal, each scored by the process whose share it is."""
+    and lm-eval's task at the last step, `eval.tasks`, within 1e-9); the completions logged once, in order, equal,
+    each scored by the process whose share it is; one lm-eval results file."""
     root, _ = runs
     assert_same_grpo_run(grpo_metrics(root / "two"), grpo_metrics(root / "one"))
+    assert "eval/jaxpar_mc/acc" in grpo_metrics(root / "two")[4] and os.listdir(root / "two" / "lm_eval") == [
+        "step_4.json"]
     two, one = grpo_completions(root / "two"), grpo_completions(root / "one")
     assert [r["process"] for r in two] == [0] * 8 + [1] * 8 + [0] * 8 + [1] * 8  # (2 logged rounds of 16)
     assert [r["process"] for r in one] == [0] * 32
