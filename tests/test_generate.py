@@ -19,7 +19,6 @@ import tiny_checkpoints  # noqa: E402
 from helpers import run_config, steps_for, tiny_config  # noqa: E402
 from tiny_checkpoints import SAMPLED, V  # noqa: E402
 from jaxpar.config import step_rules  # noqa: E402
-from jaxpar.generate import cache as kv, paged  # noqa: E402
 from jaxpar.generate.cache import cache_bytes, decode_param_bytes, dry_run_entry  # noqa: E402
 from jaxpar.generate.engine import Engine, Request  # noqa: E402
 from jaxpar.generate.sampling import Sampling, sample  # noqa: E402
@@ -263,21 +262,12 @@ def test_greedy_and_seeded_sampling_equal_one_device_on_training_layouts(models,
     # the KV cache is sharded as `--dry_run` prices it: rows over data x expert x context, KV heads over tensor
     shape = (steps.cfg.layers, 8, 64, steps.cfg.kv_heads, steps.cfg.head_dim)
     shard = engine.decoder.cache_sharding(8, 64).shard_shape(shape)
-    context = over.get("mesh.context", 1)
-    assert shard[1] == 8 // (over["mesh.data"] * over.get("mesh.expert", 1) * context)
+    assert shard[1] == 8 // (over["mesh.data"] * over.get("mesh.expert", 1) * over.get("mesh.context", 1))
     assert shard[3] == steps.cfg.kv_heads // over.get("mesh.tensor", 1)
     priced = cache_bytes(steps.cfg, 8, 64, steps.layout, step_rules(config))
     assert priced == {"total": 2 * 4 * int(np.prod(shape)), "per_device": 2 * 4 * int(np.prod(shard))}
     pool = pages.decoder.pool_sharding(64).shard_shape((shape[3], shape[0], 64, 8, shape[4]))
     assert pool[2] == shard[1] * 8 and pool[0] == shard[3]  # the pool's blocks split as the rows
-    if context > 1:  # a pool whose part holds fewer positions than a row: each row's KV spread over context
-        need = max(paged.blocks_for(len(r.prompt) + 5, 8) for r in reqs)
-        whole = kv.block_bytes(steps.cfg, 8) // over["mesh.tensor"]  # a block's bytes on a device holding it whole
-        tight = Engine.on_steps(steps, placed, config, slots=8, kv_block=8, kv_memory=(need - 1) * whole)
-        assert [g.tokens for g in tight.generate(reqs)] == [w.tokens for w in want] and tight.decoder.kv_context
-        assert tight.stats["kv_blocks"] // over["mesh.data"] >= need  # a part of the pool holds a row
-        held = tight.decoder.pool_sharding(64).shard_shape((shape[3], shape[0], 64, 8, shape[4]))
-        assert held[2] == 64 // over["mesh.data"] and held[3] == 8 // context  # rows over data, positions context
     leaf = jax.tree.leaves(engine.params)[0]
     assert dict(leaf.sharding.mesh.shape) == dict(steps.mesh.shape)
     if name == "pipeline":  # the decode layout: the layers gathered over stage, in their canonical order

@@ -152,6 +152,8 @@ def test_a_split_pool_is_read_and_written_on_its_devices(models, monkeypatch, da
     engine = Engine(fwd, params, mesh=mesh, slots=8, kv_block=8, kv_memory=memory)
     assert_same(engine.generate(ragged_round()[:8]), want)
     assert engine.decoder.kv_context == (context > 1)
+    held = engine.decoder.pool_sharding(64).shard_shape((fwd.cfg.kv_heads, fwd.cfg.layers, 64, 8, fwd.cfg.head_dim))
+    assert held[2] == 64 // data and held[3] == 8 // context  # blocks split as the rows; positions over context
     moved = [line for line in seen[0].splitlines() if re.search(r"= \S+ (all-gather|all-reduce|all-to-all|"
                                                                 r"collective-permute)\(", line)]
     sizes = [math.prod(int(n) for n in re.search(r"\[([\d,]*)\]", line).group(1).split(",") if n) for line in moved]
