@@ -132,12 +132,13 @@ def token_entropy(h, w, vocab_real: int, chunk: int):
 
 
 def _by_chunks(one, h, y, c: int):
-    """`one(h chunk, y chunk) -> [batch, c]` over the sequence's chunks of `c` positions -> `[batch, seq]`."""
+    """`one(h chunk, y chunk) -> [batch, c, ...]` over the sequence's chunks of `c` positions (y `[batch, seq,
+    ...]`) -> `[batch, seq, ...]`."""
     n = h.shape[1] // c
     if n == 1:
         return one(h, y)
-    out = jax.lax.map(lambda a: one(*a), (_chunks(h, n), _chunks(y, n)))  # [n, batch, c]
-    return jnp.moveaxis(out, 0, 1).reshape(y.shape)
+    out = jax.lax.map(lambda a: one(*a), (_chunks(h, n), _chunks(y, n)))  # [n, batch, c, ...]
+    return jnp.moveaxis(out, 0, 1).reshape(y.shape[:2] + out.shape[3:])
 
 
 def place_rows(place, values):
