@@ -27,6 +27,7 @@ from jaxpar import model as gpt
 from jaxpar.config import step_rules
 from jaxpar.config_keys import DEFAULT_RULES
 from jaxpar.formats import peft, start
+from jaxpar.generate import paged
 from jaxpar.kernels.paged import POOL_NAMES
 from jaxpar.layout import Layout
 from jaxpar.model.layers import KVCache
@@ -62,7 +63,7 @@ def kv_over_context(cfg, block: int, memory: int | None, rows: int, positions: i
     if sizes.get("context", 1) == 1 or not block or memory is None:
         return False
     blocks, split = pool_blocks(cfg, block, memory, rows, positions, sizes, decode_rules(rules))
-    return -(-positions // block) > blocks // split
+    return paged.blocks_for(positions, block) > blocks // split
 
 
 def _fitting(p: P, shape, sizes: dict) -> P:

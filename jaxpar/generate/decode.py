@@ -37,7 +37,7 @@ class Decoder:
     def __init__(self, fwd: gpt.Forward, mesh=None, rules=(), zero3: bool = False, prefill_chunk: int = 512,
                  block: int = 0, kv_context: bool = False):
         self.fwd, self.cfg, self.mesh, self.prefill_chunk = fwd, fwd.cfg, mesh, int(prefill_chunk)
-        self.block, self.kv_context = int(block), bool(kv_context)
+        self.zero3, self.block, self.kv_context = zero3, int(block), bool(kv_context)
         self.rules = kv.decode_rules(rules, self.kv_context)
         self.prepare = None
         if mesh is not None and zero3:

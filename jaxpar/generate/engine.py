@@ -218,7 +218,7 @@ class Engine:
                              f"of {sizes['context']}.")
         if split != self.decoder.kv_context:
             d = self.decoder
-            self.decoder = Decoder(self.fwd, self.mesh, self.rules, *d.key[3:6], kv_context=split)
+            self.decoder = Decoder(self.fwd, self.mesh, self.rules, d.zero3, d.prefill_chunk, d.block, split)
 
     def _pages(self, requests, news, length: int):
         """The block tables of a paged cache for this call (None: dense): `kv_memory` bytes of blocks, split as the

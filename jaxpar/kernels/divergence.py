@@ -26,15 +26,14 @@ def _per_token(zs, zt, real, beta: float):
     safe = lambda lp: jnp.where(real, lp, 0.0)  # noqa: E731  (padded ids: log 0 = -inf kept out of the sums and
     ls, lt = safe(jax.nn.log_softmax(zs, axis=-1)), safe(jax.nn.log_softmax(zt, axis=-1))  # of their gradients)
     ps, pt = jnp.where(real, jnp.exp(ls), 0.0), jnp.where(real, jnp.exp(lt), 0.0)
-    total = lambda x: x.sum(-1)  # noqa: E731
     if beta == 0.0:
-        div = total(pt * (lt - ls))
+        div = pt * (lt - ls)
     elif beta == 1.0:
-        div = total(ps * (ls - lt))
+        div = ps * (ls - lt)
     else:
         lm = jnp.logaddexp(ls + math.log(1 - beta), lt + math.log(beta))
-        div = total(beta * pt * (lt - lm) + (1 - beta) * ps * (ls - lm))
-    return div, jax.lax.stop_gradient(-total(ps * ls))
+        div = beta * pt * (lt - lm) + (1 - beta) * ps * (ls - lm)
+    return div.sum(-1), jax.lax.stop_gradient(-(ps * ls).sum(-1))
 
 
 def generalized_jsd(hs, ws, ht, wt, mask, beta: float, temperature: float, vocab_real: int, chunk: int):
