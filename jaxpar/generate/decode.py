@@ -197,16 +197,17 @@ class Decoder:
             return (i < rows["limit"]) & ~jnp.all(done) & ~(rows["wait"] & jnp.any(done & ~rows["done"]))
 
         with self._scope():
-            wb = self._vocab_blocks(params) if greedy else None  # (the unembedding in blocks, once a call)
+            wb = self._vocab_blocks(params, -(-b // self.row_split())) if greedy else None  # (once a call)
             _, carry, _, _, out = jax.lax.while_loop(going, step, (0, carry, rows["index"], rows["done"], bufs))
         return (self._pin(carry[0]), *carry[1:]), out
 
-    def _vocab_blocks(self, params):
-        """The unembedding in vocabulary blocks (`sampling.vocab_blocks`), over its split on this mesh."""
+    def _vocab_blocks(self, params, rows: int):
+        """The unembedding in vocabulary blocks (`sampling.vocab_blocks`) for a device's `rows` rows, over its
+        split on this mesh."""
         w = self.fwd.unembedding(params)[0]
         vocab = spec(("vocab",), self.rules)[0]
         parts = 1 if self.mesh is None else math.prod(dict(self.mesh.shape)[a] for a in mesh_axes(vocab))
-        return vocab_blocks(w, parts if w.shape[1] % parts == 0 else 1)
+        return vocab_blocks(w, parts if w.shape[1] % parts == 0 else 1, rows)
 
     def _greedy(self, params, x, wb):
         """x `[b, embed]` -> (the greedy next token, its log-prob) by `sampling.greedy_head`."""

@@ -76,20 +76,24 @@ class KVCache(NamedTuple):
             self._parts(c), where, at, split(new)).reshape(c.shape)
         return self._replace(k=put(self.k, k), v=put(self.v, v))
 
-    def read_blocks(self):
+    def read_blocks(self, step: bool = False):
         """This layer's keys and values of every row's blocks, `[batch, block x blocks per row, kv_heads, hd]` each
         (transient), in block-major order: key j = o x width + w holds position w x block + o (`[block x width]`
         int32, the third result), so that a split of each block's positions (over context) stays the split of the
-        keys and the attention reduces across it in place."""
-        def read(c):  # [parts, kv_heads, rows, width, block, hd] -> [parts x rows, block x width, kv_heads, hd]
+        keys and the attention reduces across it in place. `step` (a decode step's layout, `step_attention`): keys
+        `[batch, kv_heads, hd, keys]`, values `[batch, kv_heads, keys, hd]`, the same order of keys."""
+        def read(c, order):  # gathered [parts, kv_heads, rows, width, block, hd] -> [rows of parts, `order`]
             r = jax.vmap(lambda pool, table: pool.at[:, self.layer, table].get(mode="fill", fill_value=0),
                          in_axes=(2, 0))(self._parts(c), self.table)
-            r = jnp.transpose(r, (0, 2, 4, 3, 1, 5))
-            return r.reshape(r.shape[0] * r.shape[1], r.shape[2] * r.shape[3], *r.shape[4:])
+            r = jnp.transpose(r, (0, 2) + tuple(order))
+            keys = order.index(4)  # where the block's offsets go, then the blocks: the keys, block-major
+            return r.reshape(-1, *r.shape[2:2 + keys], block * width, *r.shape[4 + keys:])
 
         width, block = self.table.shape[2], self.k.shape[3]
         where = (jnp.arange(width)[None, :] * block + jnp.arange(block)[:, None]).reshape(-1)
-        return read(self.k), read(self.v), where
+        if step:
+            return read(self.k, (1, 5, 4, 3)), read(self.v, (1, 4, 3, 5)), where
+        return read(self.k, (4, 3, 1, 5)), read(self.v, (4, 3, 1, 5)), where
 
     def attend(self, q, k, v, implementation: str = "xla"):
         """Queries q `[b, t, heads, hd]` with their new keys and values k, v `[b, t, kv_heads, hd]` at each row's
@@ -100,8 +104,26 @@ class KVCache(NamedTuple):
                 kv_heads=k.shape[2], parts=self.table.shape[0]) == "pallas":
             cache = self.write_blocks(k, v)
             return paged.attention(q, cache.k, cache.v, cache.table, cache.layer, cache.pos + 1), cache
+        if self.table is not None and q.shape[1] == 1:
+            cache = self.write_blocks(k, v)
+            keys, values, where = cache.read_blocks(step=True)
+            return step_attention(q, keys, values, where[None, :] <= self.pos[:, None]), cache
         keys, values, mask, cache = self.append(k, v)
         return cached_attention(q, keys, values, mask), cache
+
+
+def step_attention(q, k, v, mask):
+    """A decode step's attention (one query a row) over a paged cache's keys k `[b, kv_heads, hd, S]` and values v
+    `[b, kv_heads, S, hd]` (`KVCache.read_blocks(step=True)`) under `mask` `[b, S]`, in float32 (float64 in float64
+    runs): products and sums over hd and S that are not the minor axis, so a CPU vectorises them along the keys and
+    hd (1.7x faster than the `[b, S, kv_heads, hd]` order's reduction over its minor hd on 64 rows x 192 keys)."""
+    b, _, h, d = q.shape
+    g, f = k.shape[1], at_least_f32(q.dtype)
+    qg = q.reshape(b, g, h // g, d).astype(f)
+    s = (qg[..., None] * k.astype(f)[:, :, None]).sum(3) / math.sqrt(d)  # [b, g, r, S]
+    p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
+    o = (p[..., None] * v.astype(f)[:, :, None]).sum(3)  # [b, g, r, hd]
+    return o.reshape(b, 1, h, d).astype(q.dtype)
 
 
 def cached_attention(q, k, v, mask):
