@@ -2,7 +2,9 @@
 token as `transformers`' `apply_chat_template` renders and tokenizes them.
 
 A record is recognised by its fields, as TRL recognises them:
-- `messages`: a list of `{"role", "content"}` (roles `system`, `user`, `assistant`), rendered with the template;
+- `messages`: a list of `{"role", "content"}` (roles `system`, `user`, `assistant`, `tool`; an assistant's
+  `tool_calls`: `jaxpar/data/messages.py`), rendered with the template, given the record's `tools` (the functions'
+  JSON schemas) as `apply_chat_template(..., tools=...)` gives them: a tool's result is never in the loss;
 - `prompt` + `completion`: strings (`prompt + completion`, tokenized with the tokenizer's own special tokens, then
   the end-of-sequence token) or lists of messages (`prompt + completion` rendered with the template);
 - `text` (`data.text_field`): the document as it is, then the end-of-text token: today's pretraining meaning.
@@ -28,6 +30,7 @@ every token; `auto` is `assistant` for `messages`, `completion` for `prompt`/`co
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -37,17 +40,16 @@ from pathlib import Path
 import numpy as np
 
 from jaxpar.data.common import DataError
+from jaxpar.data.messages import alias_reasoning, check_messages, check_tools
 from jaxpar.data.tokens import REJECTED
 
-ROLES = ("system", "user", "assistant")
 LOSS_ON = ("auto", "assistant", "completion", "all")
 TEMPLATE_FILE = "chat_template.jinja"  # beside tokenizer.json in a Hugging Face directory (transformers >= 4.43)
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # a reply's reasoning, as transformers 5 names it
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around each `{% generation %}` block while rendering
 _PROBE = "\ue002"  # a reply's content while finding where that reply ends
-RULES = 2  # the version of how records are rendered and masked: in the data cache's key (a change re-encodes)
+RULES = 3  # the version of how records are rendered and masked: in the data cache's key (a change re-encodes)
 
 
 def _environment():
@@ -132,6 +134,7 @@ class ChatFormat:
         import jinja2
 
         self.hf, self.source, self.where, self.special = tokenizer, template, where, special
+        self.tools = None  # the functions' JSON schemas the template is given (`with_tools`)
         self.markers = "generation" in template and "endgeneration" in template
         try:
             self.template = _environment().from_string(template)
@@ -163,13 +166,22 @@ class ChatFormat:
         special = {k: t for k in SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
         return cls(Tokenizer.from_file(str(d / "tokenizer.json")), *found, special)
 
+    def with_tools(self, tools: list | None) -> "ChatFormat":
+        """This format rendering with `tools` (a record's `tools` column, `messages.check_tools`) given to the
+        template, as `apply_chat_template(..., tools=...)` gives them."""
+        if tools == self.tools:
+            return self
+        out = copy.copy(self)
+        out.tools = tools
+        return out
+
     def render(self, messages: list, add_generation_prompt: bool = False) -> tuple[str, list]:
         """(the rendered text, the `{% generation %}` spans `[(start, end)]` in it)."""
         import jinja2
 
         try:
             raw = self.template.render(messages=alias_reasoning(messages), add_generation_prompt=add_generation_prompt,
-                                       **self.special)
+                                       tools=self.tools, **self.special)
         except jinja2.TemplateError as e:
             raise TemplateFailure(f"the chat template ({self.where}) fails to render it: {e}") from None
         text, spans, n = [], [], 0
@@ -289,16 +301,6 @@ def _agreed(a: str, b: str) -> int:
     return lo
 
 
-def alias_reasoning(messages: list) -> list:
-    """The messages as transformers 5 gives them to a template: a reply's reasoning, given under any of
-    `REASONING_FIELDS`, under `reasoning_content` and `thinking` too (gpt-oss's template reads `thinking`)."""
-    out = []
-    for m in messages:
-        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
-        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
-    return out
-
-
 class TemplateFailure(Exception):
     """A conversation the template cannot render or split (the record's place is added by the caller)."""
 
@@ -316,26 +318,6 @@ def record_kind(obj) -> str | None:
     return None
 
 
-def check_messages(messages, field: str, where: str) -> list:
-    """The messages as plain dicts (None values dropped, as transformers does), or a DataError naming `where`."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: `{field}` must be a non-empty list of {{\"role\", \"content\"}} messages.")
-    out = []
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m:
-            raise DataError(f"{where}: {field}[{k}] is not a message with a `role`; give {{\"role\", \"content\"}}.")
-        if m["role"] not in ROLES:
-            raise DataError(f"{where}: {field}[{k}] has the unknown role {m['role']!r}; use one of "
-                            f"{', '.join(ROLES)}.")
-        if not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: {field}[{k}] ({m['role']}) has no string `content`; every message needs one.")
-        if (f := next((f for f in REASONING_FIELDS if m.get(f) is not None and not isinstance(m[f], str)), None)):
-            raise DataError(f"{where}: {field}[{k}] ({m['role']}) has a `{f}` that is not a string; give the "
-                            f"reasoning as a string (or drop the field).")
-        out.append({k2: v for k2, v in m.items() if v is not None})
-    return out
-
-
 def example(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[np.ndarray, np.ndarray]:
     """A `messages` or `prompt`/`completion` record -> (ids int32, loss mask uint8).
 
@@ -349,6 +331,7 @@ def example(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[np.
     if chat is None:
         raise DataError(f"{where}: a {kind} record needs a chat tokenizer; give data.tokenizer a Hugging Face "
                         f"tokenizer.json (or init_from=hf:DIR).")
+    chat = chat.with_tools(check_tools(obj.get("tools"), where))
     try:
         if kind == "messages":
             if loss_on == "completion":
@@ -382,6 +365,6 @@ def preference(obj, where: str, chat: ChatFormat | None, loss_on: str) -> tuple[
     if obj.get("prompt") is None:
         raise DataError(f"{where}: a preference record needs its `prompt` (TRL's explicit-prompt form: `prompt`, "
                         f"`chosen`, `rejected`).")
-    c, r = (example({"prompt": obj["prompt"], "completion": obj[f]}, where, chat, loss_on)
+    c, r = (example({"prompt": obj["prompt"], "completion": obj[f], "tools": obj.get("tools")}, where, chat, loss_on)
             for f in ("chosen", "rejected"))
     return np.concatenate([c[0], r[0]]), np.concatenate([c[1], r[1] | REJECTED]).astype(np.uint8)

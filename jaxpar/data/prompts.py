@@ -94,7 +94,7 @@ def _records(spec: str, unit_mb: int) -> list:
 def _encode(rec, where: str, fmt, tok) -> np.ndarray:
     prompt = rec.get("prompt") if isinstance(rec, dict) else None
     if isinstance(prompt, list) or (isinstance(prompt, str) and prompt):
-        return np.asarray(special.encode_prompt(prompt, tok, fmt, where), np.int32)
+        return np.asarray(special.encode_prompt(prompt, tok, fmt, where, rec.get("tools")), np.int32)
     keys = sorted(rec)[:8] if isinstance(rec, dict) else type(rec).__name__
     raise DataError(f"{where}: a prompt record needs `prompt` (a string or a list of messages), as TRL's GRPO "
                     f"datasets have; it has {keys}.")

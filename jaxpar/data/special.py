@@ -92,9 +92,10 @@ def generation_config(tok, bos_id: int | None) -> dict:
                                                                    else list(ends)}
 
 
-def encode_prompt(prompt, tok, fmt=None, where: str = "") -> list[int]:
+def encode_prompt(prompt, tok, fmt=None, where: str = "", tools=None) -> list[int]:
     """A prompt's ids: a string with the tokenizer's special tokens; a conversation (a list of messages) rendered
-    by `fmt`'s chat template with the generation prompt, without them.
+    by `fmt`'s chat template with the generation prompt, without them, given `tools` (the record's functions' JSON
+    schemas, `messages.check_tools`).
 
     Raises:
       DataError: a conversation with no chat template, or a malformed one (naming `where`)."""
@@ -103,5 +104,6 @@ def encode_prompt(prompt, tok, fmt=None, where: str = "") -> list[int]:
     if fmt is None:
         raise DataError(f"{where}: a conversational prompt needs a chat template; the tokenizer has none (give one "
                         f"with --config.data.chat_template=FILE).")
+    fmt = fmt.with_tools(chat.check_tools(tools, where))
     return fmt.prompt(chat.check_messages(prompt, "prompt", where)).tolist()
 

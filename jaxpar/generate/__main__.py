@@ -67,7 +67,7 @@ def requests_of(lines, args, src, context: int):
         if "messages" in rec and src.chat is None:
             raise ValueError(f"{args.prompts}:{n}: a messages record, but {args.model} has no chat template.")
         ids = special.encode_prompt(rec["messages"] if "messages" in rec else rec["prompt"], src.tokenizer, src.chat,
-                                    f"{args.prompts}:{n}")
+                                    f"{args.prompts}:{n}", rec.get("tools"))
         stop = rec.get("stop", [])
         knobs = dict(max_new_tokens=rec.get("max_new_tokens", args.max_new_tokens),
                      temperature=float(rec.get("temperature", args.temperature)), top_k=args.top_k,

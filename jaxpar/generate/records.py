@@ -1,8 +1,9 @@
 """The batch command line's records: JSONL prompts in, JSONL completions out (`python -m jaxpar.generate`).
 
 An input record is `{"prompt": "..."}` or `{"messages": [...]}` (the checkpoint's chat template with the generation
-prompt), with optional `id` and per-record `max_new_tokens` (int), `temperature` (number) and `stop` (a string or a
-list of strings); other fields pass through. An output record is the input's fields plus `completion` (text),
+prompt), with optional `id`, `tools` (the functions' JSON schemas the chat template is given, as TRL's `tools` column)
+and per-record `max_new_tokens` (int), `temperature` (number) and `stop` (a string or a list of strings); other fields
+pass through. An output record is the input's fields plus `completion` (text),
 `completion_ids`, `logprobs` (each token's under the sampling distribution), `finish_reason` (`stop` | `length`);
 with `--n` > 1 each of those is a list of n.
 """
@@ -12,7 +13,7 @@ import json
 import os
 
 TYPES = {"prompt": (str,), "messages": (list,), "max_new_tokens": (int,), "temperature": (int, float),
-         "stop": (str, list), "id": (str, int)}
+         "stop": (str, list), "id": (str, int), "tools": (list, str)}
 
 
 def read(path: str) -> list[tuple[int, dict]]:

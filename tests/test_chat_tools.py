@@ -1,0 +1,120 @@
+"""Tool-calling conversations as TRL's SFTTrainer takes them (`jaxpar/data/messages.py`, `jaxpar/data/chat.py`):
+`tool` messages, an assistant's `tool_calls`, a record's `tools` column given to the chat template; the loss on the
+assistant's calls and replies, never on a tool's result. The reference is transformers' `apply_chat_template(...,
+tools=..., return_assistant_tokens_mask=True)` on the released templates as TRL's wheel ships them."""
+import json
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from helpers import released_template  # noqa: E402
+from jaxpar.data import DataError  # noqa: E402
+from jaxpar.data.chat import ChatFormat, example  # noqa: E402
+from jaxpar.data.special import encode_prompt  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("test_chat")
+
+SPECIAL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")  # Qwen's; `<tool_call>` and `<think>` are text, as in
+TOOLS = [{"type": "function", "function": {  # Qwen's tokenizers (added tokens that are not special)
+    "name": "multiply", "description": "Multiply two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "A number."},
+                                                    "b": {"type": "integer", "description": "Another."}},
+                   "required": ["a", "b"]}}}]
+CALL = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 34}}}
+CONVERSATIONS = {
+    "one call": [{"role": "user", "content": "What is 12 times 34?"},
+                 {"role": "assistant", "content": "", "tool_calls": [CALL]},
+                 {"role": "tool", "name": "multiply", "content": "408"},
+                 {"role": "assistant", "content": "It is 408."}],
+    "two calls, two results, no content": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "12 x 34 and 2 x 3?"},
+        {"role": "assistant", "tool_calls": [CALL, {"function": {"name": "multiply", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "content": "408"}, {"role": "tool", "content": "6"},
+        {"role": "assistant", "content": "408 and 6."}, {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "You are welcome."}],
+}
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    from jaxpar.data import BPETokenizer
+
+    d = tmp_path_factory.mktemp("qwen_tok")
+    BPETokenizer.train(["What is 12 times 34? It is 408. multiply tool_call name arguments\n" * 4,
+                        "system user assistant: be brief, thanks, you are welcome"], 400, SPECIAL).save(d)
+    return d
+
+
+def directory(root, tok_dir, name: str):
+    d = root / name
+    d.mkdir()
+    (d / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": released_template(name),
+              "eos_token": "<|im_end|>"}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.mark.parametrize("name", ["qwen3_training", "qwen2_5_training"])
+def test_tool_calls_render_and_mask_as_transformers_does(tmp_path, tok_dir, name):
+    """TRL's training templates (with `{% generation %}`): ids and assistant masks equal transformers' for records
+    whose `tools` column is a list or its JSON string (as TRL reads it); the masked text holds the calls and the
+    replies, and no tool result."""
+    d = directory(tmp_path, tok_dir, name)
+    fmt, hf = ChatFormat.from_dir(d), transformers.AutoTokenizer.from_pretrained(str(d))
+    for case, messages in CONVERSATIONS.items():
+        for tools in (TOOLS, json.dumps(TOOLS)):
+            ids, mask = example({"messages": messages, "tools": tools}, "x", fmt, "auto")
+            out = hf.apply_chat_template(messages, tools=TOOLS, tokenize=True, return_dict=True,
+                                         return_assistant_tokens_mask=True)
+            assert ids.tolist() == list(out["input_ids"]), case
+            assert mask.tolist() == list(out["assistant_masks"]), case
+        trained = fmt.hf.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
+        assert '"name": "multiply"' in trained and "tool_response" not in trained, trained
+        assert '"description": "Multiply two integers."' in fmt.hf.decode(ids.tolist())  # the schema was rendered
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_5"])
+def test_templates_without_markers_mask_each_reply_with_its_calls(tmp_path, tok_dir, name):
+    """The released templates without markers: ids equal transformers' (the tools in the system prompt); the loss
+    covers each assistant reply, its tool calls and its end-of-turn token, and nothing of the tool results, the
+    prompt or the schemas."""
+    d = directory(tmp_path, tok_dir, name)
+    fmt, hf = ChatFormat.from_dir(d), transformers.AutoTokenizer.from_pretrained(str(d))
+    messages = CONVERSATIONS["one call"]
+    ids, mask = example({"messages": messages, "tools": TOOLS}, "x", fmt, "auto")
+    assert ids.tolist() == list(hf.apply_chat_template(messages, tools=TOOLS, tokenize=True, return_dict=True)
+                                ["input_ids"])
+    trained = fmt.hf.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
+    call = '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call><|im_end|>'
+    reply = "It is 408.<|im_end|>"
+    assert trained.replace("<think>\n\n</think>\n\n", "") in (call + reply, "\n" + call + reply), trained
+
+
+def test_a_prompt_with_tools_is_the_templates_generation_prompt(tmp_path, tok_dir):
+    """`python -m jaxpar.generate` and RL prompt records with `tools`: the ids `apply_chat_template(prompt,
+    tools=..., add_generation_prompt=True)` gives."""
+    d = directory(tmp_path, tok_dir, "qwen3")
+    fmt, hf = ChatFormat.from_dir(d), transformers.AutoTokenizer.from_pretrained(str(d))
+    prompt = CONVERSATIONS["one call"][:3]
+    want = hf.apply_chat_template(prompt, tools=TOOLS, tokenize=True, add_generation_prompt=True,
+                                  return_dict=True)["input_ids"]
+    assert encode_prompt(prompt, fmt.hf, fmt, "x", TOOLS) == list(want)
+
+
+@pytest.mark.parametrize("record, says", [
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]}, "only an assistant message calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"function": {}}]}]},
+     r"tool_calls\[0\] is not"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}]}, "non-empty list"),
+    ({"messages": [{"role": "tool"}]}, r"messages\[0\] \(tool\) has no string `content`"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": "{not json"}, "`tools` is a string that is not JSON"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": {"name": "f"}}, "`tools` must be a list"),
+    ({"messages": [{"role": "function", "content": "hi"}]}, "unknown role 'function'"),
+])
+def test_malformed_tool_records_are_refused_in_one_line(tmp_path, tok_dir, record, says):
+    fmt = ChatFormat.from_dir(directory(tmp_path, tok_dir, "qwen3_training"))
+    with pytest.raises(DataError, match=says) as e:
+        example(record, "data.jsonl:3", fmt, "auto")
+    assert str(e.value).startswith("data.jsonl:3") and "\n" not in str(e.value)
