@@ -15,7 +15,8 @@ from jaxpar.data.special import encode_prompt  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("test_chat")
 
-SPECIAL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")  # Qwen's; `<tool_call>` and `<think>` are text, as in
+SPECIAL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|begin_of_text|>", "<|start_header_id|>",  # Qwen's and
+           "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>")  # Llama's; `<tool_call>`, `<think>`: text, as in
 TOOLS = [{"type": "function", "function": {  # Qwen's tokenizers (added tokens that are not special)
     "name": "multiply", "description": "Multiply two integers.",
     "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "A number."},
@@ -51,7 +52,8 @@ def directory(root, tok_dir, name: str):
     d.mkdir()
     (d / "tokenizer.json").write_text((tok_dir / "tokenizer.json").read_text())
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": released_template(name),
-              "eos_token": "<|im_end|>"}
+              "eos_token": "<|eot_id|>" if name.startswith("llama") else "<|im_end|>"}
+    config |= {"bos_token": "<|begin_of_text|>"} if name.startswith("llama") else {}
     (d / "tokenizer_config.json").write_text(json.dumps(config))
     return d
 
@@ -118,3 +120,33 @@ def test_malformed_tool_records_are_refused_in_one_line(tmp_path, tok_dir, recor
     with pytest.raises(DataError, match=says) as e:
         example(record, "data.jsonl:3", fmt, "auto")
     assert str(e.value).startswith("data.jsonl:3") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2_5", "qwen3_training", "llama3_1"])
+def test_a_tool_results_ids_are_trls(tmp_path, tok_dir, name):
+    """`ChatFormat.tool_suffix`: the ids a row that called tools continues with (its results, then the generation
+    prompt) equal TRL 1.16's own `GRPOTrainer._get_tool_suffix_ids` on the same tokenizer and template, for one
+    result and for two; where the template rewrites the turn before them (Qwen3's released one drops an earlier
+    reasoning block: TRL swaps in its training template), both refuse."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    from jaxpar.data.chat import TemplateFailure
+
+    d = directory(tmp_path, tok_dir, name)
+    fmt, hf = ChatFormat.from_dir(d), transformers.AutoTokenizer.from_pretrained(str(d))
+    trainer = SimpleNamespace(processing_class=hf, chat_template=None, chat_template_kwargs={}, _is_vlm=False,
+                              _tokenizer=hf)
+    for results in ([{"role": "tool", "name": "multiply", "content": "408"}],
+                    [{"role": "tool", "name": "multiply", "content": "408"},
+                     {"role": "tool", "name": "multiply", "content": '{"error": "Tool add not found."}'}]):
+        try:
+            want = GRPOTrainer._get_tool_suffix_ids(trainer, results)
+        except ValueError:
+            with pytest.raises(TemplateFailure, match="renders a tool's result so that the turn before it changes"):
+                fmt.tool_suffix(results)
+            assert name == "qwen3"
+            continue
+        got = fmt.tool_suffix(results).tolist()
+        assert got == list(want) and "408" in fmt.hf.decode(got), (name, fmt.hf.decode(got))

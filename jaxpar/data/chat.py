@@ -282,6 +282,24 @@ class ChatFormat:
         text, _ = self.render(messages, add_generation_prompt=True)
         return self.encode(text, [])[0]
 
+    def tool_suffix(self, tool_messages: list) -> np.ndarray:
+        """The ids that follow an assistant turn that called tools: the template's rendering of `tool_messages` (each
+        `{"role": "tool", "name", "content"}`) and the generation prompt after them, as TRL 1.16's GRPOTrainer takes
+        them (`_get_tool_suffix_ids`): from a conversation of a user turn and an empty call of the first tool's name,
+        rendered without and then with them, cut after the last end-of-sequence id of the first. What a row that
+        paused on its calls is continued with, never a re-encoding of its own ids."""
+        name = tool_messages[0].get("name", "")
+        call = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": {}}}]}]
+        before = self.encode(self.render(call)[0], [])[0]
+        full = self.encode(self.render(call + list(tool_messages), add_generation_prompt=True)[0], [])[0]
+        ends = np.flatnonzero(before == self.eos_id) if self.eos_id is not None else []
+        before = before[:ends[-1] + 1] if len(ends) else before
+        if not np.array_equal(full[:before.size], before):
+            raise TemplateFailure(f"the chat template ({self.where}) renders a tool's result so that the turn before "
+                                  f"it changes, so the result's ids cannot follow a row's own")
+        return full[before.size:]
+
     def plain(self, prompt: str, completion: str, loss_on: str) -> tuple[np.ndarray, np.ndarray]:
         """A string prompt and completion: `prompt + completion` with the tokenizer's special tokens, then the
         end-of-sequence token unless the completion ends with it (TRL's rule); the completion's tokens (and that
