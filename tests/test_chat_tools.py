@@ -150,3 +150,89 @@ def test_a_tool_results_ids_are_trls(tmp_path, tok_dir, name):
             continue
         got = fmt.tool_suffix(results).tolist()
         assert got == list(want) and "408" in fmt.hf.decode(got), (name, fmt.hf.decode(got))
+
+
+TOOL_FILE = '''
+import asyncio
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: A number.
+        b: Another.
+    """
+    return a * b
+
+
+async def lookup(key: str) -> str:
+    """Look a key up.
+
+    Args:
+        key: What to look up.
+    """
+    await asyncio.sleep(0)
+    if key == "missing":
+        raise KeyError(key)
+    return key.upper()
+
+
+def divide(a: int, b: int) -> float:
+    """Divide a by b.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+def parts(n: int) -> list:
+    """Content blocks.
+
+    Args:
+        n: How many.
+    """
+    return [{"type": "text", "text": str(i)} for i in range(n)]
+
+
+def undocumented(x):
+    return x
+'''
+
+
+def test_tools_run_with_trls_contract(tmp_path, tok_dir):
+    """`grpo.tools`' functions (`rl/tools.py`): their schemas are transformers' (the ids a template renders with them
+    equal `apply_chat_template(..., tools=[functions])`'s); a turn's calls run as TRL runs them: results in order, the
+    awaited ones after the others, an unknown name, a raising tool, an awaited one that raises or a call of another
+    type giving TRL's `{"error": ...}` result and counting as a failure; a list of content blocks kept whole."""
+    from jaxpar.rl import tools
+
+    (tmp_path / "tools.py").write_text(TOOL_FILE)
+    fns = tools.load(",".join(f"{tmp_path}/tools.py:{n}" for n in ("multiply", "lookup", "divide", "parts")))
+    d = directory(tmp_path, tok_dir, "qwen3_training")
+    fmt, hf = ChatFormat.from_dir(d), transformers.AutoTokenizer.from_pretrained(str(d))
+    messages = CONVERSATIONS["one call"]
+    ids, _ = example({"messages": messages, "tools": tools.schemas(fns)}, "x", fmt, "auto")
+    assert ids.tolist() == list(hf.apply_chat_template(messages, tools=fns, tokenize=True, return_dict=True)
+                                ["input_ids"])
+
+    call = lambda name, **args: {"type": "function", "function": {"name": name, "arguments": args}}  # noqa: E731
+    got, failed = tools.ToolBox(fns).run([
+        call("lookup", key="abc"), call("multiply", a=12, b=34), call("nope", x=1), call("divide", a=1, b=0),
+        call("lookup", key="missing"), {"type": "code", "name": "exec"}, call("parts", n=2)])
+    assert got == [
+        {"role": "tool", "name": "multiply", "content": "408"},
+        {"role": "tool", "name": "nope", "content": "{'error': 'Tool nope not found.'}"},
+        {"role": "tool", "name": "divide", "content": "{'error': 'division by zero'}"},
+        {"role": "tool", "name": "exec", "content": "{'error': 'Unsupported tool call type: code'}"},
+        {"role": "tool", "name": "parts", "content": [{"type": "text", "text": "0"}, {"type": "text", "text": "1"}]},
+        {"role": "tool", "name": "lookup", "content": "ABC"},
+        {"role": "tool", "name": "lookup", "content": "{'error': \"'missing'\"}"}]
+    assert failed == 4
+
+    with pytest.raises(ValueError, match="two tools are named 'multiply'"):
+        tools.load(f"{tmp_path}/tools.py:multiply,{tmp_path}/tools.py:multiply")
+    with pytest.raises(ValueError, match="the tool 'undocumented' has no schema"):
+        tools.schemas(tools.load(f"{tmp_path}/tools.py:undocumented"))
