@@ -77,6 +77,9 @@ class Decoder:
     def score(self, params, tokens):
         return _jit_score(self, params, tokens)
 
+    def extend(self, params, carry, ids, starts, lengths, table=None):
+        return _jit_extend(self, params, carry, ids, starts, lengths, table)
+
     def _scope(self):
         return activation_rules(self.rules, self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
@@ -161,6 +164,25 @@ class Decoder:
         cache = KVCache(k, v, put(cache.pos, new_cache.pos, 1))
         return self._pin(cache), put(last, new_last, 0), put(experts, new_experts, 0)
 
+    def _extend(self, params, carry, ids, starts, lengths, table=None):
+        """Rows continued with given ids (a tool's result; `ids` `[b, t]` right-padded, `lengths` `[b]`, 0 for a row
+        not continued) from positions `starts` `[b]` on (after the row's tokens: a decode call runs a row that ended
+        on for the call's remaining steps, so its cache's count is past them), a prefill into the running cache (no
+        position recomputed): each continued row's cache holds them and its carried activations and experts are its
+        last id's; the other rows write nothing (their positions put past the cache: every write dropped) and keep
+        theirs."""
+        cache, last, experts = carry
+        b, on = ids.shape[0], lengths > 0
+        pos = cache.pos  # [layers, b]
+        past = jnp.where(on[None], starts[None], jnp.iinfo(jnp.int32).max // 2)
+        with self._scope():
+            x, new, routed = self._run(params, ids, cache._replace(pos=past), table)
+        at = jnp.maximum(lengths - 1, 0)
+        last = jnp.where(on[:, None], x[jnp.arange(b), at].astype(last.dtype), last)
+        routed = jnp.swapaxes(routed, 0, 1)[jnp.arange(b), :, at]  # [b, layers, k]
+        experts = jnp.where(on[:, None, None], routed, experts)
+        return self._pin(KVCache(new.k, new.v, jnp.where(on[None], starts + lengths, pos))), last, experts
+
     def _decode(self, params, carry, rows: dict, sampling: Sampling, steps: int, mode: str):
         """Up to `steps` tokens for every slot, in one compiled loop that stops once every row is done or, when
         requests wait for a slot (`rows["wait"]`), once a row finishes. `carry` = (cache, the last activations
@@ -237,6 +259,7 @@ _jit_prefill = jax.jit(Decoder._prefill, static_argnums=(0, 4))
 _jit_insert = jax.jit(Decoder._insert, static_argnums=(0,), donate_argnums=(1,))
 _jit_decode = jax.jit(Decoder._decode, static_argnums=(0, 5, 6), donate_argnums=(2,))
 _jit_score = jax.jit(Decoder._score, static_argnums=(0,))
+_jit_extend = jax.jit(Decoder._extend, static_argnums=(0,), donate_argnums=(2,))
 
 
 @functools.cache

@@ -40,62 +40,8 @@ from jaxpar.config_keys import DEFAULT_RULES
 from jaxpar.cluster import exchange
 from jaxpar.generate import cache as kv, paged
 from jaxpar.generate.decode import Decoder, bucket
+from jaxpar.generate.requests import Completion, Request, Row, cache_length, check  # noqa: F401 (the API)
 from jaxpar.generate.sampling import Sampling
-
-
-@dataclasses.dataclass
-class Request:
-    prompt: Sequence[int]  # token ids
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: all
-    top_p: float = 1.0  # in (0, 1]
-    min_p: float = 0.0  # in [0, 1]
-    seed: int = 0
-    stream: int = 0  # the n-th sample of one prompt and seed
-    stop_ids: Sequence[int] = ()
-    stop: Sequence[str] = ()  # stop strings (needs the engine's tokenizer)
-
-
-@dataclasses.dataclass
-class Completion:
-    tokens: list
-    logprobs: list  # under the sampling distribution
-    model_logprobs: list  # under the model, temperature 1
-    finish_reason: str  # "stop" | "length"
-    experts: np.ndarray | None = None  # [tokens, layers, k] int32 for a mixture of experts
-    text: str | None = None
-    prompt_experts: np.ndarray | None = None  # [prompt tokens - 1, layers, k] int32 for a mixture of experts
-
-
-def check(req: Request, where: str, context: int, tokenizer=None) -> None:
-    """One line naming `where` for a request the engine cannot run. Raises ValueError."""
-    n = len(req.prompt)
-    bad = ("an empty prompt" if n == 0 else
-           f"a prompt of {n} tokens; the model's context is {context} (shorten it)" if n > context else
-           f"top_p={req.top_p}: it must be in (0, 1]" if not 0 < req.top_p <= 1 else
-           f"min_p={req.min_p}: it must be in [0, 1]" if not 0 <= req.min_p <= 1 else
-           f"top_k={req.top_k}: it must be >= 0" if req.top_k < 0 else
-           f"temperature={req.temperature}: it must be >= 0" if req.temperature < 0 else
-           f"max_new_tokens={req.max_new_tokens}: it must be >= 1" if req.max_new_tokens < 1 else
-           "stop strings without a tokenizer" if req.stop and tokenizer is None else None)
-    if bad:
-        raise ValueError(f"{where}: {bad}.")
-
-
-class _Row:
-    """A slot's request as it runs: what it has made so far."""
-
-    def __init__(self, i: int, req: Request, max_new: int, admitted: int = 0):
-        self.i, self.req, self.max_new, self.admitted = i, req, max_new, admitted
-        self.tokens, self.lps, self.lpm, self.experts = [], [], [], []
-        self.finish, self.prompt_experts = None, None
-
-
-def cache_length(longest: int, context: int) -> int:
-    """The positions of a `generate` call's cache: its longest prompt + completion rounded up to 64 (few
-    compilations), at most the model's `context`."""
-    return min(context, -(-longest // 64) * 64)
 
 
 class Engine:
@@ -117,6 +63,7 @@ class Engine:
         self.prompt_experts = prompt_experts and fwd.cfg.experts > 0
         self.mesh, self.slots, self.chunk, self.refill = mesh, slots, chunk, refill
         self.share_prefill = share_prefill
+        self._turns = None  # `generate`'s `turns`
         self.stats = {"prefill_calls": 0, "decode_calls": 0, "prefill_tokens": 0}  # of the last `generate`
         if prefill_chunk < 16 or prefill_chunk & (prefill_chunk - 1):
             raise ValueError(f"prefill_chunk={prefill_chunk}: give a power of two >= 16.")
@@ -147,8 +94,15 @@ class Engine:
 
     # ---- generation --------------------------------------------------------------------------------------------
 
-    def generate(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None) -> list:
-        """Completions of `requests`, in their order. `progress(n)` hears of every n new tokens."""
+    def generate(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None,
+                 turns: Callable[[int, list], Sequence[int] | None] | None = None) -> list:
+        """Completions of `requests`, in their order. `progress(n)` hears of every n new tokens. `turns(i, tokens)`
+        is asked when request i's row stops on a stop id (a turn's end: a tool call); the ids it gives (a tool's
+        result, the next turn's header) continue the row in its slot, prefilled after its tokens (`Decoder.extend`:
+        no token recomputed, none re-encoded), and the row samples on. They count in its `max_new_tokens`: ids that
+        would pass it end the row without them, as TRL rolls a tool's result back; a completion then carries
+        `tool_mask` (0 on given ids, whose log-probs are 0)."""
+        self._turns = turns
         context = self.cfg.max_positions
         for i, r in enumerate(requests):
             check(r, f"request {i}", context, self.tokenizer)
@@ -172,7 +126,7 @@ class Engine:
         self.stats = {"prefill_calls": 0, "decode_calls": 0, "prefill_tokens": 0}  # of the last `generate`
         if pages is not None:
             self.stats.update(kv_blocks=pages.blocks, kv_peak_blocks=0, preempted=0)
-        slot: list[_Row | None] = [None] * B
+        slot: list[Row | None] = [None] * B
         queue, out = collections.deque(range(len(requests))), [None] * len(requests)
         admitted = 0
         while queue or any(slot):
@@ -180,7 +134,7 @@ class Engine:
             if queue and free and (self.refill or len(free) == B):
                 placed = self._place(queue, free, requests, pages, slot)
                 for i, s in placed:
-                    slot[s], admitted = _Row(i, requests[i], news[i], admitted), admitted + 1
+                    slot[s], admitted = Row(i, requests[i], news[i], admitted), admitted + 1
                     self._arm(rows, knobs, s, requests[i], news[i])
                 if placed:
                     carry, routed = self._admit(carry, [requests[i].prompt for i, _ in placed],
@@ -199,6 +153,7 @@ class Engine:
                                              Sampling(**{k: jnp.asarray(v) for k, v in knobs.items()}),
                                              self.chunk, mode)
             made = self._collect(exchange.fetch(got), slot, rows, out, pages)
+            carry = self._continue(carry, slot, rows, queue, pages)
             if progress is not None:
                 progress(made)
         if pages is not None:
@@ -330,13 +285,14 @@ class Engine:
                 if before[j, s] or row.finish:
                     break
                 tok = int(toks[j, s])
-                row.tokens.append(tok), row.lps.append(float(lps[j, s])), row.lpm.append(float(lpm[j, s]))
-                row.experts.append(experts[j, s])
+                row.take(tok, float(lps[j, s]), float(lpm[j, s]), experts[j, s])
                 made += 1
                 if tok in row.req.stop_ids or self._stop_string(row):
                     row.finish = "stop"
                 elif len(row.tokens) >= row.max_new:
                     row.finish = "length"
+            if row.finish == "stop" and self._turns is not None:
+                self._turn(row)
             rows["index"][s] = len(row.tokens)
             if row.finish:
                 out[row.i] = self._completion(row)
@@ -345,13 +301,13 @@ class Engine:
                     pages.release(s)
         return made
 
-    def _stop_string(self, row: _Row) -> bool:
+    def _stop_string(self, row: Row) -> bool:
         if not row.req.stop:
             return False
         text = self.tokenizer.decode(row.tokens[-32:])  # a stop string ends within the last tokens
         return any(s in text for s in row.req.stop)
 
-    def _completion(self, row: _Row) -> Completion:
+    def _completion(self, row: Row) -> Completion:
         experts = np.stack(row.experts) if self.cfg.experts else None
         text = None
         if self.tokenizer is not None:
@@ -359,7 +315,45 @@ class Engine:
             text = self.tokenizer.decode(ids)
             cut = [text.find(s) for s in row.req.stop if s in text]
             text = text[:min(cut)] if cut else text
-        return Completion(row.tokens, row.lps, row.lpm, row.finish, experts, text, row.prompt_experts)
+        return Completion(row.tokens, row.lps, row.lpm, row.finish, experts, text, row.prompt_experts,
+                          row.sampled if self._turns is not None else None)
+
+    # ---- turns: a row continued with given ids -----------------------------------------------------------------
+
+    def _turn(self, row: Row) -> None:
+        """Ask `turns` for the ids that continue `row` (stopped on a stop id); with room for them, keep it running
+        with them pending (`row.pending`)."""
+        ids = [int(i) for i in (self._turns(row.i, list(row.tokens)) or ())]
+        if not ids or len(row.tokens) + len(ids) > row.max_new:
+            return  # (no turn, or past the budget: the row ends as it is)
+        row.give(ids)
+        row.finish, row.pending = ("length" if len(row.tokens) == row.max_new else None), ids
+
+    def _continue(self, carry, slot, rows, queue, pages):
+        """Prefill the pending ids of the rows `_turn` continued into their slots (one `Decoder.extend` call); a
+        paged row short of blocks for them is given back and queued again (it recomputes the same tokens)."""
+        todo = [s for s, r in enumerate(slot) if r is not None and r.pending]
+        for s in todo:
+            end = len(slot[s].req.prompt) + len(slot[s].tokens)
+            if pages is not None and pages.spare(s) < pages.need(s, end):
+                queue.appendleft(slot[s].i)
+                pages.release(s)
+                slot[s], rows["done"][s] = None, True
+                self.stats["preempted"] += 1
+            elif pages is not None:
+                pages.grow(s, end)
+        todo = [s for s in todo if slot[s] is not None]
+        if not todo:
+            return carry
+        ids = np.zeros((self.slots, bucket(max(len(slot[s].pending) for s in todo))), np.int32)
+        lengths, starts = np.zeros(self.slots, np.int32), np.zeros(self.slots, np.int32)
+        for s in todo:
+            ids[s, :len(slot[s].pending)], lengths[s] = slot[s].pending, len(slot[s].pending)
+            starts[s] = len(slot[s].req.prompt) + len(slot[s].tokens) - lengths[s]
+            self.stats["prefill_tokens"] += len(slot[s].pending)
+            slot[s].pending = None
+        return self.decoder.extend(self.params, carry, jnp.asarray(ids), jnp.asarray(starts), jnp.asarray(lengths),
+                                   None if pages is None else jnp.asarray(pages.local()))
 
     # ---- scoring -----------------------------------------------------------------------------------------------
 
