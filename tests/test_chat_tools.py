@@ -150,6 +150,7 @@ def test_a_tool_results_ids_are_trls(tmp_path, tok_dir, name):
             continue
         got = fmt.tool_suffix(results).tolist()
         assert got == list(want) and "408" in fmt.hf.decode(got), (name, fmt.hf.decode(got))
+        assert fmt.with_tools(TOOLS).tool_suffix(results).tolist() == got  # (rendered without the tools, as TRL)
 
 
 TOOL_FILE = '''

@@ -93,5 +93,17 @@ def past_the_budget(fwd, params):
     room = 6 - len(plain.tokens)
     over = Engine(fwd, params, slots=2).generate([req], turns=lambda i, t: [9] * (room + 1))[0]
     assert over.tokens == plain.tokens and over.tool_mask == [1] * len(plain.tokens)
-    exact = Engine(fwd, params, slots=2).generate([req], turns=lambda i, t: [9] * room if len(t) < 6 else None)[0]
+    exact = Engine(fwd, params, slots=2).generate(  # (ids as an array, as `ChatFormat.tool_suffix` gives them)
+        [req], turns=lambda i, t: np.full(room, 9) if len(t) < 6 else None)[0]
     assert exact.tokens == plain.tokens + [9] * room and exact.finish_reason == "length"
+
+    # the context as TRL's max_model_len: prompt + completion + the ids must stay short of it
+    C, rng = fwd.cfg.max_positions, np.random.default_rng(1)
+    nears = [Request(rng.integers(2, V, C - 12).tolist(), max_new_tokens=100, stop_ids=STOPS) for _ in range(8)]
+    near, plain = next((r, c) for r, c in zip(nears, Engine(fwd, params, slots=8).generate(nears))
+                       if c.finish_reason == "stop" and len(c.tokens) <= 8)  # (a stop with room left)
+    room = C - 1 - len(near.prompt) - len(plain.tokens)
+    over = Engine(fwd, params, slots=2).generate([near], turns=lambda i, t: [9] * (room + 1))[0]
+    assert over.tokens == plain.tokens
+    kept = Engine(fwd, params, slots=2).generate([near], turns=lambda i, t: [9] * room if len(t) < 9 else None)[0]
+    assert kept.tokens[:len(plain.tokens) + room] == plain.tokens + [9] * room

@@ -291,7 +291,7 @@ class Engine:
                     row.finish = "stop"
                 elif len(row.tokens) >= row.max_new:
                     row.finish = "length"
-            if row.finish == "stop" and self._turns is not None:
+            if row.finish == "stop" and self._turns is not None and row.tokens[-1] in row.req.stop_ids:
                 self._turn(row)
             rows["index"][s] = len(row.tokens)
             if row.finish:
@@ -304,7 +304,8 @@ class Engine:
     def _stop_string(self, row: Row) -> bool:
         if not row.req.stop:
             return False
-        text = self.tokenizer.decode(row.tokens[-32:])  # a stop string ends within the last tokens
+        text = self.tokenizer.decode(row.tokens[max(row.turn_end, len(row.tokens) - 32):])  # (within the last tokens
+        # since the last turn's ids)
         return any(s in text for s in row.req.stop)
 
     def _completion(self, row: Row) -> Completion:
@@ -322,16 +323,20 @@ class Engine:
 
     def _turn(self, row: Row) -> None:
         """Ask `turns` for the ids that continue `row` (stopped on a stop id); with room for them, keep it running
-        with them pending (`row.pending`)."""
-        ids = [int(i) for i in (self._turns(row.i, list(row.tokens)) or ())]
-        if not ids or len(row.tokens) + len(ids) > row.max_new:
-            return  # (no turn, or past the budget: the row ends as it is)
+        with them pending (`row.pending`). Room as TRL counts it: the completion with them within its budget, and
+        prompt + completion with them short of the model's context (`max_model_len`)."""
+        got = self._turns(row.i, list(row.tokens))
+        ids = [] if got is None else [int(i) for i in got]
+        room = min(row.max_new - len(row.tokens), self.cfg.max_positions - 1 - len(row.req.prompt) - len(row.tokens))
+        if not ids or len(ids) > room:
+            return  # (no turn, or no room: the row ends as it is, TRL's rollback)
         row.give(ids)
         row.finish, row.pending = ("length" if len(row.tokens) == row.max_new else None), ids
 
     def _continue(self, carry, slot, rows, queue, pages):
         """Prefill the pending ids of the rows `_turn` continued into their slots (one `Decoder.extend` call); a
-        paged row short of blocks for them is given back and queued again (it recomputes the same tokens)."""
+        paged row short of blocks for them is given back and queued again (it recomputes from its prompt, and
+        `turns` is asked again for its turns: tools with side effects run twice; a pool the round fits avoids it)."""
         todo = [s for s, r in enumerate(slot) if r is not None and r.pending]
         for s in todo:
             end = len(slot[s].req.prompt) + len(slot[s].tokens)

@@ -57,6 +57,7 @@ class Row:
         self.i, self.req, self.max_new, self.admitted = i, req, max_new, admitted
         self.tokens, self.lps, self.lpm, self.experts, self.sampled = [], [], [], [], []
         self.finish, self.prompt_experts, self.pending = None, None, None  # pending: given ids to prefill
+        self.turn_end = 0  # tokens up to the last turn's ids (a stop string is searched after them)
 
     def take(self, tok: int, lp: float, lpm: float, experts) -> None:
         """A sampled token."""
@@ -68,6 +69,7 @@ class Row:
         for i in ids:
             self.take(int(i), 0.0, 0.0, np.full_like(self.experts[-1], -1))
             self.sampled[-1] = 0
+        self.turn_end = len(self.tokens)
 
 
 def cache_length(longest: int, context: int) -> int:

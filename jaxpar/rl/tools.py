@@ -3,7 +3,8 @@ JSON schemas as transformers derives them (`transformers.utils.get_json_schema`,
 tools=[f])` gives the template), and the calls a completion makes run with TRL's contract:
 
 - a call of `{"type": "function", "function": {"name", "arguments"}}` runs `name(**arguments)`; a function defined
-  `async` is awaited, all of a turn's together (`asyncio.gather`), their results after the synchronous ones';
+  `async` is awaited, all of a turn's together (`asyncio.gather`, on one event loop in a thread of its own), their
+  results after the synchronous ones';
 - a call of an unknown name, one whose function raises, or one of another type, is a failure: its result is
   `{"error": "..."}` (TRL's messages: `Tool NAME not found.`, the exception's text, `Unsupported tool call type:
   TYPE`), never a crash of the run;
@@ -15,7 +16,9 @@ tools=[f])` gives the template), and the calls a completion makes run with TRL's
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import threading
 from typing import Callable
 
 from jaxpar.data.common import user_function
@@ -46,6 +49,15 @@ def schemas(fns: list[Callable], key: str = "grpo.tools") -> list[dict]:
             raise ValueError(f"{key}: the tool {f.__name__!r} has no schema transformers can derive ({e}); give it "
                              f"type hints and a Google-style docstring with an Args section.") from None
     return out
+
+
+@functools.cache
+def _loop() -> asyncio.AbstractEventLoop:
+    """One event loop for every awaited tool, running in a thread of its own (as TRL keeps one): a tool's
+    loop-bound state (a client, a lock) lives across turns, and a caller inside a running loop is not blocked."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True, name="jaxpar-tools").start()
+    return loop
 
 
 class ToolBox:
@@ -80,7 +92,8 @@ class ToolBox:
             async def gather():
                 return await asyncio.gather(*(c for _, c in pending), return_exceptions=True)
 
-            for (name, _), got in zip(pending, asyncio.run(gather())):
+            done = asyncio.run_coroutine_threadsafe(gather(), _loop()).result()
+            for (name, _), got in zip(pending, done):
                 failed += isinstance(got, Exception)
                 results.append((name, {"error": str(got)} if isinstance(got, Exception) else got))
         return [{"role": "tool", "name": n, "content": r if isinstance(r, list) else str(r)} for n, r in results], failed
