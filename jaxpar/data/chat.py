@@ -293,7 +293,7 @@ class ChatFormat:
             {"type": "function", "function": {"name": name, "arguments": {}}}]}]
         plain = self.with_tools(None)  # (TRL renders these without the tools)
         before = plain.encode(plain.render(call)[0], [])[0]
-        full = plain.encode(plain.render(call + list(tool_messages), add_generation_prompt=True)[0], [])[0]
+        full = plain.prompt(call + list(tool_messages))
         ends = np.flatnonzero(before == self.eos_id) if self.eos_id is not None else []
         before = before[:ends[-1] + 1] if len(ends) else before
         if not np.array_equal(full[:before.size], before):

@@ -228,11 +228,16 @@ class Engine:
                     pages.grow(s, min(pos + steps, end))
                 return steps
             victim = max((r.admitted, s) for s, r in enumerate(slot) if r is not None and pages.shard(s) in short)[1]
-            queue.appendleft(slot[victim].i)
-            pages.release(victim)
-            slot[victim], rows["done"][victim] = None, True
-            self.stats["preempted"] += 1
+            self._give_back(victim, slot, rows, queue, pages)
         return 0
+
+    def _give_back(self, s: int, slot, rows, queue, pages) -> None:
+        """Preempt slot `s`: its blocks back to the pool, its request first in the queue (recomputed from its prompt:
+        the same tokens)."""
+        queue.appendleft(slot[s].i)
+        pages.release(s)
+        slot[s], rows["done"][s] = None, True
+        self.stats["preempted"] += 1
 
     @staticmethod
     def _arm(rows, knobs, s: int, r: Request, max_new: int) -> None:
@@ -341,10 +346,7 @@ class Engine:
         for s in todo:
             end = len(slot[s].req.prompt) + len(slot[s].tokens)
             if pages is not None and pages.spare(s) < pages.need(s, end):
-                queue.appendleft(slot[s].i)
-                pages.release(s)
-                slot[s], rows["done"][s] = None, True
-                self.stats["preempted"] += 1
+                self._give_back(s, slot, rows, queue, pages)
             elif pages is not None:
                 pages.grow(s, end)
         todo = [s for s in todo if slot[s] is not None]
